@@ -1,0 +1,172 @@
+"""Liveness: worker heartbeats to the process that spawned it, on threads of their own.
+
+Both ends run on dedicated threads with their own sockets, so a busy event loop (a long
+compute step in an async endpoint) neither misses a beat nor reports a false death.
+
+- ``Heartbeater`` (in a worker): sends a beat every ``interval``; exits the process when its
+  parent is gone (the parent pid changed, or no ack for ``parent_timeout``): no orphans.
+- ``HeartbeatMonitor`` (in a spawner): acks beats and reports a process silent for
+  ``timeout`` to the runtime. Lag guard: if the monitor itself was not scheduled for a while
+  (a stopped or overloaded machine), it extends every deadline by that lag instead of
+  declaring everyone dead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+import msgpack
+import zmq
+
+from ._auth import Signer
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        v = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if v <= 0:
+        raise ValueError(f"{name} must be > 0, got {v}")
+    return v
+
+
+def heartbeat_interval() -> float:
+    return _env_float("RELAY_HEARTBEAT_INTERVAL", 0.5)
+
+
+def heartbeat_timeout() -> float:
+    return _env_float("RELAY_HEARTBEAT_TIMEOUT", 5.0)
+
+
+#: Extra time a new process gets for its first beat (interpreter start-up on a busy machine).
+STARTUP_GRACE = 20.0
+
+
+class HeartbeatMonitor(threading.Thread):
+    def __init__(self, ctx: zmq.Context, address: str, on_lost: Callable[[str, float], None]):
+        super().__init__(name="relay-heartbeat-monitor", daemon=True)
+        self.address = address
+        self._ctx = ctx
+        self._on_lost = on_lost
+        self._signer = Signer()
+        self._timeout = heartbeat_timeout()
+        self._interval = heartbeat_interval()
+        self._lock = threading.Lock()
+        self._deadline: dict[str, float] = {}  # proc_id -> monotonic deadline
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.dropped = 0
+
+    def watch(self, proc_id: str) -> None:
+        with self._lock:
+            self._deadline[proc_id] = time.monotonic() + self._timeout + STARTUP_GRACE
+
+    def unwatch(self, proc_id: str) -> None:
+        with self._lock:
+            self._deadline.pop(proc_id, None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def start(self) -> None:
+        super().start()
+        self._ready.wait(5)
+
+    def run(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.address)
+        self._ready.set()
+        poll_ms = max(10, int(self._interval * 1000 / 2))
+        last = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(poll_ms):
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._beat(sock, frames)
+                now = time.monotonic()
+                lag = now - last - poll_ms / 1000
+                last = now
+                lost = []
+                with self._lock:
+                    if lag > self._interval:  # we were not scheduled: do not blame the workers
+                        for k in self._deadline:
+                            self._deadline[k] += lag
+                    for proc_id, deadline in list(self._deadline.items()):
+                        if now > deadline:
+                            lost.append(proc_id)
+                            del self._deadline[proc_id]
+                for proc_id in lost:
+                    self._on_lost(proc_id, self._timeout)
+        finally:
+            sock.close(0)
+
+    def _beat(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) != 3 or not self._signer.verify(frames[1], frames[2]):
+            self.dropped += 1
+            return
+        try:
+            proc_id = msgpack.unpackb(frames[2])[0]
+        except Exception:
+            self.dropped += 1
+            return
+        with self._lock:
+            if proc_id in self._deadline:
+                self._deadline[proc_id] = time.monotonic() + self._timeout
+        ack = msgpack.packb(["ack"])
+        try:
+            sock.send_multipart([frames[0], self._signer.sign(ack), ack], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
+class Heartbeater(threading.Thread):
+    def __init__(self, ctx: zmq.Context, address: str, proc_id: str, parent_pid: int):
+        super().__init__(name="relay-heartbeat", daemon=True)
+        self._ctx = ctx
+        self._address = address
+        self._proc_id = proc_id
+        self._parent_pid = parent_pid
+        self._interval = heartbeat_interval()
+        self._parent_timeout = _env_float("RELAY_PARENT_TIMEOUT", 60.0)
+        self._signer = Signer()
+
+    def run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._address)
+        beat = msgpack.packb([self._proc_id])
+        mac = self._signer.sign(beat)
+        last_ack = time.monotonic()
+        while True:
+            if self._parent_pid and os.getppid() != self._parent_pid:
+                self._exit("its parent process exited")
+            try:
+                sock.send_multipart([mac, beat], zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            deadline = time.monotonic() + self._interval
+            while (left := deadline - time.monotonic()) > 0:
+                if sock.poll(int(left * 1000) + 1):
+                    frames = sock.recv_multipart()
+                    if len(frames) == 2 and self._signer.verify(frames[0], frames[1]):
+                        last_ack = time.monotonic()
+            if time.monotonic() - last_ack > self._parent_timeout:
+                self._exit(f"its parent sent no heartbeat ack for {self._parent_timeout:.0f} s")
+
+    def _exit(self, why: str) -> None:
+        sys.stderr.write(f"relay worker {self._proc_id} (pid {os.getpid()}): exiting because {why}\n")
+        sys.stderr.flush()
+        os._exit(1)

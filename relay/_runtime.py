@@ -1,0 +1,916 @@
+"""The per-process (per event loop) runtime: sockets, calls in flight, hosted actors, owned
+processes and supervision. Private: the public API is in relay/__init__.py.
+
+Wire (all frames after the ROUTER identity): ``[mac, header, *buffers]`` where ``header`` is a
+msgpack list whose first item is the message kind. Invariants:
+
+- ORDER: one DEALER per (this process, peer inbox) pair, so messages from one sender to one
+  process arrive in send order (per-sender FIFO); an actor's mailbox preserves it.
+- AUTH: every frame set is verified (relay/_auth.py) before it is decoded; failures are
+  dropped and counted in ``stats``.
+- NO-HANG: every call in flight is failed with SupervisionError when its target process is
+  known dead (pidfd exit, missed heartbeats, lost connection, owner event) or stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import concurrent.futures
+import contextvars
+import functools
+import importlib
+import importlib.util
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import zmq
+
+from . import _wire
+from ._actor import _current, _message_rank, endpoints_of
+from ._auth import Signer
+from ._errors import ActorError, MeshFailure, SupervisionError
+from ._heartbeat import HeartbeatMonitor
+from ._shape import Point
+
+K_CALL, K_REPLY, K_SPAWN, K_STOP, K_HELLO, K_EVENT = 1, 2, 3, 4, 5, 6
+R_OK, R_ERROR, R_DEAD = 0, 1, 2
+
+_packb = msgpack.packb
+
+
+def _unpack_header(data) -> list:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+@dataclass
+class ProcRef:
+    """Where a process of a mesh lives; ``addr`` is its inbox (ROUTER) address."""
+
+    proc_id: str
+    addr: str
+    mesh: str
+    rank: int
+    host: str = ""
+    pid: int = 0
+
+
+_wire.register(ProcRef, name="relay.ProcRef")
+
+
+@dataclass
+class _Owned:
+    ref: ProcRef
+    popen: subprocess.Popen
+    owner_actor: str
+    hello: asyncio.Future
+    exited: asyncio.Future
+    stopping: bool = False
+    pidfd: int = -1
+
+
+@dataclass
+class _Peer:
+    addr: str
+    sock: zmq.Socket
+    monitor: zmq.Socket | None
+    pending: set = field(default_factory=set)
+
+
+class _Pending:
+    __slots__ = ("fut", "peer", "actor", "method")
+
+    def __init__(self, fut, peer, actor, method):
+        self.fut = fut
+        self.peer = peer
+        self.actor = actor
+        self.method = method
+
+
+def _hostname() -> str:
+    return os.environ.get("RELAY_HOST", "127.0.0.1")
+
+
+# ------------------------------------------------------------------------------------------
+# Fault hook (root of the supervision tree)
+
+
+def _default_fault_hook(failure: MeshFailure) -> None:
+    sys.stderr.write(f"relay: unhandled failure, stopping the job:\n  {failure}\n")
+    sys.stderr.flush()
+    for rt in list(_runtimes.values()):
+        rt.kill_all()
+    os._exit(1)
+
+
+_fault_hook: Callable[[MeshFailure], Any] = _default_fault_hook
+
+
+def set_unhandled_fault_hook(hook: Callable[[MeshFailure], Any]) -> Callable[[MeshFailure], Any]:
+    """Replace what happens to a failure nobody handled (default: print it, kill every
+    process this one spawned, exit 1). Returns the previous hook."""
+    global _fault_hook
+    prev, _fault_hook = _fault_hook, hook
+    return prev
+
+
+# ------------------------------------------------------------------------------------------
+
+
+class Runtime:
+    """All relay state of one event loop in one process."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, bind: str | None = None):
+        self.loop = loop
+        self.thread_id = threading.get_ident()
+        self.proc_id = os.environ.get("RELAY_PROC_ID", f"root-{os.getpid()}")
+        self.signer = Signer()
+        self.ctx = zmq.Context.instance()
+        self.stats: collections.Counter = collections.Counter()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._monitors: dict[int, _Peer] = {}
+        self._dead: dict[str, MeshFailure] = {}  # inbox addr -> why it is dead
+        self._actors: dict[str, _ActorHost] = {}
+        self._failed_spawns: dict[str, MeshFailure] = {}
+        self._owned: dict[str, _Owned] = {}  # proc_id -> owned process
+        self._mesh_seq = itertools.count()
+        self._inbox: zmq.Socket | None = None
+        self.address: str | None = None
+        self._bind = bind
+        self._tmpdir: str | None = None
+        self._hb: HeartbeatMonitor | None = None
+        self._closed = False
+        self.stopped = loop.create_future()  # set when a worker is told to stop
+        self._keeper = loop.create_task(self._keep()) if loop.is_running() else None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def _keep(self) -> None:
+        """Lives as long as the loop: when asyncio.run() ends, stop what this loop owns."""
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await self.shutdown()
+            raise
+
+    def in_loop_thread(self) -> bool:
+        return threading.get_ident() == self.thread_id
+
+    def _ipc_dir(self) -> str:
+        if self._tmpdir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="relay-", dir=os.environ.get("RELAY_IPC_DIR", "/tmp"))
+        return self._tmpdir
+
+    def ensure_inbox(self) -> str:
+        if self._inbox is None:
+            sock = self.ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            bind = self._bind or f"ipc://{self._ipc_dir()}/inbox"
+            sock.bind(bind)
+            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self.address.startswith("tcp://0.0.0.0:"):
+                self.address = self.address.replace("0.0.0.0", _hostname())
+            self._inbox = sock
+            self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain_inbox)
+            self.loop.call_soon(self._drain_inbox)
+        return self.address
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every owned process (gracefully, then by force) and close sockets."""
+        if self._closed:
+            return
+        owned = [o for o in self._owned.values() if not o.exited.done()]
+        if owned:
+            try:
+                await self.stop_procs([o.ref for o in owned], timeout=timeout)
+            except Exception:
+                pass
+        self.kill_all()
+        self.close()
+
+    def kill_all(self) -> None:
+        """Kill every owned process now (SIGKILL) and reap it. Safe from any thread or hook."""
+        for o in list(self._owned.values()):
+            o.stopping = True
+            if o.popen.poll() is None:
+                try:
+                    o.popen.kill()
+                except ProcessLookupError:
+                    pass
+        for o in list(self._owned.values()):
+            try:
+                o.popen.wait(timeout=5)
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._hb is not None:
+            self._hb.stop()
+        for fd in list(self._monitors):
+            self._remove_reader(fd)
+        for peer in self._peers.values():
+            if peer.monitor is not None:
+                peer.monitor.close(0)
+            peer.sock.close(0)
+        self._peers.clear()
+        if self._inbox is not None:
+            self._remove_reader(self._inbox.getsockopt(zmq.FD))
+            self._inbox.close(0)
+        for o in self._owned.values():
+            if o.pidfd >= 0:
+                self._remove_reader(o.pidfd)
+                os.close(o.pidfd)
+                o.pidfd = -1
+        for p in self._pending.values():
+            if not p.fut.done():
+                p.fut.set_exception(SupervisionError(_failure_stopped(p.peer.addr, "the runtime shut down")))
+        self._pending.clear()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._keeper is not None and not self._keeper.done() and not self.loop.is_closed():
+            self._keeper.cancel()
+        _runtimes.pop(self.loop, None)
+
+    def _remove_reader(self, fd: int) -> None:
+        if not self.loop.is_closed():
+            try:
+                self.loop.remove_reader(fd)
+            except Exception:
+                pass
+
+    # ---- sending --------------------------------------------------------------------------
+
+    def peer(self, addr: str) -> _Peer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            if self._closed:
+                raise RuntimeError("relay runtime is closed (its event loop ended)")
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 0)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(addr)
+            peer = _Peer(addr, sock, monitor)
+            self._peers[addr] = peer
+            self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain_peer, peer)
+            mfd = monitor.getsockopt(zmq.FD)
+            self._monitors[mfd] = peer
+            self.loop.add_reader(mfd, self._drain_monitor, peer)
+        return peer
+
+    def _send(self, sock: zmq.Socket, prefix: list, header: bytes, buffers: list, peer: _Peer | None = None) -> None:
+        frames = [*prefix, self.signer.sign(header, buffers), header, *buffers]
+        sock.send_multipart(frames, copy=False) if buffers else sock.send_multipart(frames)
+        # Edge-triggered ZMQ_FD: a send may consume the readable edge, so look again.
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if peer is None:
+                self.loop.call_soon(self._drain_inbox)
+            else:
+                self.loop.call_soon(self._drain_peer, peer)
+
+    def send_to(self, addr: str, header: list, buffers: list = ()) -> None:
+        peer = self.peer(addr)
+        self._send(peer.sock, [], _packb(header), list(buffers), peer)
+
+    def call(
+        self, ref: ProcRef, actor: str, method: str, mrank: int, payload: bytes, buffers: list, want_reply: bool
+    ) -> asyncio.Future | None:
+        """Send one call; return the future of its reply (None for fire-and-forget)."""
+        dead = self._dead.get(ref.addr)
+        if dead is not None:
+            if not want_reply:
+                return None
+            fut = self.loop.create_future()
+            fut.set_exception(SupervisionError(dead))
+            return fut
+        peer = self._peers.get(ref.addr) or self.peer(ref.addr)
+        rid = next(self._ids)
+        header = _packb([K_CALL, rid, actor, method, mrank, want_reply, payload])
+        fut = None
+        if want_reply:
+            fut = self.loop.create_future()
+            self._pending[rid] = _Pending(fut, peer, actor, method)
+            peer.pending.add(rid)
+        self._send(peer.sock, [], header, buffers, peer)
+        return fut
+
+    def request(self, addr: str, header_tail: list, kind: int) -> asyncio.Future:
+        """A control request (spawn, stop) that expects a reply."""
+        dead = self._dead.get(addr)
+        fut = self.loop.create_future()
+        if dead is not None:
+            fut.set_exception(SupervisionError(dead))
+            return fut
+        peer = self.peer(addr)
+        rid = next(self._ids)
+        self._pending[rid] = _Pending(fut, peer, header_tail[0] if header_tail else "", "<control>")
+        peer.pending.add(rid)
+        self._send(peer.sock, [], _packb([kind, rid, *header_tail]), [], peer)
+        return fut
+
+    # ---- receiving replies ------------------------------------------------------------------
+
+    def _drain_peer(self, peer: _Peer) -> None:
+        sock = peer.sock
+        if sock.closed:
+            return
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            msg = self._verify(frames, 0)
+            if msg is None:
+                continue
+            header, bufs = msg
+            if header[0] == K_REPLY:
+                self._on_reply(header, bufs)
+            else:
+                self.stats["dropped_malformed"] += 1
+
+    def _verify(self, frames: list, skip: int):
+        if len(frames) < skip + 2:
+            self.stats["dropped_malformed"] += 1
+            return None
+        mac, header, bufs = frames[skip], frames[skip + 1], frames[skip + 2 :]
+        hbuf = header.buffer
+        if not self.signer.verify(mac.buffer, hbuf, [b.buffer for b in bufs]):
+            self.stats["dropped_unauthenticated"] += 1
+            return None
+        try:
+            decoded = _unpack_header(hbuf)
+        except Exception:
+            self.stats["dropped_malformed"] += 1
+            return None
+        if not isinstance(decoded, list) or not decoded:
+            self.stats["dropped_malformed"] += 1
+            return None
+        return decoded, bufs
+
+    def _on_reply(self, header: list, bufs: list) -> None:
+        _, rid, status, payload = header[:4]
+        p = self._pending.pop(rid, None)
+        if p is None:
+            return  # late reply to a failed call
+        p.peer.pending.discard(rid)
+        if p.fut.done():
+            return
+        try:
+            value = _wire.decode(payload, bufs)
+        except Exception as e:
+            p.fut.set_exception(e)
+            return
+        if status == R_OK:
+            p.fut.set_result(value)
+        elif status == R_ERROR:
+            actor, rank, method, exc, tb = value
+            p.fut.set_exception(ActorError(actor, rank, method, exc, tb))
+        else:
+            p.fut.set_exception(SupervisionError(value))
+
+    def _drain_monitor(self, peer: _Peer) -> None:
+        mon = peer.monitor
+        if mon is None or mon.closed:
+            return
+        while True:
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return
+            event = int.from_bytes(frames[0][:2], "little")
+            if event == zmq.EVENT_DISCONNECTED and peer.addr not in self._dead:
+                if any(o.ref.addr == peer.addr for o in self._owned.values()):
+                    continue  # our own child: pidfd / heartbeats give the precise reason
+                self.mark_dead(
+                    peer.addr,
+                    MeshFailure("?", "?", -1, "connection", f"at {peer.addr}: connection lost (the process exited or its host is unreachable)"),
+                )
+
+    def mark_dead(self, addr: str, failure: MeshFailure) -> None:
+        """Fail every call in flight to ``addr`` and every later one."""
+        self._dead.setdefault(addr, failure)
+        peer = self._peers.get(addr)
+        if peer is None:
+            return
+        for rid in list(peer.pending):
+            p = self._pending.pop(rid, None)
+            if p is not None and not p.fut.done():
+                p.fut.set_exception(SupervisionError(failure))
+        peer.pending.clear()
+
+    # ---- inbox: calls, spawns, events -------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        sock = self._inbox
+        if sock is None or sock.closed:
+            return
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except (zmq.Again, zmq.ZMQError):
+                return
+            msg = self._verify(frames, 1)
+            if msg is None:
+                continue
+            header, bufs = msg
+            ident = frames[0].bytes
+            try:
+                self._dispatch(ident, header, bufs)
+            except Exception:
+                self.stats["dropped_malformed"] += 1
+                traceback.print_exc()
+
+    def _dispatch(self, ident: bytes, header: list, bufs: list) -> None:
+        kind = header[0]
+        if kind == K_CALL:
+            _, rid, actor, method, mrank, want_reply, payload = header
+            host = self._actors.get(actor)
+            if host is None:
+                failed = self._failed_spawns.get(actor)
+                if failed is not None:
+                    if want_reply:
+                        self.reply(ident, rid, R_DEAD, failed)
+                    return
+                if want_reply:
+                    exc = LookupError(f"no actor named {actor!r} in process {self.proc_id!r}")
+                    self.reply(ident, rid, R_ERROR, [actor, -1, method, exc, ""])
+                return
+            host.deliver(("call", ident, rid, method, mrank, want_reply, payload, bufs))
+        elif kind == K_SPAWN:
+            self._on_spawn(ident, header)
+        elif kind == K_STOP:
+            self.loop.create_task(self._on_stop(ident, header[1]))
+        elif kind == K_HELLO:
+            _, proc_id, addr, pid, host = header
+            o = self._owned.get(proc_id)
+            if o is not None and not o.hello.done():
+                o.ref.pid, o.ref.host = pid, host
+                o.hello.set_result(None)
+        elif kind == K_EVENT:
+            _, owner_actor, payload = header
+            failure = _wire.decode(payload, bufs)
+            self.on_failure_event(owner_actor, failure)
+        else:
+            self.stats["dropped_malformed"] += 1
+
+    def reply(self, ident: bytes, rid: int, status: int, value: Any) -> None:
+        try:
+            payload, buffers = _wire.encode(value)
+        except Exception as e:  # e.g. the endpoint returned an unregistered type
+            status = R_ERROR
+            name = self._actor_of_reply(value)
+            payload, buffers = _wire.encode([name, -1, "<reply>", TypeError(str(e)), traceback.format_exc()])
+        if self._inbox is None or self._inbox.closed:
+            return
+        try:
+            self._send(self._inbox, [ident], _packb([K_REPLY, rid, status, payload]), buffers)
+        except zmq.ZMQError:
+            self.stats["reply_unroutable"] += 1  # the caller went away
+
+    @staticmethod
+    def _actor_of_reply(value: Any) -> str:
+        return value[0] if isinstance(value, list) and value and isinstance(value[0], str) else ""
+
+    # ---- hosting actors -----------------------------------------------------------------
+
+    def _on_spawn(self, ident: bytes, header: list) -> None:
+        _, rid, name, cls_path, payload, point, mesh_name, owner_addr, owner_actor = header
+        try:
+            if name in self._actors:
+                raise ValueError(f"an actor named {name!r} already exists in process {self.proc_id!r}")
+            cls = _import_class(cls_path)
+            endpoints_of(cls)  # re-check on this side
+            args, kwargs = _wire.decode(payload, [])
+        except Exception as e:
+            tb = traceback.format_exc()
+            self.reply(ident, rid, R_ERROR, [name, point[0], "__init__", e, tb])
+            failure = MeshFailure(
+                mesh_name, self.proc_id, point[0], "actor", f"could not be spawned: {type(e).__name__}: {e}",
+                os.getpid(), _hostname(), actor=name, detail=tb, addr=self.address or "",
+            )
+            self._failed_spawns[name] = failure
+            payload, bufs = _wire.encode(failure)
+            self.send_to(owner_addr, [K_EVENT, owner_actor, payload], bufs)
+            return
+        pt = Point(point[0], point[1], point[2])
+        host = _ActorHost(self, name, cls, args, kwargs, pt, mesh_name, owner_addr, owner_actor)
+        self._actors[name] = host
+        host.start(ident, rid)
+
+    async def _on_stop(self, ident: bytes, rid: int) -> None:
+        """Graceful stop of this worker: actors' __cleanup__, owned meshes, then exit."""
+        for host in list(self._actors.values()):
+            await host.stop()
+        await self.shutdown()
+        # The inbox is closed now: reply through a fresh socket to the same peer is not
+        # possible, so the caller learns of the stop from this process's exit instead.
+        if not self.stopped.done():
+            self.stopped.set_result(None)
+
+    def on_failure_event(self, owner_actor: str, failure: MeshFailure) -> None:
+        """A failure reported by another process (a failed actor, or a process that a node
+        agent watched for us): fail what we have in flight there, then supervise."""
+        if failure.addr and failure.kind != "actor":
+            self.mark_dead(failure.addr, failure)
+        self.deliver_failure(owner_actor, failure)
+
+    def deliver_failure(self, owner_actor: str, failure: MeshFailure) -> None:
+        """Hand a failure to the owning actor's __supervise__, or to the fault hook at the root."""
+        host = self._actors.get(owner_actor) if owner_actor else None
+        if host is None:
+            _fault_hook(failure)
+            return
+        host.deliver(("supervise", failure))
+
+    # ---- owning processes -----------------------------------------------------------------
+
+    def spawn_local(
+        self, mesh: str, count: int, envs: list[dict[str, str]], owner_actor: str
+    ) -> list[_Owned]:
+        """Start ``count`` worker processes on this host; they are owned by this runtime."""
+        if _importing_main:
+            raise RuntimeError(
+                "a worker re-imported your main script to find an actor class, and the script "
+                "spawned processes at import time; put the script's top-level code under "
+                "'if __name__ == \"__main__\":'"
+            )
+        self.ensure_inbox()
+        if self._hb is None:
+            self._hb = HeartbeatMonitor(self.ctx, f"ipc://{self._ipc_dir()}/hb", self._heartbeat_lost_threadsafe)
+            self._hb.start()
+        seq = next(self._mesh_seq)
+        out = []
+        for i in range(count):
+            proc_id = f"{mesh}-{seq}.{i}" if self.proc_id.startswith("root") else f"{self.proc_id}/{mesh}-{seq}.{i}"
+            addr = f"ipc://{self._ipc_dir()}/p{seq}.{i}"
+            env = dict(os.environ)
+            env.update(envs[i])
+            env.update(
+                RELAY_PROC_ID=proc_id,
+                RELAY_BIND=addr,
+                RELAY_PARENT_ADDR=self.address,
+                RELAY_PARENT_HB=self._hb.address,
+                RELAY_PARENT_PID=str(os.getpid()),
+                RELAY_SYS_PATH=os.pathsep.join(p for p in sys.path if p),
+                RELAY_MAIN_FILE=getattr(sys.modules.get("__main__"), "__file__", "") or "",
+            )
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "relay._worker"], env=env, stdin=subprocess.DEVNULL, close_fds=True
+            )
+            ref = ProcRef(proc_id, addr, mesh, i, _hostname(), popen.pid)
+            o = _Owned(ref, popen, owner_actor, self.loop.create_future(), self.loop.create_future())
+            self._owned[proc_id] = o
+            self._hb.watch(proc_id)
+            try:
+                o.pidfd = os.pidfd_open(popen.pid)
+                self.loop.add_reader(o.pidfd, self._on_exit, proc_id)
+            except (AttributeError, OSError):
+                self.loop.create_task(self._poll_exit(proc_id))
+            out.append(o)
+        return out
+
+    async def _poll_exit(self, proc_id: str) -> None:
+        o = self._owned[proc_id]
+        while o.popen.poll() is None and not self._closed:
+            await asyncio.sleep(0.05)
+        self._on_exit(proc_id)
+
+    def _on_exit(self, proc_id: str) -> None:
+        o = self._owned.get(proc_id)
+        if o is None or o.exited.done():
+            return
+        code = o.popen.poll()
+        if code is None:
+            return
+        if o.pidfd >= 0:
+            self._remove_reader(o.pidfd)
+            os.close(o.pidfd)
+            o.pidfd = -1
+        if self._hb is not None:
+            self._hb.unwatch(proc_id)
+        o.exited.set_result(code)
+        if o.stopping:
+            self.mark_dead(o.ref.addr, _failure_stopped(o.ref.addr, "stopped", o.ref))
+            return
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            failure = _failure(o.ref, "signal", f"was killed by signal {name}")
+        else:
+            failure = _failure(o.ref, "exit", f"exited with code {code}")
+        self._proc_failed(o, failure)
+
+    def _heartbeat_lost_threadsafe(self, proc_id: str, silent_for: float) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._heartbeat_lost, proc_id, silent_for)
+        except RuntimeError:
+            pass  # loop closed
+
+    def _heartbeat_lost(self, proc_id: str, silent_for: float) -> None:
+        o = self._owned.get(proc_id)
+        if o is None or o.exited.done() or o.stopping:
+            return
+        o.stopping = True  # its exit (we kill it below) is not a second failure
+        failure = _failure(o.ref, "heartbeat", f"missed heartbeats for {silent_for:.1f} s (hung or frozen); killed it")
+        try:
+            o.popen.kill()
+        except ProcessLookupError:
+            pass
+        self._proc_failed(o, failure)
+
+    def _proc_failed(self, o: _Owned, failure: MeshFailure) -> None:
+        if not o.hello.done():
+            o.hello.set_exception(SupervisionError(failure))
+            o.hello.exception()  # retrieved: a failed start is reported through supervision
+        self.mark_dead(o.ref.addr, failure)
+        self.deliver_failure(o.owner_actor, failure)
+
+    async def stop_procs(self, refs: list[ProcRef], timeout: float) -> None:
+        """Stop owned processes: ask them to stop, then SIGKILL what is left after ``timeout``."""
+        owned = [self._owned[r.proc_id] for r in refs if r.proc_id in self._owned]
+        for o in owned:
+            o.stopping = True
+            if not o.exited.done() and o.hello.done() and o.hello.exception() is None:
+                peer = self.peer(o.ref.addr)
+                self._send(peer.sock, [], _packb([K_STOP, next(self._ids)]), [], peer)
+            elif not o.exited.done():
+                o.popen.terminate()
+        waits = [o.exited for o in owned if not o.exited.done()]
+        if waits:
+            done, left = await asyncio.wait(waits, timeout=timeout)
+            if left:
+                for o in owned:
+                    if not o.exited.done():
+                        o.popen.kill()
+                await asyncio.wait(left, timeout=5)
+        for o in owned:
+            self.mark_dead(o.ref.addr, _failure_stopped(o.ref.addr, "stopped", o.ref))
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _failure(ref: ProcRef, kind: str, reason: str) -> MeshFailure:
+    return MeshFailure(ref.mesh, ref.proc_id, ref.rank, kind, reason, ref.pid, ref.host, addr=ref.addr)
+
+
+def _failure_stopped(addr: str, why: str, ref: ProcRef | None = None) -> MeshFailure:
+    if ref is None:
+        return MeshFailure("?", addr, -1, "stopped", why)
+    return _failure(ref, "stopped", f"was {why}" if why == "stopped" else why)
+
+
+_importing_main = False
+
+
+def _import_main() -> Any:
+    """The spawner's __main__ script, imported as __mp_main__ (as multiprocessing does: its
+    ``if __name__ == "__main__":`` block does not run)."""
+    global _importing_main
+    mod = sys.modules.get("__mp_main__")
+    if mod is not None:
+        return mod
+    path = os.environ.get("RELAY_MAIN_FILE", "")
+    if not path.endswith(".py") or not os.path.exists(path):
+        raise ImportError("the actor class is defined in __main__, which is not a file this process can import")
+    spec = importlib.util.spec_from_file_location("__mp_main__", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["__mp_main__"] = mod
+    _importing_main = True
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop("__mp_main__", None)
+        raise
+    finally:
+        _importing_main = False
+    return mod
+
+
+def _import_class(path: str) -> type:
+    module, _, qual = path.partition(":")
+    mod = _import_main() if module in ("__main__", "__mp_main__") else importlib.import_module(module)
+    obj: Any = mod
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _ActorHost:
+    """One actor in this process: its mailbox and the loop that handles it serially."""
+
+    def __init__(self, rt: Runtime, name, cls, args, kwargs, point: Point, mesh, owner_addr, owner_actor):
+        self.rt = rt
+        self.name = name
+        self.proc_id = rt.proc_id
+        self.cls = cls
+        self.point = point
+        self.mesh = mesh
+        self.owner_addr = owner_addr
+        self.owner_actor = owner_actor
+        self.specs = endpoints_of(cls)
+        self.is_async = any(s.is_async for s in self.specs.values()) or not self.specs
+        self.instance: Any = None
+        self.failed: MeshFailure | None = None
+        self.mailbox: asyncio.Queue = asyncio.Queue()
+        self.executor = None if self.is_async else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"actor-{name}")
+        self._args, self._kwargs = args, kwargs
+        self._task: asyncio.Task | None = None
+
+    def start(self, ident: bytes, rid: int) -> None:
+        ctx = contextvars.copy_context()
+        ctx.run(_current.set, self)
+        ctx.run(_rt_var.set, self.rt)
+        self._task = self.rt.loop.create_task(self._run(ident, rid), context=ctx)
+
+    def deliver(self, item: tuple) -> None:
+        if self.failed is not None and item[0] == "call":
+            _, ident, rid, method, _, want_reply, _, _ = item
+            if want_reply:
+                self.rt.reply(ident, rid, R_DEAD, self.failed)
+            return
+        self.mailbox.put_nowait(item)
+
+    async def _invoke(self, fn, *args, **kwargs):
+        if self.executor is None:
+            result = fn(*args, **kwargs)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return result
+        ctx = contextvars.copy_context()
+        return await self.rt.loop.run_in_executor(self.executor, functools.partial(ctx.run, fn, *args, **kwargs))
+
+    async def _run(self, ident: bytes, rid: int) -> None:
+        try:
+            self.instance = await self._invoke(self.cls, *self._args, **self._kwargs)
+            setup = getattr(self.instance, "setup", None)
+            if callable(setup):
+                await self._invoke(setup)
+        except BaseException as e:
+            tb = traceback.format_exc()
+            self.rt.reply(ident, rid, R_ERROR, [self.name, self.point.rank, "__init__", e, tb])
+            self.fail("failed in __init__/setup", tb)
+            return
+        self.rt.reply(ident, rid, R_OK, None)
+        while True:
+            item = await self.mailbox.get()
+            kind = item[0]
+            if kind == "call":
+                spec = self.specs.get(item[3])
+                if spec is not None and spec.concurrent:
+                    token = _message_rank.set(item[4])
+                    self.rt.loop.create_task(self._handle(item))
+                    _message_rank.reset(token)
+                else:
+                    await self._handle(item)
+            elif kind == "supervise":
+                await self._supervise(item[1])
+            elif kind == "stop":
+                item[1].set_result(None)
+                return
+            if self.failed is not None:
+                return
+
+    async def _handle(self, item: tuple) -> None:
+        _, ident, rid, method, mrank, want_reply, payload, bufs = item
+        _message_rank.set(mrank)
+        try:
+            if method not in self.specs:
+                raise AttributeError(f"actor {self.name!r} ({self.cls.__qualname__}) has no endpoint {method!r}")
+            args, kwargs = _wire.decode(payload, bufs)
+            result = await self._invoke(getattr(self.instance, method), *args, **kwargs)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+            sys.stderr.write(f"relay: endpoint {method!r} of actor {self.name!r} called exit({code})\n")
+            sys.stderr.flush()
+            os._exit(code)
+        except BaseException as e:
+            tb = traceback.format_exc()
+            if isinstance(e, asyncio.CancelledError) and self.failed is not None:
+                return
+            if want_reply and isinstance(e, Exception):
+                self.rt.reply(ident, rid, R_ERROR, [self.name, self.point.rank, method, e, tb])
+            else:
+                # No one to tell (broadcast) or not an Exception: the actor dies (Monarch semantics).
+                if want_reply:
+                    self.rt.reply(ident, rid, R_ERROR, [self.name, self.point.rank, method, e, tb])
+                self.fail(f"failed: endpoint {method!r} raised {type(e).__name__}: {e}", tb)
+            return
+        if want_reply:
+            self.rt.reply(ident, rid, R_OK, result)
+
+    async def _supervise(self, failure: MeshFailure) -> None:
+        hook = getattr(self.instance, "__supervise__", None)
+        handled = False
+        detail = ""
+        if callable(hook):
+            try:
+                handled = bool(await self._invoke(hook, failure))
+            except BaseException as e:
+                detail = f"__supervise__ raised {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        if not handled:
+            self.fail("failed: a mesh it owns failed and __supervise__ did not handle it", detail, [str(failure)])
+
+    def fail(self, reason: str, detail: str = "", cause: list | None = None) -> None:
+        if self.failed is not None:
+            return
+        self.failed = MeshFailure(
+            self.mesh, self.proc_id, self.point.rank, "actor", reason, os.getpid(), _hostname(),
+            actor=self.name, detail=detail, cause=cause or [], addr=self.rt.address or "",
+        )
+        while not self.mailbox.empty():
+            item = self.mailbox.get_nowait()
+            if item[0] == "call" and item[5]:
+                self.rt.reply(item[1], item[2], R_DEAD, self.failed)
+            elif item[0] == "stop":
+                item[1].set_result(None)
+        try:
+            payload, bufs = _wire.encode(self.failed)
+            self.rt.send_to(self.owner_addr, [K_EVENT, self.owner_actor, payload], bufs)
+        except Exception:
+            traceback.print_exc()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        if self.failed is None and self._task is not None and not self._task.done():
+            done = self.rt.loop.create_future()
+            self.mailbox.put_nowait(("stop", done))
+            try:
+                await asyncio.wait_for(done, timeout)
+            except asyncio.TimeoutError:
+                self._task.cancel()
+            cleanup = getattr(self.instance, "__cleanup__", None)
+            if callable(cleanup):
+                try:
+                    await asyncio.wait_for(self._invoke(cleanup, None), timeout)
+                except BaseException:
+                    traceback.print_exc()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Which runtime serves the caller
+
+
+_rt_var: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("relay_runtime", default=None)
+_runtimes: dict[asyncio.AbstractEventLoop, Runtime] = {}
+_sync_loop: asyncio.AbstractEventLoop | None = None
+
+
+def current_runtime() -> Runtime:
+    """The runtime of the calling actor, else of the running loop, else of a private loop
+    used by blocking ``.get()`` calls made outside any event loop."""
+    rt = _rt_var.get()
+    if rt is not None and not rt._closed:
+        return rt
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        global _sync_loop
+        if _sync_loop is None or _sync_loop.is_closed():
+            _sync_loop = asyncio.new_event_loop()
+        loop = _sync_loop
+    rt = _runtimes.get(loop)
+    if rt is None:
+        rt = Runtime(loop)
+        _runtimes[loop] = rt
+    return rt
+
+
+def install_runtime(rt: Runtime) -> None:
+    _runtimes[rt.loop] = rt
+    _rt_var.set(rt)
+
+
+@atexit.register
+def _kill_owned_at_exit() -> None:
+    for rt in list(_runtimes.values()):
+        rt.kill_all()
+        if rt._tmpdir:
+            shutil.rmtree(rt._tmpdir, ignore_errors=True)
+

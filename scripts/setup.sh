@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything the project needs; safe to run again (it only adds what is missing).
+# On a machine without CUDA, torch==2.13.0 (the CPU build) goes in first, so that resolving
+# megatron-core and transformers never pulls a multi-GB CUDA build of torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    "$VPY" -m pip install -q "torch>=2.6"
+  else
+    "$VPY" -m pip install -q "torch==2.13.0"
+  fi
+fi
+stamp=.venv/.relay-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  "$VPY" -m pip install -q -e ".[dev]"
+  touch "$stamp"
+fi
