@@ -61,7 +61,7 @@ class HeartbeatMonitor(threading.Thread):
         self._interval = heartbeat_interval()
         self._lock = threading.Lock()
         self._deadline: dict[str, float] = {}  # proc_id -> monotonic deadline
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._ready = threading.Event()
         self.dropped = 0
 
@@ -74,7 +74,7 @@ class HeartbeatMonitor(threading.Thread):
             self._deadline.pop(proc_id, None)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def start(self) -> None:
         super().start()
@@ -88,7 +88,7 @@ class HeartbeatMonitor(threading.Thread):
         poll_ms = max(10, int(self._interval * 1000 / 2))
         last = time.monotonic()
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 if sock.poll(poll_ms):
                     while True:
                         try:

@@ -37,6 +37,8 @@ class Future(Generic[R]):
     __slots__ = ("_rt", "_fut", "_timeout", "_what")
 
     def __init__(self, rt: Runtime, fut: asyncio.Future, timeout: float, what: str):
+        # An error nobody awaits is dropped quietly, as for a fire-and-forget call.
+        fut.add_done_callback(_retrieve)
         self._rt = rt
         self._fut = fut
         self._timeout = timeout
@@ -77,6 +79,11 @@ class Future(Generic[R]):
 
     def done(self) -> bool:
         return self._fut.done()
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()
 
 
 def _future_from_thread(rt: Runtime, make: Callable[[], Future], what: str, timeout: float) -> Future:
@@ -173,6 +180,11 @@ class ValueMesh(Generic[R]):
         return f"ValueMesh({self._view.dims}, {self._view.members!r})"
 
 
+_wire.register_codec(
+    ValueMesh, "relay.ValueMesh", lambda vm: [vm._view.dims, vm._view.members], lambda v: ValueMesh(View(v[0], v[1]))
+)
+
+
 # ------------------------------------------------------------------------------------------
 # ActorMesh and endpoints
 
@@ -246,10 +258,7 @@ class ActorMesh:
         if st.initialized is None:
             return
         t = default_timeout() if timeout is None else timeout
-        try:
-            await asyncio.wait_for(asyncio.shield(st.initialized), t)
-        except asyncio.TimeoutError:
-            raise CallTimeout(f"actor mesh {self._name!r} did not initialize within {t:g} s") from None
+        await _wait_shared(st.initialized, t, f"actor mesh {self._name!r} did not initialize")
 
     def __repr__(self) -> str:
         return f"ActorMesh({self._name!r}, {self._cls_path}, {self._view.dims})"
@@ -407,6 +416,19 @@ class EndpointRef(Generic[R]):
         self._send(rt, self._mesh, args, kwargs, False, None)
 
 
+async def _wait_shared(fut: asyncio.Future, timeout: float, what: str) -> None:
+    """Wait for a future others share, without cancelling it if we are cancelled."""
+    if not fut.done():
+        await asyncio.wait([fut], timeout=timeout)
+        if not fut.done():
+            raise CallTimeout(f"{what} within {timeout:g} s")
+    if fut.cancelled():
+        raise RuntimeError(f"{what}: cancelled")
+    exc = fut.exception()
+    if exc is not None:
+        raise exc
+
+
 def _chain(src: asyncio.Future, dst: asyncio.Future) -> None:
     if dst.done():
         return
@@ -466,10 +488,7 @@ class ProcMesh:
 
     async def ready(self, timeout: float = 60.0) -> None:
         """Wait until every process has started and said hello."""
-        try:
-            await asyncio.wait_for(asyncio.shield(self._ready), timeout)
-        except asyncio.TimeoutError:
-            raise CallTimeout(f"proc mesh {self._name!r} did not start within {timeout:g} s") from None
+        await _wait_shared(self._ready, timeout, f"proc mesh {self._name!r} did not start")
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """Spawn one ``cls(*args, **kwargs)`` actor per process; returns at once. Each actor's
@@ -511,12 +530,15 @@ class ProcMesh:
 
     async def _spawn(self, rt: Runtime, mesh: ActorMesh, payload: bytes, owner_addr: str, owner_actor: str) -> None:
         state = mesh._state
-        try:
-            await asyncio.shield(self._ready)
-        except BaseException as e:
+        await asyncio.wait([self._ready])
+        if self._ready.cancelled() or self._ready.exception() is not None:
             state.flush()  # calls then fail fast: their processes are marked dead
+            err = SupervisionError if self._ready.cancelled() else None
             if not state.initialized.done():
-                state.initialized.set_exception(e)
+                state.initialized.set_exception(
+                    RuntimeError(f"proc mesh {self._name!r} was cancelled") if err else self._ready.exception()
+                )
+                state.initialized.exception()
             return
         futs = []
         for m in mesh._view.members:

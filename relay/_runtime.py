@@ -476,23 +476,20 @@ class Runtime:
         else:
             self.stats["dropped_malformed"] += 1
 
-    def reply(self, ident: bytes, rid: int, status: int, value: Any) -> None:
+    def reply(self, ident: bytes, rid: int, status: int, value: Any, who: tuple = ("", -1, "")) -> None:
+        """Reply to a call; ``who`` (actor, rank, method) names the replier in errors."""
         try:
             payload, buffers = _wire.encode(value)
         except Exception as e:  # e.g. the endpoint returned an unregistered type
             status = R_ERROR
-            name = self._actor_of_reply(value)
-            payload, buffers = _wire.encode([name, -1, "<reply>", TypeError(str(e)), traceback.format_exc()])
+            err = TypeError(f"could not send the return value of {who[2]!r}: {e}")
+            payload, buffers = _wire.encode([who[0], who[1], who[2], err, ""])
         if self._inbox is None or self._inbox.closed:
             return
         try:
             self._send(self._inbox, [ident], _packb([K_REPLY, rid, status, payload]), buffers)
         except zmq.ZMQError:
             self.stats["reply_unroutable"] += 1  # the caller went away
-
-    @staticmethod
-    def _actor_of_reply(value: Any) -> str:
-        return value[0] if isinstance(value, list) and value and isinstance(value[0], str) else ""
 
     # ---- hosting actors -----------------------------------------------------------------
 
@@ -822,7 +819,7 @@ class _ActorHost:
                 self.fail(f"failed: endpoint {method!r} raised {type(e).__name__}: {e}", tb)
             return
         if want_reply:
-            self.rt.reply(ident, rid, R_OK, result)
+            self.rt.reply(ident, rid, R_OK, result, (self.name, self.point.rank, method))
 
     async def _supervise(self, failure: MeshFailure) -> None:
         hook = getattr(self.instance, "__supervise__", None)

@@ -162,9 +162,7 @@ class Encoder:
         # Subclasses of the native types (bool excluded) fall here because of strict_types.
         if isinstance(obj, BaseException):
             return self._encode_exception(obj)
-        if isinstance(obj, enum.Enum):
-            if not is_registered(t):
-                raise _unsupported(obj)
+        if isinstance(obj, enum.Enum) and is_registered(t):
             return self._ext(_EXT_ENUM, [t.__relay_wire_name__, obj.value])
         np = sys.modules.get("numpy")
         if np is not None:

@@ -1,0 +1,37 @@
+"""Test helpers: run a coroutine with a bound, and find processes a test started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+
+def tagged_pids(tag: str) -> list[int]:
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if f"RELAY_TEST_TAG={tag}".encode() in env.split(b"\0"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                out.append(int(entry))
+    return out
+
+
+def run(coro, timeout: float = 60.0):
+    """Run a test coroutine in a fresh event loop, bounded by ``timeout``."""
+
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
