@@ -52,7 +52,7 @@ class Signer:
         return self._mac(header, buffers)
 
     def verify(self, mac, header, buffers=()) -> bool:
-        return len(mac) == MAC_SIZE and hmac.compare_digest(bytes(mac), self._mac(header, buffers))
+        return len(mac) == MAC_SIZE and hmac.compare_digest(mac, self._mac(header, buffers))
 
 
 def _nbytes(b) -> int:

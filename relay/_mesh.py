@@ -320,7 +320,7 @@ class EndpointRef(Generic[R]):
 
     def _send(self, rt: Runtime, mesh: ActorMesh, args: tuple, kwargs: dict, want_reply: bool, on_part) -> None:
         self._check_reentry(mesh)
-        payload, buffers = _wire.encode((args, kwargs))  # unencodable args fail here, at the sender
+        payload, buffers = _wire.encode([list(args), kwargs])  # unencodable args fail here, at the sender
         name, method = mesh._name, self._spec.name
         members = mesh._view.members
 
@@ -385,12 +385,12 @@ class EndpointRef(Generic[R]):
         rt = current_runtime()
         if not rt.in_loop_thread():
             return _future_from_thread(rt, lambda: self._single(mesh, args, kwargs), self._what(), self._t())
-        out = rt.loop.create_future()
-
-        def chain(_: int, f: asyncio.Future) -> None:
-            f.add_done_callback(lambda f: _chain(f, out))
-
-        self._send(rt, mesh, args, kwargs, True, chain)
+        got: list[asyncio.Future] = []
+        self._send(rt, mesh, args, kwargs, True, lambda _, f: got.append(f))
+        if got:  # sent already (the usual case): the reply future is the result
+            return Future(rt, got[0], self._t(), self._what())
+        out = rt.loop.create_future()  # queued behind the spawn: chain it when it is sent
+        mesh._state.queue.append(lambda: got[0].add_done_callback(lambda f: _chain(f, out)))
         return Future(rt, out, self._t(), self._what())
 
     def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[R]:
@@ -513,7 +513,7 @@ class ProcMesh:
         specs = endpoints_of(cls)
         if name in self._actor_names:
             raise ValueError(f"an actor mesh named {name!r} already exists on proc mesh {self._name!r}")
-        payload, buffers = _wire.encode((args, kwargs))
+        payload, buffers = _wire.encode([list(args), kwargs])
         if buffers:
             raise TypeError("spawn arguments cannot contain arrays or tensors; send them in a call after spawning")
         self._actor_names.add(name)

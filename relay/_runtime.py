@@ -39,12 +39,44 @@ import zmq
 
 from . import _wire
 from ._actor import _current, _message_rank, endpoints_of
-from ._auth import Signer
+from ._auth import MAC_SIZE, Signer
 from ._errors import ActorError, MeshFailure, SupervisionError
 from ._heartbeat import HeartbeatMonitor
 from ._shape import Point
 
 K_CALL, K_REPLY, K_SPAWN, K_STOP, K_HELLO, K_EVENT = 1, 2, 3, 4, 5, 6
+_SMALL_HEADER = 4096  # headers up to this size share a frame with their MAC
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+# Encoded arguments/results up to this size ride inside the (fully MAC'd) header; larger
+# ones travel as the first buffer frame (MAC covers their size; see relay/_auth.py).
+_INLINE_PAYLOAD = 64 * 1024
+
+
+_zsend = zmq.Socket.__mro__[1].send  # the Cython socket methods: no per-call enum work
+_zrecv = zmq.Socket.__mro__[1].recv
+_SNDMORE, _RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
+
+
+def _send_frames(sock: zmq.Socket, frames: list, n_small: int) -> None:
+    """Send one message; the first ``n_small`` frames are copied, the rest (buffers) not."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _zsend(sock, f, _SNDMORE if i < last else 0, i < n_small)
+
+
+def _recv_frames(sock: zmq.Socket, n_small: int) -> list:
+    """Receive one message (raises zmq.Again when none is waiting). The routing frames and
+    the mac/header frame are copied into bytes; buffer frames stay zero-copy zmq.Frames."""
+    frames = [_zrecv(sock, _NOBLOCK, True)]
+    while sock.getsockopt(_RCVMORE):
+        frames.append(_zrecv(sock, 0, len(frames) <= n_small))
+    return frames
+
+
+def _payload_of(bufs: list) -> tuple[memoryview, list]:
+    if not bufs:
+        raise ValueError("message announces a payload frame but has none")
+    return bufs[0].buffer, bufs[1:]
 R_OK, R_ERROR, R_DEAD = 0, 1, 2
 
 _packb = msgpack.packb
@@ -280,10 +312,14 @@ class Runtime:
         return peer
 
     def _send(self, sock: zmq.Socket, prefix: list, header: bytes, buffers: list, peer: _Peer | None = None) -> None:
-        frames = [*prefix, self.signer.sign(header, buffers), header, *buffers]
-        sock.send_multipart(frames, copy=False) if buffers else sock.send_multipart(frames)
+        mac = self.signer.sign(header, buffers)
+        if len(header) <= _SMALL_HEADER:  # one frame: mac || header (see _verify)
+            frames = [*prefix, mac + header, *buffers]
+        else:
+            frames = [*prefix, mac, header, *buffers]
+        _send_frames(sock, frames, len(frames) - len(buffers))
         # Edge-triggered ZMQ_FD: a send may consume the readable edge, so look again.
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if sock.getsockopt(_EVENTS) & _POLLIN:
             if peer is None:
                 self.loop.call_soon(self._drain_inbox)
             else:
@@ -306,6 +342,9 @@ class Runtime:
             return fut
         peer = self._peers.get(ref.addr) or self.peer(ref.addr)
         rid = next(self._ids)
+        if len(payload) > _INLINE_PAYLOAD:  # its own frame: see _payload_of
+            buffers = [payload, *buffers]
+            payload = None
         header = _packb([K_CALL, rid, actor, method, mrank, want_reply, payload])
         fut = None
         if want_reply:
@@ -337,10 +376,8 @@ class Runtime:
             return
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
+                frames = _recv_frames(sock, 0)
+            except zmq.ZMQError:  # Again: drained
                 return
             msg = self._verify(frames, 0)
             if msg is None:
@@ -352,12 +389,20 @@ class Runtime:
                 self.stats["dropped_malformed"] += 1
 
     def _verify(self, frames: list, skip: int):
-        if len(frames) < skip + 2:
+        """Check the MAC and decode the header. Frame layout after ``skip`` routing frames:
+        ``[mac || header, *buffers]`` for small headers, else ``[mac, header, *buffers]``."""
+        if len(frames) <= skip:
             self.stats["dropped_malformed"] += 1
             return None
-        mac, header, bufs = frames[skip], frames[skip + 1], frames[skip + 2 :]
-        hbuf = header.buffer
-        if not self.signer.verify(mac.buffer, hbuf, [b.buffer for b in bufs]):
+        first = memoryview(frames[skip])
+        if len(first) > MAC_SIZE:
+            mac, hbuf, bufs = first[:MAC_SIZE], first[MAC_SIZE:], frames[skip + 1 :]
+        elif len(frames) >= skip + 2:
+            mac, hbuf, bufs = first, _wire.buffer_of(frames[skip + 1]), frames[skip + 2 :]
+        else:
+            self.stats["dropped_malformed"] += 1
+            return None
+        if not self.signer.verify(mac, hbuf, [b.buffer for b in bufs] if bufs else ()):
             self.stats["dropped_unauthenticated"] += 1
             return None
         try:
@@ -372,6 +417,8 @@ class Runtime:
 
     def _on_reply(self, header: list, bufs: list) -> None:
         _, rid, status, payload = header[:4]
+        if payload is None:
+            payload, bufs = _payload_of(bufs)
         p = self._pending.pop(rid, None)
         if p is None:
             return  # late reply to a failed call
@@ -429,14 +476,14 @@ class Runtime:
             return
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except (zmq.Again, zmq.ZMQError):
+                frames = _recv_frames(sock, 1)
+            except zmq.ZMQError:  # Again: drained
                 return
             msg = self._verify(frames, 1)
             if msg is None:
                 continue
             header, bufs = msg
-            ident = frames[0].bytes
+            ident = frames[0]
             try:
                 self._dispatch(ident, header, bufs)
             except Exception:
@@ -447,6 +494,8 @@ class Runtime:
         kind = header[0]
         if kind == K_CALL:
             _, rid, actor, method, mrank, want_reply, payload = header
+            if payload is None:
+                payload, bufs = _payload_of(bufs)
             host = self._actors.get(actor)
             if host is None:
                 failed = self._failed_spawns.get(actor)
@@ -486,6 +535,9 @@ class Runtime:
             payload, buffers = _wire.encode([who[0], who[1], who[2], err, ""])
         if self._inbox is None or self._inbox.closed:
             return
+        if len(payload) > _INLINE_PAYLOAD:
+            buffers = [payload, *buffers]
+            payload = None
         try:
             self._send(self._inbox, [ident], _packb([K_REPLY, rid, status, payload]), buffers)
         except zmq.ZMQError:
