@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import itertools
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,7 +38,7 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from . import _wire
+from . import _shm, _wire
 from ._actor import _current, _message_rank, endpoints_of
 from ._auth import MAC_SIZE, Signer
 from ._errors import ActorError, MeshFailure, SupervisionError
@@ -76,7 +77,7 @@ def _recv_frames(sock: zmq.Socket, n_small: int) -> list:
 def _payload_of(bufs: list) -> tuple[memoryview, list]:
     if not bufs:
         raise ValueError("message announces a payload frame but has none")
-    return bufs[0].buffer, bufs[1:]
+    return _wire.buffer_of(bufs[0]), bufs[1:]
 R_OK, R_ERROR, R_DEAD = 0, 1, 2
 
 _packb = msgpack.packb
@@ -117,6 +118,7 @@ class _Peer:
     addr: str
     sock: zmq.Socket
     monitor: zmq.Socket | None
+    local: bool = False  # same host: large buffers may go through shared memory
     pending: set = field(default_factory=set)
 
 
@@ -185,6 +187,13 @@ class Runtime:
         self._tmpdir: str | None = None
         self._hb: HeartbeatMonitor | None = None
         self._closed = False
+        self._inbox_local = False
+        if "RELAY_JOB_ID" not in os.environ:  # this process is the job's root
+            os.environ["RELAY_JOB_ID"] = secrets.token_hex(8)
+        self._shm_min = _shm.min_bytes() if _shm.enabled() else 0
+        self._owns_shm = "RELAY_PARENT_ADDR" not in os.environ
+        if self._shm_min and self._owns_shm:
+            _shm.create_job_dir()
         self.stopped = loop.create_future()  # set when a worker is told to stop
         self._keeper = loop.create_task(self._keep()) if loop.is_running() else None
 
@@ -219,6 +228,7 @@ class Runtime:
             if self.address.startswith("tcp://0.0.0.0:"):
                 self.address = self.address.replace("0.0.0.0", _hostname())
             self._inbox = sock
+            self._inbox_local = self.address.startswith("ipc://")
             self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain_inbox)
             self.loop.call_soon(self._drain_inbox)
         return self.address
@@ -278,6 +288,8 @@ class Runtime:
         self._pending.clear()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._shm_min and self._owns_shm and not any(r is not self and not r._closed for r in _runtimes.values()):
+            _shm.remove_job_dir()
         if self._keeper is not None and not self._keeper.done() and not self.loop.is_closed():
             self._keeper.cancel()
         _runtimes.pop(self.loop, None)
@@ -303,7 +315,7 @@ class Runtime:
             sock.setsockopt(zmq.IMMEDIATE, 0)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(addr)
-            peer = _Peer(addr, sock, monitor)
+            peer = _Peer(addr, sock, monitor, local=addr.startswith("ipc://"))
             self._peers[addr] = peer
             self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain_peer, peer)
             mfd = monitor.getsockopt(zmq.FD)
@@ -345,7 +357,8 @@ class Runtime:
         if len(payload) > _INLINE_PAYLOAD:  # its own frame: see _payload_of
             buffers = [payload, *buffers]
             payload = None
-        header = _packb([K_CALL, rid, actor, method, mrank, want_reply, payload])
+        buffers, shm = self._to_shm(buffers, peer.local)
+        header = _packb([K_CALL, rid, actor, method, mrank, want_reply, payload, shm])
         fut = None
         if want_reply:
             fut = self.loop.create_future()
@@ -384,6 +397,11 @@ class Runtime:
                 continue
             header, bufs = msg
             if header[0] == K_REPLY:
+                try:
+                    bufs = self._from_shm(bufs, header[4])
+                except Exception as e:
+                    self._fail_reply(header[1], e)
+                    continue
                 self._on_reply(header, bufs)
             else:
                 self.stats["dropped_malformed"] += 1
@@ -414,6 +432,41 @@ class Runtime:
             self.stats["dropped_malformed"] += 1
             return None
         return decoded, bufs
+
+    def _to_shm(self, buffers: list, local: bool) -> tuple[list, list | None]:
+        """Move large buffers for a same-host peer into shared memory (relay/_shm.py)."""
+        if not local or not buffers or not self._shm_min:
+            return buffers, None
+        out, shm = None, None
+        for i, b in enumerate(buffers):
+            n = b.nbytes if hasattr(b, "nbytes") else len(b)
+            if n >= self._shm_min:
+                if out is None:
+                    out, shm = list(buffers), []
+                shm.append([i, _shm.write(b), n])
+                out[i] = b""
+                self.stats["shm_buffers_sent"] += 1
+        return (out, shm) if out is not None else (buffers, None)
+
+    @staticmethod
+    def _from_shm(bufs: list, shm: list | None) -> list:
+        if not shm:
+            return bufs
+        bufs = list(bufs)
+        try:
+            for i, name, size in shm:
+                bufs[i] = _shm.take(name, size)
+        except BaseException:
+            _shm.release([entry[1] for entry in shm])
+            raise
+        return bufs
+
+    def _fail_reply(self, rid: int, exc: BaseException) -> None:
+        p = self._pending.pop(rid, None)
+        if p is not None:
+            p.peer.pending.discard(rid)
+            if not p.fut.done():
+                p.fut.set_exception(exc)
 
     def _on_reply(self, header: list, bufs: list) -> None:
         _, rid, status, payload = header[:4]
@@ -486,14 +539,23 @@ class Runtime:
             ident = frames[0]
             try:
                 self._dispatch(ident, header, bufs)
-            except Exception:
+            except Exception as e:
                 self.stats["dropped_malformed"] += 1
                 traceback.print_exc()
+                if header[0] == K_CALL and len(header) > 5 and header[5]:  # a caller waits: tell it
+                    self.reply(ident, header[1], R_ERROR, [header[2], -1, header[3], e, traceback.format_exc()])
 
     def _dispatch(self, ident: bytes, header: list, bufs: list) -> None:
         kind = header[0]
         if kind == K_CALL:
-            _, rid, actor, method, mrank, want_reply, payload = header
+            _, rid, actor, method, mrank, want_reply, payload, shm = header
+            if shm:
+                try:
+                    bufs = self._from_shm(bufs, shm)
+                except Exception as e:
+                    if want_reply:
+                        self.reply(ident, rid, R_ERROR, [actor, -1, method, e, ""])
+                    return
             if payload is None:
                 payload, bufs = _payload_of(bufs)
             host = self._actors.get(actor)
@@ -539,7 +601,8 @@ class Runtime:
             buffers = [payload, *buffers]
             payload = None
         try:
-            self._send(self._inbox, [ident], _packb([K_REPLY, rid, status, payload]), buffers)
+            buffers, shm = self._to_shm(buffers, self._inbox_local)
+            self._send(self._inbox, [ident], _packb([K_REPLY, rid, status, payload, shm]), buffers)
         except zmq.ZMQError:
             self.stats["reply_unroutable"] += 1  # the caller went away
 
@@ -962,4 +1025,6 @@ def _kill_owned_at_exit() -> None:
         rt.kill_all()
         if rt._tmpdir:
             shutil.rmtree(rt._tmpdir, ignore_errors=True)
+        if rt._owns_shm:
+            _shm.remove_job_dir()
 

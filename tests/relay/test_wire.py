@@ -152,3 +152,35 @@ def test_relay_imports_without_torch():
     code = "import relay, sys; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "socket"])
+def test_large_buffers_same_host_with_and_without_shared_memory(monkeypatch, shm):
+    import os
+
+    from relay import _shm
+
+    monkeypatch.setenv("RELAY_SHM", shm)
+    big = np.random.default_rng(1).standard_normal(3 << 20).astype(np.float32)  # 12 MiB
+    tensor = torch.from_numpy(big.copy()).to(torch.bfloat16)
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        echo = procs.spawn("echo", Echo)
+        vm = await echo.echo.call({"a": big, "t": tensor})  # fan-out: each peer gets its own copy
+        for out in vm.values():
+            assert np.array_equal(out["a"], big) and torch.equal(out["t"], tensor)
+        sent = relay.transport_stats().get("shm_buffers_sent", 0)
+        replied = sum(s.get("shm_buffers_sent", 0) for s in (await echo.stats.call()).values())
+        if shm == "1":
+            assert sent == 4 and replied == 4  # 2 buffers to each of 2 peers, and back
+            assert os.listdir(_shm.job_dir()) == []  # every file was taken by its receiver
+        else:
+            assert sent == 0 and replied == 0
+        await procs.stop()
+
+    run(main())
+    if shm == "1":
+        assert not os.path.exists(_shm.job_dir())  # the root removed the job's directory
