@@ -51,7 +51,7 @@ STARTUP_GRACE = 20.0
 
 
 class HeartbeatMonitor(threading.Thread):
-    def __init__(self, ctx: zmq.Context, address: str, on_lost: Callable[[str, float], None]):
+    def __init__(self, ctx: zmq.Context, address: str, on_lost: Callable[[str, str], None]):
         super().__init__(name="relay-heartbeat-monitor", daemon=True)
         self.address = address
         self._ctx = ctx
@@ -61,17 +61,25 @@ class HeartbeatMonitor(threading.Thread):
         self._interval = heartbeat_interval()
         self._lock = threading.Lock()
         self._deadline: dict[str, float] = {}  # proc_id -> monotonic deadline
+        self._last: dict[str, float | None] = {}  # proc_id -> last beat (None: none yet)
+        self._since: dict[str, float] = {}  # proc_id -> when watching began
+        self._unverified: dict[str, int] = {}  # proc_id -> beats naming it that failed the MAC
         self._halt = threading.Event()
         self._ready = threading.Event()
         self.dropped = 0
 
     def watch(self, proc_id: str) -> None:
         with self._lock:
-            self._deadline[proc_id] = time.monotonic() + self._timeout + STARTUP_GRACE
+            now = time.monotonic()
+            self._deadline[proc_id] = now + self._timeout + STARTUP_GRACE
+            self._last[proc_id] = None
+            self._since[proc_id] = now
 
     def unwatch(self, proc_id: str) -> None:
         with self._lock:
             self._deadline.pop(proc_id, None)
+            self._last.pop(proc_id, None)
+            self._since.pop(proc_id, None)
 
     def stop(self) -> None:
         self._halt.set()
@@ -106,16 +114,32 @@ class HeartbeatMonitor(threading.Thread):
                             self._deadline[k] += lag
                     for proc_id, deadline in list(self._deadline.items()):
                         if now > deadline:
-                            lost.append(proc_id)
+                            last_beat = self._last.pop(proc_id, None)
+                            since = self._since.pop(proc_id, now)
                             del self._deadline[proc_id]
-                for proc_id in lost:
-                    self._on_lost(proc_id, self._timeout)
+                            if last_beat is None:
+                                why = f"sent no heartbeat in the {now - since:.1f} s since it was started"
+                            else:
+                                why = f"missed heartbeats for {now - last_beat:.1f} s (hung or frozen)"
+                            bad = self._unverified.pop(proc_id, 0)
+                            if bad:
+                                why += f" ({bad} beats naming it failed authentication)"
+                            lost.append((proc_id, why))
+                for proc_id, why in lost:
+                    self._on_lost(proc_id, why)
         finally:
             sock.close(0)
 
     def _beat(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         if len(frames) != 3 or not self._signer.verify(frames[1], frames[2]):
             self.dropped += 1
+            try:  # for the failure message only: an unverified claim is never trusted
+                claimed = msgpack.unpackb(frames[-1])[0]
+                with self._lock:
+                    if claimed in self._deadline:
+                        self._unverified[claimed] = self._unverified.get(claimed, 0) + 1
+            except Exception:
+                pass
             return
         try:
             proc_id = msgpack.unpackb(frames[2])[0]
@@ -124,7 +148,9 @@ class HeartbeatMonitor(threading.Thread):
             return
         with self._lock:
             if proc_id in self._deadline:
-                self._deadline[proc_id] = time.monotonic() + self._timeout
+                now = time.monotonic()
+                self._deadline[proc_id] = now + self._timeout
+                self._last[proc_id] = now
         ack = msgpack.packb(["ack"])
         try:
             sock.send_multipart([frames[0], self._signer.sign(ack), ack], zmq.NOBLOCK)

@@ -19,8 +19,14 @@ from ._shape import Point, View
 R = TypeVar("R")
 
 
+_DEFAULT_TIMEOUT: list = []
+
+
 def default_timeout() -> float:
-    return float(os.environ.get("RELAY_CALL_TIMEOUT", "600"))
+    """RELAY_CALL_TIMEOUT (seconds, default 600), read once."""
+    if not _DEFAULT_TIMEOUT:
+        _DEFAULT_TIMEOUT.append(float(os.environ.get("RELAY_CALL_TIMEOUT", "600")))
+    return _DEFAULT_TIMEOUT[0]
 
 
 # ------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def _payload_of(bufs: list) -> tuple[memoryview, list]:
     return _wire.buffer_of(bufs[0]), bufs[1:]
 R_OK, R_ERROR, R_DEAD = 0, 1, 2
 
-_packb = msgpack.packb
+_packb = _wire.packb
 
 
 def _unpack_header(data) -> list:
@@ -269,8 +269,15 @@ class Runtime:
             self._hb.stop()
         for fd in list(self._monitors):
             self._remove_reader(fd)
+        self._monitors.clear()
         for peer in self._peers.values():
+            self._remove_reader(peer.sock.getsockopt(zmq.FD))
             if peer.monitor is not None:
+                # Order matters: libzmq's I/O thread sends monitor events with a blocking
+                # send, so a monitored socket must stop monitoring before its reader
+                # closes, or the next event (our own close's disconnect) wedges the I/O
+                # thread of the whole context.
+                peer.sock.disable_monitor()
                 peer.monitor.close(0)
             peer.sock.close(0)
         self._peers.clear()
@@ -737,18 +744,18 @@ class Runtime:
             failure = _failure(o.ref, "exit", f"exited with code {code}")
         self._proc_failed(o, failure)
 
-    def _heartbeat_lost_threadsafe(self, proc_id: str, silent_for: float) -> None:
+    def _heartbeat_lost_threadsafe(self, proc_id: str, why: str) -> None:
         try:
-            self.loop.call_soon_threadsafe(self._heartbeat_lost, proc_id, silent_for)
+            self.loop.call_soon_threadsafe(self._heartbeat_lost, proc_id, why)
         except RuntimeError:
             pass  # loop closed
 
-    def _heartbeat_lost(self, proc_id: str, silent_for: float) -> None:
+    def _heartbeat_lost(self, proc_id: str, why: str) -> None:
         o = self._owned.get(proc_id)
         if o is None or o.exited.done() or o.stopping:
             return
         o.stopping = True  # its exit (we kill it below) is not a second failure
-        failure = _failure(o.ref, "heartbeat", f"missed heartbeats for {silent_for:.1f} s (hung or frozen); killed it")
+        failure = _failure(o.ref, "heartbeat", f"{why}; killed it")
         try:
             o.popen.kill()
         except ProcessLookupError:

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import importlib
 import sys
+import threading
 import traceback
 import warnings
 from typing import Any
@@ -124,19 +125,33 @@ def _np():
 
 
 class Encoder:
-    """Encodes one message; collects out-of-band buffers in ``self.buffers``."""
+    """Encodes messages; collects one message's out-of-band buffers in ``self.buffers``.
 
-    __slots__ = ("buffers", "_packer")
+    Reused (one per thread, see :func:`encode`): its msgpack packers keep their internal
+    buffers, since allocating a fresh one per message costs more than the packing."""
+
+    __slots__ = ("buffers", "_packers", "_depth")
 
     def __init__(self) -> None:
         self.buffers: list[Any] = []
-        self._packer = msgpack.Packer(default=self._default, strict_types=True, use_bin_type=True)
+        self._packers: list[msgpack.Packer] = []
+        self._depth = 0
+
+    def _packer(self) -> msgpack.Packer:
+        while len(self._packers) <= self._depth:
+            self._packers.append(msgpack.Packer(default=self._default, strict_types=True, use_bin_type=True, autoreset=True))
+        return self._packers[self._depth]
 
     def pack(self, obj: Any) -> bytes:
-        return self._packer.pack(obj)
+        self._depth = 0
+        return self._packer().pack(obj)
 
     def _ext(self, code: int, data: Any) -> msgpack.ExtType:
-        return msgpack.ExtType(code, msgpack.packb(data, default=self._default, strict_types=True, use_bin_type=True))
+        self._depth += 1  # an ext's payload is packed while its parent is being packed
+        try:
+            return msgpack.ExtType(code, self._packer().pack(data))
+        finally:
+            self._depth -= 1
 
     def _buffer(self, buf: Any) -> int:
         self.buffers.append(buf)
@@ -219,7 +234,7 @@ class Encoder:
         args = []
         for a in exc.args:
             try:
-                msgpack.packb(a, default=self._default, strict_types=True, use_bin_type=True)
+                Encoder().pack(a)
                 args.append(a)
             except Exception:
                 args.append(repr(a))
@@ -232,10 +247,31 @@ class Encoder:
         )
 
 
+_local = threading.local()
+
+
 def encode(obj: Any) -> tuple[bytes, list[Any]]:
     """Encode ``obj``; return the msgpack bytes and the out-of-band buffers."""
-    enc = Encoder()
-    return enc.pack(obj), enc.buffers
+    enc = _local.__dict__.pop("encoder", None) or Encoder()  # popped: safe if re-entered
+    enc.buffers = []
+    try:
+        data = enc.pack(obj)
+    except BaseException:
+        enc = Encoder()  # a packer interrupted mid-way is not reused
+        raise
+    finally:
+        buffers = enc.buffers
+        enc.buffers = []
+        _local.encoder = enc
+    return data, buffers
+
+
+def packb(obj: Any) -> bytes:
+    """msgpack for plain values (headers), with a per-thread reusable packer."""
+    p = _local.__dict__.get("packer")
+    if p is None:
+        p = _local.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    return p.pack(obj)
 
 
 def buffer_of(frame: Any) -> memoryview:

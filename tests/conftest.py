@@ -10,7 +10,21 @@ import uuid
 
 import pytest
 
+import relay
 from tests.helpers import tagged_pids
+
+
+@pytest.fixture(autouse=True)
+def unexpected_failures(request):
+    """A supervision failure nobody handles would make relay's default fault hook exit the
+    test process; record it instead and fail the test that caused it (tests that expect
+    failures take the ``faults`` fixture, which replaces this hook)."""
+    seen: list = []
+    prev = relay.set_unhandled_fault_hook(seen.append)
+    yield seen
+    relay.set_unhandled_fault_hook(prev)
+    if "faults" not in request.fixturenames:
+        assert not seen, f"unhandled supervision failures: {[str(f) for f in seen]}"
 
 
 @pytest.fixture(autouse=True)

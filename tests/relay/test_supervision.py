@@ -286,3 +286,19 @@ def test_workers_and_grandchildren_exit_when_the_root_is_killed():
             root.wait()
         for pid in tagged_pids(os.environ["RELAY_TEST_TAG"]):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_many_runtimes_one_after_another_in_one_process():
+    """Each asyncio.run() gets a fresh runtime and must leave ZeroMQ's shared context
+    healthy for the next (regression: closing a socket monitor's reader before the
+    monitored socket wedged libzmq's I/O thread, and later runtimes never connected)."""
+
+    async def once():
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        mesh = procs.spawn("f", Faulty)
+        values = (await mesh.ok.call().result(timeout=20)).values()
+        await procs.stop()
+        return values
+
+    for _ in range(15):
+        assert run(once(), 30) == ["ok", "ok"]
