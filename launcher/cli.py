@@ -20,6 +20,19 @@ def _demo(args: argparse.Namespace) -> int:
     return run_relay_demo(procs=args.procs)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from launcher.allocator import make_plan, render_plan
+    from launcher.config import ConfigError, load_config
+
+    try:
+        plan = make_plan(load_config(args.config, args.overrides))
+    except ConfigError as e:
+        print(f"relay plan: invalid layout:\n{e}", file=sys.stderr)
+        return 2
+    print(render_plan(plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relay",
@@ -34,12 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--procs", type=int, default=4, help="number of worker processes (default 4)")
     d.set_defaults(func=_demo)
+    pl = sub.add_parser(
+        "plan",
+        help="print the GPU-bundle plan of a config (exit 2 with the error if the layout is invalid)",
+        description="Print the plan: bundle -> node/GPU -> roles and judge instances, phases, memory "
+        "fractions. Any config key can be overridden with its seed flag, e.g. --resource '{...}' --colocate.",
+    )
+    pl.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    pl.set_defaults(func=_plan, takes_overrides=True)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = rest
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

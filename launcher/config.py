@@ -1,0 +1,395 @@
+"""The job's typed configuration: YAML (torchrun_configs/*.yaml) plus command-line overrides
+that use the seed's flag names (``--resource``, ``--genrm-instances``, ...).
+
+Precedence: dataclass defaults < YAML < flags. ``${VAR}`` (or ``${VAR:-default}``) in YAML
+strings is replaced from the environment. An unknown key or flag is an error naming the
+closest valid one; a bad value says which key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin
+
+log = logging.getLogger("relay.config")
+
+ROLES = ("actor", "critic", "rollout", "genrm", "reference", "actor_fwd", "advantages")
+RESERVED_INSTANCE = "__default__"
+
+
+class ConfigError(ValueError):
+    """A configuration the user must change; the message says what."""
+
+
+def _opt(default: Any = None, *, help: str = "", choices: tuple | None = None, minimum: float | None = None, **kw):
+    meta = {"help": help, "choices": choices, "min": minimum}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class GenRMInstance:
+    """One judge deployment (``route_key`` -> this)."""
+
+    name: str
+    model_path: str
+    num_gpus: int
+    num_gpus_per_engine: int = 1
+    engine_config: dict = field(default_factory=dict)
+    sampling_config: dict = field(default_factory=dict)
+
+    @property
+    def mem_fraction_static(self) -> float | None:
+        v = self.engine_config.get("mem_fraction_static")
+        return None if v is None else float(v)
+
+
+GENRM_ENGINE_DEFAULTS = {"max_context_len": 8192, "dp_size": 1, "pp_size": 1, "ep_size": 1}
+GENRM_SAMPLING_DEFAULTS = {"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 4096, "chat_template_kwargs": {}}
+
+
+@dataclass
+class JobConfig:
+    # ---- layout and hardware
+    resource: dict = _opt({}, help='JSON {role: [num_groups, gpus_per_group]}, e.g. {"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 4]}')
+    colocate: bool = _opt(False, help="actor, rollout and judge share the actor's GPUs, swapping memory around training")
+    fully_async: bool = _opt(False, help="dedicated GPU pools per role; rollout keeps generating while the trainer trains")
+    device: str = _opt("cuda", help="cuda, or cpu (virtual GPU bundles; every layout runs on a laptop)", choices=("cuda", "cpu"))
+    gpus_per_node: int = _opt(8, help="GPU bundles per node (on cpu: virtual bundles)", minimum=1)
+    nnodes: int | None = _opt(None, help="number of nodes (default: torchrun's, or the fewest that fit --resource)", minimum=1)
+    engine: str = _opt("torch", help="inference engine backend", choices=("torch", "sglang"))
+    # ---- rollout
+    rollout_num_gpus: int | None = _opt(None, help="GPUs for rollout engines (default: from --resource)", minimum=0)
+    rollout_num_gpus_per_engine: int = _opt(1, help="GPUs per rollout engine (tensor parallel size)", minimum=1)
+    sglang_mem_fraction_static: float = _opt(0.5, help="share of GPU memory a rollout engine reserves for weights + KV cache", minimum=0.0)
+    n_samples_per_prompt: int = _opt(1, help="samples per prompt (the GRPO group size)", minimum=1)
+    rollout_batch_size: int = _opt(32, help="prompts per rollout step", minimum=1)
+    global_batch_size: int = _opt(256, help="samples per optimizer step", minimum=1)
+    rollout_max_response_len: int = _opt(1024, help="max new tokens per rollout sample", minimum=1)
+    rollout_temperature: float = _opt(1.0, help="rollout sampling temperature", minimum=0.0)
+    rollout_top_p: float = _opt(1.0, help="rollout nucleus sampling", minimum=0.0)
+    max_staleness: int = _opt(0, help="fully-async: how many weight versions a sample may lag", minimum=0)
+    num_rollout: int = _opt(1, help="training steps (rollout + train) to run", minimum=0)
+    # ---- GenRM (the judge)
+    genrm_model_path: str | None = _opt(None, help="legacy single judge: becomes the '__default__' instance")
+    genrm_num_gpus: int | None = _opt(None, help="GPUs of the legacy judge (default: from --resource)", minimum=0)
+    genrm_num_gpus_per_engine: int = _opt(1, help="GPUs per judge engine", minimum=1)
+    genrm_engine_config: dict = _opt({}, help="JSON: max_context_len, dp_size, pp_size, ep_size, mem_fraction_static, ...")
+    genrm_sampling_config: dict = _opt({}, help="JSON: temperature, top_p, top_k, max_response_len, chat_template_kwargs")
+    genrm_instances: dict = _opt({}, help='JSON {route_key: {model_path, num_gpus, num_gpus_per_engine?, engine_config?, sampling_config?}}')
+    # ---- rewards
+    rm_type: str | None = _opt(None, help="reward type", choices=(None, "dapo", "dapo-genrm", "dummy"))
+    reward_key: str | None = _opt(None, help="key of the reward dict to train on")
+    custom_rm_path: str | None = _opt(None, help="module.func of a custom reward (args, sample) -> float | dict")
+    custom_reward_post_process_path: str | None = _opt(None, help="module.func hook (args, samples) -> (raw, normalized), used by defer-swap")
+    defer_reward_to_post_process: bool = _opt(False, help="score the whole batch after rollout (Shared layout: defer-swap)")
+    reward_max_concurrency: int = _opt(64, help="reward calls in flight at most", minimum=1)
+    # ---- GRPO
+    advantage_estimator: str = _opt("grpo", help="advantage estimator", choices=("grpo",))
+    use_kl_loss: bool = _opt(False, help="add a KL loss against the reference model")
+    kl_loss_coef: float = _opt(0.0, help="KL loss coefficient", minimum=0.0)
+    kl_loss_type: str = _opt("k1", help="KL estimator", choices=("k1", "k2", "k3", "low_var_kl"))
+    eps_clip: float = _opt(0.2, help="PPO clip (low side)", minimum=0.0)
+    eps_clip_high: float | None = _opt(None, help="PPO clip (high side; default: --eps-clip)", minimum=0.0)
+    eps_clip_c: float | None = _opt(None, help="dual-clip constant (> 1)", minimum=1.0)
+    use_tis: bool = _opt(False, help="truncated importance sampling against rollout log-probs")
+    tis_clip: float = _opt(2.0, help="TIS upper clamp", minimum=0.0)
+    tis_clip_low: float = _opt(0.0, help="TIS lower clamp", minimum=0.0)
+    entropy_coef: float = _opt(0.0, help="entropy bonus coefficient", minimum=0.0)
+    # ---- optimizer
+    optimizer: str = _opt("adam", help="optimizer", choices=("adam", "adamw"))
+    lr: float = _opt(1e-6, help="learning rate", minimum=0.0)
+    lr_decay_style: str = _opt("constant", help="learning-rate schedule", choices=("constant", "cosine"))
+    lr_warmup_iters: int = _opt(0, help="warm-up steps", minimum=0)
+    weight_decay: float = _opt(0.0, help="weight decay", minimum=0.0)
+    clip_grad: float = _opt(1.0, help="gradient-norm clip", minimum=0.0)
+    # ---- data and model
+    prompt_data: str | None = _opt(None, help="training prompts (JSONL)")
+    eval_prompt_data: str | None = _opt(None, help="evaluation prompts (JSONL)")
+    eval_interval: int | None = _opt(None, help="evaluate every N steps", minimum=1)
+    n_samples_per_eval_prompt: int = _opt(1, help="samples per evaluation prompt", minimum=1)
+    hf_checkpoint: str | None = _opt(None, help="policy checkpoint directory (HF format)")
+    save_interval: int | None = _opt(None, help="save a checkpoint every N steps", minimum=1)
+    run_dir: str = _opt("runs/latest", help="where metrics, plots and checkpoints go")
+    seed: int = _opt(1234, help="random seed")
+
+    # ------------------------------------------------------------------ derived values
+
+    def role_gpus(self, role: str) -> int:
+        """GPUs of ``role`` from --resource (num_groups * gpus_per_group); 0 if absent."""
+        spec = self.resource.get(role)
+        return 0 if spec is None else spec[0] * spec[1]
+
+    @property
+    def actor_total(self) -> int:
+        return self.role_gpus("actor") + self.role_gpus("critic")
+
+    @property
+    def rollout_gpus(self) -> int:
+        return self.rollout_num_gpus if self.rollout_num_gpus is not None else self.role_gpus("rollout")
+
+    @property
+    def genrm_enabled(self) -> bool:
+        return bool(self.genrm)
+
+    @property
+    def genrm(self) -> dict[str, GenRMInstance]:
+        """Judge instances, normalized as the seed does (see :func:`resolve_genrm_instances`)."""
+        cached = self.__dict__.get("_genrm")
+        if cached is None:
+            cached = resolve_genrm_instances(self)
+            self.__dict__["_genrm"] = cached
+        return cached
+
+    @property
+    def genrm_gpus(self) -> int:
+        return sum(i.num_gpus for i in self.genrm.values())
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
+
+
+# ------------------------------------------------------------------ GenRM normalization
+
+
+def resolve_genrm_instances(cfg: JobConfig) -> dict[str, GenRMInstance]:
+    """Legacy ``--genrm-model-path`` -> the ``"__default__"`` instance; ``--genrm-instances``
+    wins (with a warning) when both are given; ``model_path`` and ``num_gpus`` are required
+    per instance (no implicit even split); missing optional keys fall back to the global
+    flags; the ``genrm`` entry of ``--resource`` must equal the sum of ``num_gpus``."""
+    instances: dict[str, GenRMInstance] = {}
+    if cfg.genrm_instances:
+        if cfg.genrm_model_path:
+            log.warning("both --genrm-instances and --genrm-model-path are set: using --genrm-instances")
+        if not isinstance(cfg.genrm_instances, dict):
+            raise ConfigError("--genrm-instances must be a JSON object {route_key: {model_path, num_gpus, ...}}")
+        for name, spec in cfg.genrm_instances.items():
+            if name == RESERVED_INSTANCE:
+                raise ConfigError(f"--genrm-instances: the key '{RESERVED_INSTANCE}' is reserved for --genrm-model-path; choose another route_key")
+            if not isinstance(spec, dict):
+                raise ConfigError(f"--genrm-instances[{name!r}] must be an object, got {type(spec).__name__}")
+            for key in ("model_path", "num_gpus"):
+                if key not in spec:
+                    raise ConfigError(f"--genrm-instances[{name!r}]: missing required key '{key}'")
+            unknown = set(spec) - {"model_path", "num_gpus", "num_gpus_per_engine", "engine_config", "sampling_config"}
+            if unknown:
+                raise ConfigError(f"--genrm-instances[{name!r}]: unknown keys {sorted(unknown)}")
+            instances[name] = GenRMInstance(
+                name,
+                str(spec["model_path"]),
+                _positive_int(spec["num_gpus"], f"--genrm-instances[{name!r}].num_gpus"),
+                _positive_int(spec.get("num_gpus_per_engine", cfg.genrm_num_gpus_per_engine), f"--genrm-instances[{name!r}].num_gpus_per_engine"),
+                {**GENRM_ENGINE_DEFAULTS, **cfg.genrm_engine_config, **spec.get("engine_config", {})},
+                {**GENRM_SAMPLING_DEFAULTS, **cfg.genrm_sampling_config, **spec.get("sampling_config", {})},
+            )
+    elif cfg.genrm_model_path:
+        num = cfg.genrm_num_gpus if cfg.genrm_num_gpus is not None else cfg.role_gpus("genrm")
+        if num <= 0:
+            raise ConfigError("--genrm-model-path needs GPUs: give --genrm-num-gpus or a 'genrm' entry in --resource")
+        instances[RESERVED_INSTANCE] = GenRMInstance(
+            RESERVED_INSTANCE,
+            cfg.genrm_model_path,
+            num,
+            cfg.genrm_num_gpus_per_engine,
+            {**GENRM_ENGINE_DEFAULTS, **cfg.genrm_engine_config},
+            {**GENRM_SAMPLING_DEFAULTS, **cfg.genrm_sampling_config},
+        )
+    if instances and "genrm" in cfg.resource:
+        total = sum(i.num_gpus for i in instances.values())
+        if cfg.role_gpus("genrm") != total:
+            raise ConfigError(
+                f"--resource genrm has {cfg.role_gpus('genrm')} GPUs, which must equal the sum of the "
+                f"GenRM instances' num_gpus ({total}: " + ", ".join(f"{k}={v.num_gpus}" for k, v in instances.items()) + ")"
+            )
+    for inst in instances.values():
+        if inst.num_gpus % inst.num_gpus_per_engine:
+            raise ConfigError(
+                f"GenRM instance {inst.name!r}: num_gpus {inst.num_gpus} is not a multiple of num_gpus_per_engine {inst.num_gpus_per_engine}"
+            )
+        mf = inst.mem_fraction_static
+        if mf is not None and not 0 < mf < 1:
+            raise ConfigError(f"GenRM instance {inst.name!r}: engine_config.mem_fraction_static must be in (0, 1), got {mf}")
+    return instances
+
+
+def _positive_int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{what} must be a positive integer, got {v!r}")
+    return v
+
+
+# ------------------------------------------------------------------ loading
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand(value: Any) -> Any:
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), value)
+    if isinstance(value, list):
+        return [_expand(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand(v) for k, v in value.items()}
+    return value
+
+
+def _closest(name: str) -> str:
+    match = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}' (--{match[0].replace('_', '-')})?" if match else ""
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check (and convert) ``value`` for the field ``name``; raise a ConfigError saying what is allowed."""
+    f = FIELDS[name]
+    tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 (our own annotations)
+    optional = get_origin(tp) is not None and type(None) in get_args(tp)
+    base = next((a for a in get_args(tp) if a is not type(None)), tp) if optional else tp
+    flag = "--" + name.replace("_", "-")
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{flag} cannot be empty")
+    if base is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            value = value.lower() in ("true", "1", "yes", "on")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{flag} must be true or false, got {value!r}")
+    elif base is int:
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{flag} must be an integer, got {value!r}")
+    elif base is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{flag} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{flag} must be a number, got {value!r}")
+        value = float(value)
+    elif base is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag} must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    elif base is str:
+        if not isinstance(value, str):
+            value = str(value)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        allowed = ", ".join(str(c) for c in choices if c is not None)
+        raise ConfigError(f"{flag} must be one of: {allowed}; got {value!r}")
+    minimum = f.metadata.get("min")
+    if minimum is not None and isinstance(value, (int, float)) and value < minimum:
+        raise ConfigError(f"{flag} must be >= {minimum:g}, got {value!r}")
+    return value
+
+
+def _check_resource(resource: dict) -> None:
+    for role, spec in resource.items():
+        if role not in ROLES:
+            match = difflib.get_close_matches(role, ROLES, n=1)
+            hint = f"; did you mean '{match[0]}'?" if match else ""
+            raise ConfigError(f"--resource: unknown role {role!r} (roles: {', '.join(ROLES)}){hint}")
+        ok = isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in spec)
+        if not ok:
+            raise ConfigError(f"--resource[{role!r}] must be [num_groups, gpus_per_group] (non-negative integers), got {spec!r}")
+        if spec[0] * spec[1] == 0 and role != "advantages":
+            raise ConfigError(f"--resource[{role!r}] has 0 GPUs; only 'advantages' may run on the CPU")
+
+
+def build_config(values: dict[str, Any]) -> JobConfig:
+    """A JobConfig from a mapping of field (or flag) names to values, validated."""
+    clean: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.lstrip("-").replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"unknown config key {key!r}{_closest(name)}")
+        clean[name] = _coerce(name, value)
+    cfg = JobConfig(**clean)
+    _check_resource(cfg.resource)
+    if cfg.eps_clip_high is None:
+        cfg.eps_clip_high = cfg.eps_clip
+    if not 0 < cfg.sglang_mem_fraction_static < 1:
+        raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got {cfg.sglang_mem_fraction_static}")
+    if cfg.global_batch_size % cfg.n_samples_per_prompt:
+        raise ConfigError(
+            f"--global-batch-size ({cfg.global_batch_size}) must be a multiple of --n-samples-per-prompt "
+            f"({cfg.n_samples_per_prompt}): GRPO groups are never split across optimizer steps"
+        )
+    cfg.genrm  # normalize now: errors surface at load time
+    return cfg
+
+
+def parse_overrides(argv: list[str]) -> dict[str, Any]:
+    """``--flag value`` / ``--flag=value`` / bare ``--bool-flag`` pairs -> {field: raw value}."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: flags look like --name value")
+        key, eq, val = arg[2:].partition("=")
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"unknown flag --{key}{_closest(name)}")
+        f = FIELDS[name]
+        is_bool = f.type in (bool, "bool")
+        if eq:
+            out[name] = val
+            i += 1
+        elif is_bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+            out[name] = True
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            out[name] = argv[i + 1]
+            i += 2
+    return out
+
+
+def load_config(path: str | None, overrides: list[str] | dict | None = None) -> JobConfig:
+    """Load a YAML config (may be None) and apply command-line overrides."""
+    import yaml
+
+    values: dict[str, Any] = {}
+    if path:
+        if not os.path.exists(path):
+            here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torchrun_configs")
+            candidate = os.path.join(here, path if path.endswith(".yaml") else path + ".yaml")
+            if os.path.exists(candidate):
+                path = candidate
+            else:
+                raise ConfigError(f"config file {path!r} not found (the shipped configs are in torchrun_configs/)")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+        values.update(_expand(data))
+    if isinstance(overrides, dict):
+        values.update(overrides)
+    elif overrides:
+        values.update(parse_overrides(overrides))
+    return build_config(values)

@@ -1,0 +1,117 @@
+"""Config loading, seed flag names, GenRM instance normalization and its errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from launcher.config import ConfigError, load_config, parse_overrides
+
+pytestmark = pytest.mark.unit
+
+BASE = {"resource": {"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 4]}, "colocate": True}
+
+
+def cfg(**kw):
+    return load_config(None, {**BASE, **kw})
+
+
+def test_yaml_then_flags_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("MODEL_DIR", "/models")
+    path = tmp_path / "x.yaml"
+    path.write_text("resource: {actor: [1, 8], rollout: [1, 8]}\ncolocate: true\nhf_checkpoint: ${MODEL_DIR}/q\nlr: 1.0e-5\ncache: ${NOPE:-/tmp/c}\n".replace("cache", "run_dir"))
+    c = load_config(str(path), ["--lr", "3e-4", "--n-samples-per-prompt", "8", "--global-batch-size=64", "--use-tis"])
+    assert c.hf_checkpoint == "/models/q" and c.run_dir == "/tmp/c"
+    assert c.lr == 3e-4 and c.n_samples_per_prompt == 8 and c.global_batch_size == 64 and c.use_tis is True
+    assert c.eps_clip_high == c.eps_clip  # falls back to --eps-clip
+
+
+def test_unknown_key_and_flag_name_the_closest_valid_one(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout_temprature'; did you mean 'rollout_temperature'"):
+        load_config(None, {**BASE, "rollout_temprature": 1.0})
+    with pytest.raises(ConfigError, match=r"unknown flag --genrm-modl-path; did you mean 'genrm_model_path' \(--genrm-model-path\)"):
+        parse_overrides(["--genrm-modl-path", "x"])
+    with pytest.raises(ConfigError, match="unknown role 'rolout'.*did you mean 'rollout'"):
+        load_config(None, {"resource": {"actor": [1, 2], "rolout": [1, 2]}})
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("lr", "fast", "--lr must be a number, got 'fast'"),
+        ("n_samples_per_prompt", 0, "--n-samples-per-prompt must be >= 1, got 0"),
+        ("kl_loss_type", "k9", "--kl-loss-type must be one of: k1, k2, k3, low_var_kl; got 'k9'"),
+        ("device", "tpu", "--device must be one of: cuda, cpu"),
+        ("colocate", "maybe", "--colocate must be true or false"),
+        ("resource", "{not json", "--resource must be a JSON object"),
+        ("rm_type", "magic", "--rm-type must be one of: dapo, dapo-genrm, dummy"),
+        ("sglang_mem_fraction_static", 1.5, r"--sglang-mem-fraction-static must be in \(0, 1\)"),
+        ("global_batch_size", 30, "must be a multiple of --n-samples-per-prompt"),
+    ],
+)
+def test_bad_values_say_which_key_and_what_is_allowed(key, value, message):
+    extra = {"n_samples_per_prompt": 8} if key == "global_batch_size" else {}
+    with pytest.raises(ConfigError, match=message):
+        cfg(**{key: value}, **extra)
+
+
+def test_bad_resource_entries():
+    with pytest.raises(ConfigError, match=r"must be \[num_groups, gpus_per_group\]"):
+        load_config(None, {"resource": {"actor": [8]}})
+    with pytest.raises(ConfigError, match="has 0 GPUs; only 'advantages' may run on the CPU"):
+        load_config(None, {"resource": {"actor": [1, 8], "rollout": [1, 0]}})
+
+
+def test_legacy_genrm_model_path_becomes_the_default_instance():
+    c = cfg(genrm_model_path="/m/judge", genrm_engine_config={"mem_fraction_static": 0.3}, genrm_sampling_config={"temperature": 0.0})
+    inst = c.genrm["__default__"]
+    assert inst.model_path == "/m/judge" and inst.num_gpus == 4  # from --resource genrm
+    assert inst.engine_config["max_context_len"] == 8192 and inst.engine_config["mem_fraction_static"] == 0.3
+    assert inst.sampling_config == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_response_len": 4096, "chat_template_kwargs": {}}
+
+
+def test_instances_win_over_legacy_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="relay.config"):
+        c = cfg(genrm_model_path="/m/legacy", genrm_instances={"q": {"model_path": "/m/q", "num_gpus": 4}})
+    assert list(c.genrm) == ["q"]
+    assert "using --genrm-instances" in caplog.text
+
+
+def test_missing_per_instance_keys_fall_back_to_global_flags():
+    c = cfg(
+        genrm_num_gpus_per_engine=2,
+        genrm_sampling_config={"temperature": 0.5},
+        genrm_instances={"a": {"model_path": "/a", "num_gpus": 2}, "b": {"model_path": "/b", "num_gpus": 2, "num_gpus_per_engine": 1, "sampling_config": {"temperature": 0.0}}},
+    )
+    assert c.genrm["a"].num_gpus_per_engine == 2 and c.genrm["a"].sampling_config["temperature"] == 0.5
+    assert c.genrm["b"].num_gpus_per_engine == 1 and c.genrm["b"].sampling_config["temperature"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "instances,message",
+    [
+        ({"q": {"num_gpus": 4}}, "missing required key 'model_path'"),
+        ({"q": {"model_path": "/q"}}, "missing required key 'num_gpus'"),
+        ({"__default__": {"model_path": "/q", "num_gpus": 4}}, "'__default__' is reserved"),
+        ({"q": {"model_path": "/q", "num_gpus": 1}, "s": {"model_path": "/s", "num_gpus": 1}}, "must equal the sum"),
+        ({"q": {"model_path": "/q", "num_gpus": 4, "nmu_gpus": 1}}, "unknown keys"),
+        ({"q": {"model_path": "/q", "num_gpus": 3, "num_gpus_per_engine": 2}}, "not a multiple"),
+        ({"q": {"model_path": "/q", "num_gpus": 0}}, "must be a positive integer"),
+    ],
+)
+def test_instance_validation_errors(instances, message):
+    resource = {"actor": [1, 8], "rollout": [1, 5], "genrm": [1, 3]} if "not a multiple" in message else BASE["resource"]
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {"resource": resource, "colocate": True, "genrm_instances": instances})
+
+
+def test_instances_flag_as_json_string():
+    c = load_config(None, ["--resource", json.dumps(BASE["resource"]), "--colocate", "--genrm-instances", json.dumps({"q": {"model_path": "/q", "num_gpus": 4}})])
+    assert c.genrm["q"].num_gpus == 4 and c.colocate
+
+
+def test_missing_config_file_points_at_the_shipped_ones():
+    with pytest.raises(ConfigError, match="torchrun_configs/"):
+        load_config("no-such-config.yaml")
