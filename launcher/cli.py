@@ -33,6 +33,33 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from launcher.job import main as job_main
+
+    argv = (["--config", args.config] if args.config else []) + (["--hold", str(args.hold)] if args.hold else []) + args.overrides
+    return job_main(argv, prog="relay train", single_node=True)
+
+
+def _sbatch(args: argparse.Namespace) -> int:
+    from launcher.config import ConfigError, load_config
+    from launcher.sbatch import render_sbatch
+
+    try:
+        load_config(args.config, args.overrides)  # fail here, not on the cluster
+    except ConfigError as e:
+        print(f"relay sbatch: {e}", file=sys.stderr)
+        return 2
+    script = render_sbatch(args.config, args.nodes, args.overrides, partition=args.partition, time=args.time,
+                           gpus_per_node=args.gpus_per_node, job_name=args.job_name, port=args.port)
+    if args.output == "-":
+        sys.stdout.write(script)
+    else:
+        with open(args.output, "w") as f:
+            f.write(script)
+        print(f"wrote {args.output}; submit it with: sbatch {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relay",
@@ -55,6 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     pl.set_defaults(func=_plan, takes_overrides=True)
+    tr = sub.add_parser(
+        "train",
+        help="run a job on this machine (one node) without typing torchrun",
+        description="Start the controller and this node's agent and workers. Until the GRPO loop "
+        "exists this places a probe actor on every bundle, reports the placement and shuts down.",
+    )
+    tr.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")
+    tr.set_defaults(func=_train, takes_overrides=True)
+    sb = sub.add_parser("sbatch", help="write a slurm script that runs the job with one torchrun per node")
+    sb.add_argument("--config", required=True, help="YAML config")
+    sb.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    sb.add_argument("--partition", help="slurm partition")
+    sb.add_argument("--time", help="time limit, e.g. 24:00:00")
+    sb.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node to request (default 8)")
+    sb.add_argument("--job-name", default="relay", help="slurm job name")
+    sb.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node")
+    sb.add_argument("--output", "-o", default="-", help="where to write the script (default: stdout)")
+    sb.set_defaults(func=_sbatch, takes_overrides=True)
     return p
 
 

@@ -120,7 +120,7 @@ class HeartbeatMonitor(threading.Thread):
                             if last_beat is None:
                                 why = f"sent no heartbeat in the {now - since:.1f} s since it was started"
                             else:
-                                why = f"missed heartbeats for {now - last_beat:.1f} s (hung or frozen)"
+                                why = f"missed heartbeats for {now - last_beat:.1f} s (dead, hung or unreachable)"
                             bad = self._unverified.pop(proc_id, 0)
                             if bad:
                                 why += f" ({bad} beats naming it failed authentication)"

@@ -568,7 +568,25 @@ class ProcMesh:
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop these processes: actors' ``__cleanup__`` runs, then they exit; whatever is
         left after ``timeout`` is killed. Calls in flight fail with SupervisionError."""
+        if not self._owned:
+            raise RuntimeError(f"proc mesh {self._name!r} was not spawned by this process; stop it through its owner")
         await self._rt.stop_procs(self._view.members, timeout)
+
+    @classmethod
+    def attach(cls, procs: list[ProcRef], name: str = "attached", dims: dict[str, int] | None = None) -> ProcMesh:
+        """A mesh over processes another process spawned (e.g. workers a node agent
+        started), to spawn actors on them or reach actors already there. Their owner (the
+        spawner) supervises them; this mesh cannot stop them."""
+        rt = current_runtime()
+        ready = rt.loop.create_future()
+        ready.set_result(None)
+        return cls(name, View(dims or {"procs": len(procs)}, list(procs)), rt, ready, owned=False)
+
+    def actors(self, name: str, cls: type) -> ActorMesh:
+        """A reference to the actors named ``name`` (of class ``cls``) already running on
+        these processes."""
+        members = [_Member(p, pt) for p, pt in zip(self._view.members, self._view.points())]
+        return ActorMesh(name, class_path(cls), endpoints_of(cls), View(self._view.dims, members), _SpawnState(None))
 
     def __repr__(self) -> str:
         return f"ProcMesh({self._name!r}, {self._view.dims})"
@@ -637,6 +655,16 @@ def _prod(dims: dict[str, int]) -> int:
     for v in dims.values():
         n *= v
     return n
+
+
+def this_proc() -> ProcMesh:
+    """This process as a one-process mesh: ``this_proc().spawn(...)`` hosts actors here."""
+    rt = current_runtime()
+    addr = rt.ensure_inbox()
+    ref = ProcRef(rt.proc_id, addr, "this_proc", 0, os.environ.get("RELAY_HOST", "127.0.0.1"), os.getpid())
+    ready = rt.loop.create_future()
+    ready.set_result(None)
+    return ProcMesh("this_proc", View({"procs": 1}, [ref]), rt, ready, owned=False)
 
 
 def this_host() -> HostMesh:

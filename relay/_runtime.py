@@ -180,6 +180,7 @@ class Runtime:
         self._actors: dict[str, _ActorHost] = {}
         self._failed_spawns: dict[str, MeshFailure] = {}
         self._owned: dict[str, _Owned] = {}  # proc_id -> owned process
+        self._remote: dict[str, tuple] = {}  # proc_id -> (ProcRef, owner actor): watched, not owned
         self._mesh_seq = itertools.count()
         self._inbox: zmq.Socket | None = None
         self.address: str | None = None
@@ -222,7 +223,10 @@ class Runtime:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            bind = self._bind or f"ipc://{self._ipc_dir()}/inbox"
+            # RELAY_LISTEN=tcp makes a root reachable from other hosts (node agents do this);
+            # its workers then listen on tcp too (see spawn_local).
+            tcp = os.environ.get("RELAY_LISTEN") == "tcp"
+            bind = self._bind or (f"tcp://{_hostname()}:0" if tcp else f"ipc://{self._ipc_dir()}/inbox")
             sock.bind(bind)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             if self.address.startswith("tcp://0.0.0.0:"):
@@ -585,7 +589,7 @@ class Runtime:
             _, proc_id, addr, pid, host = header
             o = self._owned.get(proc_id)
             if o is not None and not o.hello.done():
-                o.ref.pid, o.ref.host = pid, host
+                o.ref.pid, o.ref.host, o.ref.addr = pid, host, addr
                 o.hello.set_result(None)
         elif kind == K_EVENT:
             _, owner_actor, payload = header
@@ -677,14 +681,15 @@ class Runtime:
                 "'if __name__ == \"__main__\":'"
             )
         self.ensure_inbox()
-        if self._hb is None:
-            self._hb = HeartbeatMonitor(self.ctx, f"ipc://{self._ipc_dir()}/hb", self._heartbeat_lost_threadsafe)
-            self._hb.start()
+        self.ensure_monitor()
         seq = next(self._mesh_seq)
         out = []
         for i in range(count):
             proc_id = f"{mesh}-{seq}.{i}" if self.proc_id.startswith("root") else f"{self.proc_id}/{mesh}-{seq}.{i}"
-            addr = f"ipc://{self._ipc_dir()}/p{seq}.{i}"
+            # Same-host spawns use ipc; a tcp-listening runtime gives its workers tcp inboxes
+            # (port chosen by the worker, learned from its hello).
+            tcp = self.address.startswith("tcp://")
+            addr = f"tcp://{_hostname()}:0" if tcp else f"ipc://{self._ipc_dir()}/p{seq}.{i}"
             env = dict(os.environ)
             env.update(envs[i])
             env.update(
@@ -750,7 +755,42 @@ class Runtime:
         except RuntimeError:
             pass  # loop closed
 
+    def ensure_monitor(self) -> str:
+        """Start the heartbeat monitor (once); return the address processes beat to."""
+        if self._hb is None:
+            self._hb = HeartbeatMonitor(self.ctx, self._monitor_address(), self._heartbeat_lost_threadsafe)
+            self._hb.start()
+        return self._hb.address
+
+    def _monitor_address(self) -> str:
+        if os.environ.get("RELAY_LISTEN") == "tcp":
+            import socket as _socket
+
+            with _socket.socket() as s:  # a free port on this host's address
+                s.bind((_hostname(), 0))
+                port = s.getsockname()[1]
+            return f"tcp://{_hostname()}:{port}"
+        return f"ipc://{self._ipc_dir()}/hb"
+
+    def watch_remote(self, ref: ProcRef, owner_actor: str = "") -> None:
+        """Supervise a process this runtime did not spawn (e.g. a node agent started by
+        torchrun) through its heartbeats: silence for the timeout is a failure."""
+        self.ensure_monitor()
+        self._remote[ref.proc_id] = (ref, owner_actor)
+        self._hb.watch(ref.proc_id)
+
+    def unwatch_remote(self, proc_id: str) -> None:
+        if self._remote.pop(proc_id, None) is not None and self._hb is not None:
+            self._hb.unwatch(proc_id)
+
     def _heartbeat_lost(self, proc_id: str, why: str) -> None:
+        remote = self._remote.pop(proc_id, None)
+        if remote is not None:
+            ref, owner_actor = remote
+            failure = _failure(ref, "heartbeat", why)
+            self.mark_dead(ref.addr, failure)
+            self.deliver_failure(owner_actor, failure)
+            return
         o = self._owned.get(proc_id)
         if o is None or o.exited.done() or o.stopping:
             return

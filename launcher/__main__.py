@@ -1,0 +1,16 @@
+"""``python -m launcher --config X.yaml [--hold S] [--flag value ...]``: the torchrun entry.
+
+    torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint HEAD:29500 -m launcher --config X.yaml
+
+Rank 0 becomes the controller (and its node's agent); every other rank an agent.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from launcher.job import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

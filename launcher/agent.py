@@ -1,0 +1,111 @@
+"""The node agent: one per node (one torchrun process per node). It spawns one worker
+process per GPU bundle it is given, with CUDA_VISIBLE_DEVICES set (on GPU), supervises them,
+and reports any worker failure to the controller."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+
+import relay
+from relay import Actor, MeshFailure, ProcRef, endpoint
+
+
+@relay.register(name="launcher.BundleSpec")
+@dataclass
+class BundleSpec:
+    """One worker to start: which bundle, which GPU on this node, what it will host."""
+
+    bundle: int
+    gpu: int
+    roles: list
+
+
+@relay.register(name="launcher.WorkerInfo")
+@dataclass
+class WorkerInfo:
+    bundle: int
+    node: int
+    proc: ProcRef
+    roles: list
+
+
+class NodeAgent(Actor):
+    """Hosted in the agent process itself (``this_proc()``); the controller drives it."""
+
+    def __init__(self, node: int, device: str):
+        self.node = node
+        self.device = device
+        self.procs = None
+        self.specs: list[BundleSpec] = []
+        self.controller = None
+        self.done = asyncio.Event()
+
+    @endpoint
+    async def info(self) -> dict:
+        return {"node": self.node, "host": socket.gethostname(), "pid": os.getpid()}
+
+    @endpoint
+    async def spawn_workers(self, specs: list, controller, env: dict) -> list:
+        """Start one worker per bundle; return their WorkerInfo once all said hello."""
+        if self.procs is not None:
+            raise RuntimeError(f"node {self.node}: workers were already spawned")
+        self.controller = controller
+        self.specs = specs
+        if not specs:
+            return []
+
+        def worker_env(point) -> dict:
+            spec = specs[point.coords["gpus"]]
+            e = dict(env)
+            e["RELAY_BUNDLE"] = str(spec.bundle)
+            e["RELAY_NODE"] = str(self.node)
+            if self.device == "cuda":
+                e["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+            else:
+                e["CUDA_VISIBLE_DEVICES"] = ""  # virtual bundle: never touch a GPU
+            return e
+
+        self.procs = relay.this_host().spawn_procs(per_host={"gpus": len(specs)}, env=worker_env, name=f"node{self.node}")
+        await self.procs.ready(timeout=120)
+        return [WorkerInfo(s.bundle, self.node, p, s.roles) for s, p in zip(specs, self.procs.procs)]
+
+    async def __supervise__(self, failure: MeshFailure) -> bool:
+        """A worker died: tell the controller (it stops the job), and count it handled here."""
+        if self.controller is not None:
+            spec = self.specs[failure.rank] if 0 <= failure.rank < len(self.specs) else None
+            try:
+                await self.controller.worker_failed.call_one(self.node, spec.bundle if spec else -1, failure).result(timeout=10)
+            except Exception:
+                return False  # the controller is unreachable: fail (and exit) ourselves
+        return True
+
+    @endpoint
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop this node's workers; the agent process then exits."""
+        if self.procs is not None:
+            await self.procs.stop(timeout=timeout)
+            self.procs = None
+        self.done.set()
+
+    @endpoint(concurrent=True)
+    async def wait_done(self) -> None:
+        await self.done.wait()
+
+
+class BundleProbe(Actor):
+    """The trivial actor placed on every bundle until the training loop exists."""
+
+    @endpoint
+    async def where(self) -> dict:
+        return {
+            "bundle": int(os.environ.get("RELAY_BUNDLE", "-1")),
+            "node": int(os.environ.get("RELAY_NODE", "-1")),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "master": f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",
+            "rank": os.environ.get("RANK", ""),
+        }

@@ -1,0 +1,224 @@
+"""The job: rank 0 runs the controller (and its node's agent); every other rank runs an
+agent. ``python -m launcher`` under torchrun and ``relay train`` both end up here.
+
+Until the training loop exists, the controller starts every agent's workers (one per
+bundle of the plan), places a trivial actor on each, reports the placement, optionally
+holds the job up for ``--hold`` seconds, and shuts everything down cleanly.
+
+Health: agents heartbeat to the controller and workers to their agent. A dead or silent
+agent, or a dead worker (reported by its agent), stops the whole job with a message that
+names the node, the bundle and its roles; the controller then exits non-zero. SIGINT and
+SIGTERM stop everything cleanly. No process outlives the job: workers exit with their
+agent, agents exit when the controller stops acknowledging their heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import relay
+from relay import Actor, MeshFailure, ProcMesh, ProcRef, endpoint, this_proc
+
+from .agent import BundleProbe, BundleSpec, NodeAgent
+from .allocator import Plan, make_plan, render_plan
+from .config import JobConfig
+from .rendezvous import Rendezvous, node_address
+
+#: An agent exits when the controller has not acknowledged its heartbeats for this long.
+AGENT_PARENT_TIMEOUT = "10"
+
+
+@dataclass
+class JobFailed(Exception):
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ControllerSink(Actor):
+    """Receives reports from agents (hosted in the controller process)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = _failures()
+
+    @endpoint
+    async def worker_failed(self, node: int, bundle: int, failure: MeshFailure) -> None:
+        self.queue.put_nowait(("worker", node, bundle, failure))
+
+
+_queue: asyncio.Queue | None = None
+
+
+def _failures() -> asyncio.Queue:
+    global _queue
+    if _queue is None:
+        _queue = asyncio.Queue()
+    return _queue
+
+
+def _roles_by_bundle(plan: Plan) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for claim in plan.claims:
+        for b in plan.bundles_of(claim):
+            out.setdefault(b.index, []).append(claim.label())
+    return out
+
+
+def _prepare_process_env(rank: int) -> None:
+    os.environ["RELAY_LISTEN"] = "tcp"
+    os.environ.setdefault("RELAY_HOST", node_address())
+
+
+# ---------------------------------------------------------------------------- controller
+
+
+async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out=sys.stdout) -> int:
+    """Rank 0. Returns the process exit code."""
+    plan = make_plan(cfg)
+    if plan.nnodes != world_size:
+        raise JobFailed(
+            f"the plan needs {plan.nnodes} node(s) but the job has {world_size}: launch torchrun with "
+            f"--nnodes {plan.nnodes}, or set --nnodes / --gpus-per-node to match"
+        )
+    rdzv = Rendezvous()
+    _prepare_process_env(0)
+    os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
+    os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
+    rdzv.set("secret", {"secret": os.environ["RELAY_JOB_SECRET"], "job_id": os.environ["RELAY_JOB_ID"]})
+
+    failures = _failures()
+    relay.set_unhandled_fault_hook(lambda f: failures.put_nowait(("runtime", -1, -1, f)))
+    rt = relay.current_runtime()
+    stop_signal = asyncio.Event()
+    got_signal: list[str] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        rt.loop.add_signal_handler(sig, lambda s=sig: (got_signal.append(signal.Signals(s).name), stop_signal.set()))
+
+    here = this_proc()
+    sink = here.spawn("controller", ControllerSink)
+    local_agent = here.spawn("agent", NodeAgent, 0, cfg.device)
+    await asyncio.gather(sink.initialized(), local_agent.initialized())
+    rdzv.set("controller", {"addr": rt.address, "hb": rt.ensure_monitor()})
+
+    print(render_plan(plan), file=out, flush=True)
+    agents: dict[int, relay.ActorMesh] = {0: local_agent}
+    agent_refs: dict[int, ProcRef] = {}
+    roles = _roles_by_bundle(plan)
+    code = 0
+
+    async def body() -> None:
+        for r in range(1, world_size):
+            info = await rdzv.get(f"agent/{r}")
+            ref = ProcRef(f"agent{r}", info["addr"], "agents", r, info["host"], info["pid"])
+            agent_refs[r] = ref
+            rt.watch_remote(ref)  # silence for the heartbeat timeout stops the job
+            agents[r] = ProcMesh.attach([ref], name=f"agent{r}").actors("agent", NodeAgent)
+        t0 = time.monotonic()
+        specs: dict[int, list[BundleSpec]] = {n: [] for n in range(plan.nnodes)}
+        for idx in sorted(roles):
+            node, gpu = divmod(idx, plan.gpus_per_node)
+            specs[node].append(BundleSpec(idx, gpu, roles[idx]))
+        env = {"RELAY_JOB_RUN_DIR": os.path.abspath(cfg.run_dir)}
+        per_node = await asyncio.gather(*(agents[n].spawn_workers.call_one(specs[n], sink, env).result(180) for n in range(plan.nnodes)))
+        workers = sorted((w for ws in per_node for w in ws), key=lambda w: w.bundle)
+        procs = ProcMesh.attach([w.proc for w in workers], name="bundles", dims={"bundles": len(workers)})
+        # Every role's workers get MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK for its group.
+        actor_bundles = [w.proc for w in workers if any(r.split("[")[0] == "actor" for r in w.roles)]
+        if actor_bundles:
+            await relay.setup_torch_distributed(ProcMesh.attach(actor_bundles, name="actor-group", dims={"ranks": len(actor_bundles)}))
+        probes = procs.spawn("probe", BundleProbe)
+        where = (await probes.where.call().result(120)).values()
+        print(f"\nplaced a probe actor on every bundle in {time.monotonic() - t0:.2f} s:", file=out)
+        print(f"{'bundle':>6}  {'node':>4}  {'host':<16} {'pid':>7}  {'CUDA_VISIBLE_DEVICES':<20} {'actor rank':<10} roles", file=out)
+        for w, info in zip(workers, where):
+            cvd = info["cuda_visible_devices"] or "(cpu)"
+            print(f"{w.bundle:>6}  {w.node:>4}  {info['host']:<16} {info['pid']:>7}  {cvd:<20} {info['rank'] or '-':<10} {', '.join(w.roles)}", file=out)
+        out.flush()
+        if hold > 0:
+            print(f"holding the job for {hold:g} s", file=out, flush=True)
+            await asyncio.sleep(hold)
+
+    task = asyncio.ensure_future(body())
+    waiter = asyncio.ensure_future(failures.get())
+    stopper = asyncio.ensure_future(stop_signal.wait())
+    done, _ = await asyncio.wait({task, waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    message = None
+    if waiter in done:
+        message = _describe(waiter.result(), plan, agent_refs)
+        code = 1
+    elif stopper in done:
+        message = f"stopped by {got_signal[0] if got_signal else 'a signal'}; shutting down"
+        code = 130 if got_signal and got_signal[0] == "SIGINT" else 143
+    elif task.exception() is not None:
+        exc = task.exception()
+        message = f"{type(exc).__name__}: {exc}"
+        code = 1
+    for f in (task, waiter, stopper):
+        if not f.done():
+            f.cancel()
+    if message:
+        print(f"relay: job {'failed' if code == 1 else 'stopped'}: {message}", file=sys.stderr, flush=True)
+    await _shutdown(agents, agent_refs, rt)
+    if code == 0:
+        print("shut down cleanly", file=out, flush=True)
+    return code
+
+
+def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef]) -> str:
+    kind, node, bundle, failure = item
+    roles = _roles_by_bundle(plan)
+    if kind == "worker":
+        return (
+            f"node {node} (host {failure.host}): the worker of bundle {bundle} "
+            f"(roles: {', '.join(roles.get(bundle, ['?']))}; pid {failure.pid}) {failure.reason}"
+        )
+    if failure.mesh == "agents":
+        return f"node {failure.rank} agent (host {failure.host}, pid {failure.pid}) {failure.reason}; its workers (bundles {_bundles_of_node(plan, failure.rank)}) are lost"
+    return str(failure)
+
+
+def _bundles_of_node(plan: Plan, node: int) -> str:
+    start = node * plan.gpus_per_node
+    return f"{start}..{start + plan.gpus_per_node - 1}"
+
+
+async def _shutdown(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], rt) -> None:
+    """Stop every agent's workers, then the agents themselves (best effort, bounded)."""
+    for r in list(agent_refs):
+        rt.unwatch_remote(f"agent{r}")
+    calls = [a.shutdown.call_one(10.0).result(20) for a in agents.values()]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    del results  # a dead agent cannot be stopped; its own watchdog ends its workers
+
+
+# ---------------------------------------------------------------------------- agents
+
+
+async def run_agent(cfg: JobConfig, rank: int) -> int:
+    """Rank > 0: host this node's agent until the controller says stop (or disappears)."""
+    rdzv = Rendezvous()
+    creds = await rdzv.get("secret")
+    os.environ["RELAY_JOB_SECRET"] = creds["secret"]
+    os.environ["RELAY_JOB_ID"] = creds["job_id"]
+    os.environ["RELAY_PARENT_TIMEOUT"] = os.environ.get("RELAY_AGENT_TIMEOUT", AGENT_PARENT_TIMEOUT)
+    _prepare_process_env(rank)
+    rt = relay.current_runtime()
+    rt.loop.add_signal_handler(signal.SIGINT, lambda: None)  # the controller decides
+    agent = this_proc().spawn("agent", NodeAgent, rank, cfg.device)
+    await agent.initialized()
+    ctrl = await rdzv.get("controller")
+    from relay._heartbeat import Heartbeater
+
+    import zmq
+
+    Heartbeater(zmq.Context.instance(), ctrl["hb"], f"agent{rank}", parent_pid=0).start()
+    rdzv.set(f"agent/{rank}", {"addr": rt.address, "host": os.environ["RELAY_HOST"], "pid": os.getpid()})
+    await agent.wait_done.call_one().result(timeout=10 * 24 * 3600)
+    return 0

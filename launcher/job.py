@@ -1,0 +1,57 @@
+"""Entry points shared by ``python -m launcher`` (torchrun) and ``relay train`` (one node)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+
+from .allocator import PlanError
+from .config import ConfigError, load_config
+from .controller import JobFailed, run_agent, run_controller
+from .rendezvous import Rank, torchrun_rank
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run a job from a config; any config key can be overridden with its flag.")
+    p.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    p.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds before shutting down")
+    return p
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+
+def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = False) -> int:
+    args, rest = _parser(prog).parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, rest)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    rank = Rank(0, 1) if single_node else (torchrun_rank() or Rank(0, 1))
+    if cfg.nnodes is None:
+        cfg = dataclasses.replace(cfg, nnodes=rank.world_size)
+    _install_uvloop()
+    try:
+        if rank.rank == 0:
+            if single_node and cfg.nnodes != 1:
+                print(f"{prog}: this config needs {cfg.nnodes} nodes; launch it with torchrun (see README) or relay sbatch", file=sys.stderr)
+                return 2
+            return asyncio.run(run_controller(cfg, rank.world_size, hold=args.hold))
+        return asyncio.run(run_agent(cfg, rank.rank))
+    except PlanError as e:
+        print(f"{prog}: invalid layout:\n{e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

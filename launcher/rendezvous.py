@@ -1,0 +1,89 @@
+"""Where the processes of a job find each other: torchrun's rendezvous store (its agent's
+TCPStore, at MASTER_ADDR:MASTER_PORT), or an in-process dict for a one-node ``relay train``.
+
+Keys (all under ``relay/``): ``secret`` and ``job_id`` (from rank 0), ``controller`` (the
+controller's inbox and heartbeat addresses), ``agent/<rank>`` (each agent's inbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass
+class Rank:
+    rank: int
+    world_size: int
+
+
+def torchrun_rank() -> Rank | None:
+    """This process's node rank under torchrun (--nproc-per-node 1), or None outside it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "MASTER_PORT" not in os.environ:
+        return None
+    if os.environ.get("LOCAL_WORLD_SIZE", "1") != "1":
+        raise SystemExit("relay: run torchrun with --nproc-per-node 1 (one agent per node; it spawns the per-GPU workers)")
+    return Rank(int(os.environ.get("GROUP_RANK", os.environ.get("RANK", "0"))), int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def node_address() -> str:
+    """The address other nodes reach this one at: RELAY_HOST, else loopback for a
+    single-host job, else this host's resolved address."""
+    if os.environ.get("RELAY_HOST"):
+        return os.environ["RELAY_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if master in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Rendezvous:
+    def __init__(self, timeout: float = 300.0):
+        self.timeout = timeout
+        self._local: dict[str, str] | None = None
+        self._store = None
+        if "MASTER_PORT" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from torch.distributed import TCPStore
+
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            rank = int(os.environ.get("RANK", "0"))
+            self._store = TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                int(os.environ["WORLD_SIZE"]),
+                is_master=(rank == 0 and not agent_store),
+                timeout=datetime.timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
+        else:
+            self._local = {}
+
+    def set(self, key: str, value: dict) -> None:
+        data = json.dumps(value)
+        if self._local is not None:
+            self._local[key] = data
+        else:
+            self._store.set(f"relay/{key}", data)
+
+    def _get(self, key: str, timeout: float) -> dict:
+        if self._local is not None:
+            if key not in self._local:
+                raise TimeoutError(f"rendezvous: no value for {key!r}")
+            return json.loads(self._local[key])
+        self._store.wait([f"relay/{key}"], datetime.timedelta(seconds=timeout))
+        return json.loads(self._store.get(f"relay/{key}").decode())
+
+    async def get(self, key: str, timeout: float | None = None) -> dict:
+        """Wait (without blocking the event loop) for another process to publish ``key``."""
+        t = self.timeout if timeout is None else timeout
+        try:
+            return await asyncio.to_thread(self._get, key, t)
+        except Exception as e:
+            raise TimeoutError(f"rendezvous: {key!r} was not published within {t:g} s ({e})") from None

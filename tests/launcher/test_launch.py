@@ -1,0 +1,175 @@
+"""Real launches on localhost: relay train, a 2-"node" torchrun job, faults, signals, sbatch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def relay_cli(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "launcher.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def torchrun_node(port: int, run_id: str, *args) -> subprocess.Popen:
+    cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", run_id, "-m", "launcher", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def procs_with_env(key: str, value: str | None = None) -> list[int]:
+    tag = os.environ["RELAY_TEST_TAG"]
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"RELAY_TEST_TAG={tag}".encode() not in env:
+            continue
+        for item in env:
+            k, _, v = item.decode(errors="replace").partition("=")
+            if k == key and (value is None or v == value):
+                out.append(int(pid))
+    return out
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_relay_train_places_an_actor_on_every_bundle_and_shuts_down():
+    p = relay_cli("train", "--config", "tiny-cpu-split")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit() and "(cpu)" in line]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]  # bundle 0..3 on node 0
+    assert {r[1] for r in rows} == {"0"} and len({r[3] for r in rows}) == 4  # 4 distinct worker pids
+    assert "actor, rollout" in out and "actor, genrm[__default__]" in out
+    assert "shut down cleanly" in out
+
+
+def test_two_node_torchrun_launch_on_localhost():
+    port = free_port()
+    nodes = [torchrun_node(port, "two-node", "--config", "tiny-cpu-split", "--gpus-per-node", "2") for _ in range(2)]
+    outs = [n.communicate(timeout=150) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    out = next(o for o, _ in outs if "placed a probe actor" in o)
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit() and "(cpu)" in line]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert [r[5] for r in rows] == ["0", "1", "2", "3"]  # torch.distributed ranks of the actor group
+    assert "shut down cleanly" in out
+
+
+def test_killing_an_agent_stops_the_job_within_10_s():
+    port = free_port()
+    # The first torchrun hosts the rendezvous store (it binds the port) and, having the lower
+    # pid on this host, gets rank 0: killing rank 1's agent then leaves the store alive, as
+    # on a real cluster where the head node hosts it.
+    nodes = [torchrun_node(port, "kill-agent", "--config", "tiny-cpu-split", "--gpus-per-node", "2", "--hold", "120")]
+    wait_for(lambda: _listening(port), 30, "the rendezvous store")
+    nodes.append(torchrun_node(port, "kill-agent", "--config", "tiny-cpu-split", "--gpus-per-node", "2", "--hold", "120"))
+    try:
+        wait_for(lambda: len(procs_with_env("RELAY_BUNDLE")) == 4, 90, "4 workers")
+        agent = wait_for(lambda: [p for p in procs_with_env("GROUP_RANK", "1") if "launcher" in open(f"/proc/{p}/cmdline").read()], 10, "the rank-1 agent")[0]
+        os.kill(agent, signal.SIGKILL)
+        t0 = time.monotonic()
+        controller_node = None
+        while time.monotonic() - t0 < 30 and controller_node is None:
+            for n in nodes:
+                if n.poll() is not None and n.returncode != 0:
+                    out, err = n.communicate()
+                    if "job failed" in err:
+                        controller_node = (time.monotonic() - t0, err)
+            time.sleep(0.1)
+        assert controller_node is not None, "the controller did not report the failure"
+        elapsed, err = controller_node
+        assert elapsed < 10, elapsed
+        assert f"node 1 agent (host 127.0.0.1, pid {agent})" in err and "missed heartbeats" in err and "bundles 2..3" in err
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+            n.communicate()
+
+
+def test_killing_a_worker_names_node_bundle_and_roles():
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--hold", "120")
+    try:
+        worker = wait_for(lambda: procs_with_env("RELAY_BUNDLE", "2"), 60, "the worker of bundle 2")[0]
+        os.kill(worker, signal.SIGKILL)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1
+    assert f"node 0 (host 127.0.0.1): the worker of bundle 2 (roles: actor, genrm[__default__]; pid {worker}) was killed by signal SIGKILL" in err
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signals_stop_everything_cleanly(sig, code):
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--hold", "120")
+    try:
+        wait_for(lambda: len(procs_with_env("RELAY_BUNDLE")) == 4, 60, "4 workers")
+        time.sleep(0.5)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == code, err
+    assert f"stopped by {signal.Signals(sig).name}" in err
+    wait_for(lambda: not procs_with_env("RELAY_BUNDLE"), 10, "workers to exit")
+
+
+def test_invalid_layout_fails_before_starting_anything():
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--rollout-num-gpus", "3")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "GPU allocation must satisfy one of" in err and "placed" not in out
+
+
+def test_sbatch_script(tmp_path):
+    dest = tmp_path / "job.sbatch"
+    p = relay_cli("sbatch", "--config", "qwen35-35b-a3b-16gpu-genrm-397b-split", "--nodes", "2", "--partition", "gpu", "--time", "24:00:00", "--output", str(dest), "--lr", "2e-6")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    text = dest.read_text()
+    for needle in [
+        "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+        "#SBATCH --time=24:00:00", 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "torchrun --nnodes 2 --nproc-per-node 1", "--rdzv-backend c10d", '--rdzv-endpoint "$HEAD_NODE:29500"',
+        "-m launcher --config qwen35-35b-a3b-16gpu-genrm-397b-split --nnodes 2 --gpus-per-node 8 --lr 2e-6",
+    ]:
+        assert needle in text, needle
+    bad = relay_cli("sbatch", "--config", "tiny-cpu-split", "--nodes", "1", "--colocat")
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "did you mean 'colocate'" in err
