@@ -157,8 +157,13 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         message = f"stopped by {got_signal[0] if got_signal else 'a signal'}; shutting down"
         code = 130 if got_signal and got_signal[0] == "SIGINT" else 143
     elif task.exception() is not None:
-        exc = task.exception()
-        message = f"{type(exc).__name__}: {exc}"
+        # A start-up step failed; if it failed because a process died, the supervision
+        # report says so more precisely (it may arrive a moment later).
+        try:
+            message = _describe(await asyncio.wait_for(asyncio.shield(waiter), 1.0), plan, agent_refs)
+        except asyncio.TimeoutError:
+            exc = task.exception()
+            message = f"{type(exc).__name__}: {exc}"
         code = 1
     for f in (task, waiter, stopper):
         if not f.done():

@@ -67,12 +67,19 @@ class HeartbeatMonitor(threading.Thread):
         self._halt = threading.Event()
         self._ready = threading.Event()
         self.dropped = 0
+        self._seen_at: dict[str, float] = {}  # proc_id -> last verified beat, watched or not
 
-    def watch(self, proc_id: str) -> None:
+    def watch(self, proc_id: str, grace: float = STARTUP_GRACE) -> None:
+        """Expect beats from ``proc_id``: one within ``timeout + grace`` (start-up), then
+        one every ``timeout``. A beat already received counts (the process beat first)."""
         with self._lock:
             now = time.monotonic()
-            self._deadline[proc_id] = now + self._timeout + STARTUP_GRACE
-            self._last[proc_id] = None
+            seen = self._seen_at.get(proc_id)
+            if seen is not None:
+                self._deadline[proc_id] = seen + self._timeout
+            else:
+                self._deadline[proc_id] = now + self._timeout + grace
+            self._last[proc_id] = seen
             self._since[proc_id] = now
 
     def unwatch(self, proc_id: str) -> None:
@@ -147,8 +154,9 @@ class HeartbeatMonitor(threading.Thread):
             self.dropped += 1
             return
         with self._lock:
+            now = time.monotonic()
+            self._seen_at[proc_id] = now  # also before watch(): a remote process may beat first
             if proc_id in self._deadline:
-                now = time.monotonic()
                 self._deadline[proc_id] = now + self._timeout
                 self._last[proc_id] = now
         ack = msgpack.packb(["ack"])

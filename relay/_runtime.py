@@ -42,7 +42,7 @@ from . import _shm, _wire
 from ._actor import _current, _message_rank, endpoints_of
 from ._auth import MAC_SIZE, Signer
 from ._errors import ActorError, MeshFailure, SupervisionError
-from ._heartbeat import HeartbeatMonitor
+from ._heartbeat import STARTUP_GRACE, HeartbeatMonitor
 from ._shape import Point
 
 K_CALL, K_REPLY, K_SPAWN, K_STOP, K_HELLO, K_EVENT = 1, 2, 3, 4, 5, 6
@@ -777,7 +777,7 @@ class Runtime:
         torchrun) through its heartbeats: silence for the timeout is a failure."""
         self.ensure_monitor()
         self._remote[ref.proc_id] = (ref, owner_actor)
-        self._hb.watch(ref.proc_id)
+        self._hb.watch(ref.proc_id, grace=STARTUP_GRACE / 4)  # it is running already
 
     def unwatch_remote(self, proc_id: str) -> None:
         if self._remote.pop(proc_id, None) is not None and self._hb is not None:
