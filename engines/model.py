@@ -1,0 +1,258 @@
+"""The built-in engine's own forward pass for the Qwen2, Qwen3 (qk-norm) and Llama dense
+families, over a paged KV cache. Parameter names are the HF checkpoint names, so
+``load_state_dict`` takes safetensors as they are and weight updates address HF names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> ModelConfig:
+        model_type = d.get("model_type", "")
+        arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.get(model_type)
+        if arch is None:
+            raise ValueError(f"model_type {model_type!r} is not supported by the built-in engine (qwen2, qwen3, llama dense); use --engine sglang")
+        rope = d.get("rope_parameters") or {}
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
+            raise ValueError(f"rope scaling {scaling!r} is not supported by the built-in engine")
+        eos = d.get("eos_token_id")
+        heads = d["num_attention_heads"]
+        return cls(
+            arch=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            qk_norm=arch == "qwen3",
+            qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_hf(json.load(f))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is not None:  # llama3 frequency-dependent scaling
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        low_wl, high_wl = old / low, old / high
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > low_wl, inv / factor, inv)
+        smooth = (old / wl - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        inv = torch.where((wl >= high_wl) & (wl <= low_wl), mid, scaled)
+    return inv
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.cfg = cfg
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class Batch:
+    """One forward pass over several sequences, flattened (no padding).
+
+    ``positions[i]`` is token i's position in its sequence; ``seq_ids[i]`` its sequence's
+    row in ``block_tables``; ``slots[i]`` the KV-cache slot it writes (block * block_size +
+    offset). ``context_lens[s]`` is sequence s's length after this pass; ``last[s]`` the
+    index of its last token in the flat batch (whose logits are returned).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_ids: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor  # [S, max_blocks] (padding: 0)
+    context_lens: torch.Tensor  # [S]
+    last: torch.Tensor  # [S]
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
+
+    def hf_names(self) -> list[str]:
+        names = [n for n, _ in self.named_parameters()]
+        if self.cfg.tie_word_embeddings and "lm_head.weight" in names:
+            names.remove("lm_head.weight")
+        return names
+
+    @torch.inference_mode()
+    def forward(self, b: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Run the batch, write its K/V into the cache, return the logits of each
+        sequence's last token ([S, vocab], float32)."""
+        cfg = self.cfg
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n = b.input_ids.shape[0]
+        x = self.model.embed_tokens(b.input_ids)
+        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        block = k_cache.shape[2]
+        # Attention mask over each sequence's whole context (cache), causal within the pass.
+        s_count, max_blocks = b.block_tables.shape
+        ctx_max = max_blocks * block
+        ctx_pos = torch.arange(ctx_max, device=x.device)
+        mask = ctx_pos[None, :] <= b.positions[:, None]  # [n, ctx]: token sees positions <= its own
+        mask = mask & (ctx_pos[None, :] < b.context_lens[b.seq_ids][:, None])
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            r = x
+            x = layer.input_layernorm(x)
+            q = attn.q_proj(x).view(n, h, d)
+            k = attn.k_proj(x).view(n, kvh, d)
+            v = attn.v_proj(x).view(n, kvh, d)
+            if cfg.qk_norm:
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = k_cache[i], v_cache[i]  # [blocks, block, kvh, d]
+            kc.view(-1, kvh, d).index_copy_(0, b.slots, k.to(kc.dtype))
+            vc.view(-1, kvh, d).index_copy_(0, b.slots, v.to(vc.dtype))
+            # Gather each token's sequence context: [n, ctx, kvh, d] via its block table.
+            keys = kc[b.block_tables].view(s_count, ctx_max, kvh, d)[b.seq_ids]
+            vals = vc[b.block_tables].view(s_count, ctx_max, kvh, d)[b.seq_ids]
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :],  # [n, h, 1, d]
+                keys.transpose(1, 2).to(q.dtype),  # [n, kvh, ctx, d]
+                vals.transpose(1, 2).to(q.dtype),
+                attn_mask=mask[:, None, None, :],
+                enable_gqa=True,
+            )
+            x = r + attn.o_proj(o.reshape(n, h * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.model.norm(x[b.last])
+        return self.lm_head(x).float()
+
+
+def load_weights(model: CausalLM, path: str) -> None:
+    """Load every ``*.safetensors`` file of an HF checkpoint directory (strict names)."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    params = dict(model.named_parameters())
+    seen = set()
+    for f in files:
+        for name, tensor in load_file(os.path.join(path, f)).items():
+            if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise KeyError(f"{path}/{f}: unexpected tensor {name!r} for a {model.cfg.arch} model")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor.to(p.dtype))
+            seen.add(name)
+    missing = set(model.hf_names()) - seen
+    if missing:
+        raise KeyError(f"{path}: missing tensors {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")

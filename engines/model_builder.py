@@ -1,0 +1,109 @@
+"""Complete HF checkpoints made locally, no downloads: config.json, model.safetensors, a
+character-level tokenizer built with ``tokenizers`` and a Qwen-style chat template.
+
+Used by tests, benchmarks, the tiny configs and the demo. Deterministic from the seed.
+``relay make-model --arch qwen3 --size tiny --out DIR`` is the command-line form.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+
+ARCHS = ("qwen3", "qwen2", "llama")
+
+#: Model shapes. "tiny"/"small" are for CPU tests; the others copy real architectures'
+#: shapes (random weights) for benchmarks.
+SIZES: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128),
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def build_tokenizer():
+    """A character-level tokenizer: special tokens first, then printable ASCII and newline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, newline too
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def hf_config(arch: str, size: str, **overrides):
+    """The transformers config object of a model of this architecture and shape."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    import transformers
+
+    dims = dict(SIZES[size])
+    dims.update(overrides)
+    common = dict(
+        max_position_embeddings=4096 if size in ("tiny", "small") else 40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+        pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
+    )
+    common.update({k: v for k, v in dims.items()})
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common)
+    head_dim = common.pop("head_dim")
+    if arch == "qwen2":
+        if head_dim != common["hidden_size"] // common["num_attention_heads"]:
+            common["hidden_size"] = head_dim * common["num_attention_heads"]
+        return transformers.Qwen2Config(**common)
+    common["tie_word_embeddings"] = False  # Llama checkpoints usually keep a separate head
+    return transformers.LlamaConfig(head_dim=head_dim, **common)
+
+
+def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed: int = 0, dtype: str = "float32", **overrides) -> str:
+    """Write a complete checkpoint directory; returns its path. Same seed, same bytes."""
+    import torch
+    import transformers
+
+    cfg = hf_config(arch, size, **overrides)
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg).to(getattr(torch, dtype))
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer().save_pretrained(out)
+    with open(os.path.join(out, "relay_model.json"), "w") as f:
+        json.dump({"arch": arch, "size": size, "seed": seed, "dtype": dtype, "overrides": overrides}, f)
+    return out
+
+
+def cached_model(arch: str = "qwen3", size: str = "tiny", seed: int = 0, cache_dir: str | None = None) -> str:
+    """A model built once and reused (``$RELAY_CACHE/models/<arch>-<size>-s<seed>``)."""
+    root = cache_dir or os.path.join(os.environ.get("RELAY_CACHE", ".cache"), "models")
+    path = os.path.join(root, f"{arch}-{size}-s{seed}")
+    if not os.path.exists(os.path.join(path, "relay_model.json")):
+        tmp = path + f".tmp{os.getpid()}"
+        make_model(arch, size, tmp, seed)
+        os.replace(tmp, path) if not os.path.exists(path) else None
+    return path

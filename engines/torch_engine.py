@@ -1,0 +1,493 @@
+"""The built-in torch engine (the embedded default): continuous batching over a paged KV
+cache, sampling with per-token log-probs, sleep/wake with real memory release, and weight
+updates by HF name. CPU and CUDA.
+
+Threading: every tensor operation runs on one engine thread (``_step``); the asyncio side
+only queues requests and resolves their futures. Requests join and leave the running batch
+at every step. A request whose prompt does not fit in the free KV blocks waits; when decode
+runs out of blocks, the newest running request is preempted (its blocks freed, recomputed
+later), so exhaustion queues instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .interface import Engine, GenerateResult, SamplingParams, check_tags
+from .model import Batch, CausalLM, ModelConfig, _inv_freq, load_weights
+
+
+@dataclass
+class _Seq:
+    rid: int
+    prompt: list
+    sampling: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    generator: torch.Generator | None
+    output: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)
+    cached: int = 0  # tokens whose K/V are in the cache
+    finish: str | None = None
+    text: str = ""
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.output
+
+
+class TorchEngine(Engine):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        kv_cache_tokens: int | None = None,
+        mem_fraction_static: float = 0.5,
+        block_size: int = 16,
+        max_running: int = 256,
+        weights_mode: str = "discard",
+        name: str = "engine",
+    ):
+        if weights_mode not in ("discard", "backup"):
+            raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) or 'backup' (judge: kept in CPU memory)")
+        from transformers import AutoTokenizer
+
+        self.name = name
+        self.device = torch.device(device)
+        self.cfg = ModelConfig.from_dir(model_path)
+        if dtype is None:
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = getattr(torch, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        eos = set(self.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos = eos
+        with torch.device("meta"):
+            model = CausalLM(self.cfg)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.inv_freq = _inv_freq(self.cfg).to(self.device)  # buffers are not in the checkpoint
+        if self.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        load_weights(model, model_path)
+        model.eval()
+        self.model = model
+        self.block_size = block_size
+        self.max_running = max_running
+        self.weights_mode = weights_mode
+        self.mem_fraction_static = mem_fraction_static
+        self._kv_tokens_cfg = kv_cache_tokens
+        self._k = self._v = None
+        self._free_blocks: list[int] = []
+        self.num_blocks = 0
+        self._allocate_kv()
+        self.weight_version = 0
+        self._weights_present = True
+        self._weights_valid = True
+        self._backup: dict[str, torch.Tensor] | None = None
+        self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
+        self._ids = itertools.count()
+        self._incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self._abort_ids: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []
+        self._paused = False
+        self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-step")
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._lock = threading.Lock()
+        self._tokens_out = 0
+        self._t0 = time.monotonic()
+        self.events: list[tuple] = []  # (monotonic time, event, detail): sleep/wake/sync log
+
+    # ------------------------------------------------------------------ memory
+
+    def _kv_block_bytes(self) -> int:
+        c = self.cfg
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def _allocate_kv(self) -> None:
+        if self._kv_tokens_cfg is not None:
+            blocks = max(1, self._kv_tokens_cfg // self.block_size)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.mem_fraction_static - torch.cuda.memory_allocated(self.device)
+            blocks = int(max(budget, 0) // self._kv_block_bytes())
+            if blocks < 1:
+                raise MemoryError(f"mem_fraction_static {self.mem_fraction_static} leaves no room for the KV cache after the weights")
+        else:
+            blocks = 4096 // self.block_size  # a configured capacity is expected on CPU
+        c = self.cfg
+        shape = (c.num_layers, blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_blocks = blocks
+        self._free_blocks = list(range(blocks - 1, -1, -1))
+
+    def _bytes(self) -> dict:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self._weights_present else 0
+        kv = 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
+        backup = 0 if self._backup is None else sum(t.numel() * t.element_size() for t in self._backup.values())
+        return {"weights": weights, "kv_cache": kv, "cuda_graph": 0, "cpu_backup": backup}
+
+    # ------------------------------------------------------------------ API
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _encode(self, prompt, chat_template_kwargs) -> list:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+            return list(prompt)
+        raise ValueError("prompt must be a non-empty list of token ids, a string, or chat messages [{role, content}]")
+
+    async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
+        sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        sp.validate()
+        ids = self._encode(prompt, chat_template_kwargs)
+        need = len(ids) + sp.max_new_tokens
+        if need > self.num_blocks * self.block_size:
+            raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_new_tokens {sp.max_new_tokens}) but the engine holds {self.num_blocks * self.block_size}")
+        if need > self.cfg.max_position_embeddings:
+            raise ValueError(f"request of {need} tokens exceeds the model's {self.cfg.max_position_embeddings} positions")
+        if not self._weights_valid:
+            raise RuntimeError(f"{self.name}: weights were discarded by sleep(); update_weights() before generating")
+        if self._k is None:
+            raise RuntimeError(f"{self.name}: the KV cache is asleep; wake(['kv_cache']) before generating")
+        loop = asyncio.get_running_loop()
+        gen = None
+        if sp.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sp.seed)
+        seq = _Seq(next(self._ids), ids, sp, loop.create_future(), loop, gen)
+        self._incoming.put(seq)
+        self._ensure_loop()
+        self._wakeup.set()
+        return await seq.future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._paused or not self._has_work():
+                self._wakeup.clear()
+                if not self._paused and self._has_work():
+                    continue
+                await self._wakeup.wait()
+                continue
+            done = await loop.run_in_executor(self._exec, self._step)
+            for seq in done:
+                self._resolve(seq)
+
+    def _has_work(self) -> bool:
+        return bool(self._running or self._waiting or not self._incoming.empty() or not self._abort_ids.empty())
+
+    def _resolve(self, seq: _Seq) -> None:
+        if seq.future.done():
+            return
+        text = seq.text if seq.finish == "stop" and seq.text else self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        seq.future.set_result(GenerateResult(list(seq.output), text, list(seq.logprobs), seq.finish, len(seq.prompt), self.weight_version))
+
+    # ------------------------------------------------------------------ the step (engine thread)
+
+    def _step(self) -> list[_Seq]:
+        finished: list[_Seq] = []
+        while not self._incoming.empty():
+            self._waiting.append(self._incoming.get())
+        aborts = set()
+        while not self._abort_ids.empty():
+            aborts.add(self._abort_ids.get())
+        if aborts:
+            for seq in [s for s in list(self._waiting) + self._running if None in aborts or s.rid in aborts]:
+                seq.finish = "abort"
+                finished.append(self._release(seq))
+        # Running requests first: each feeds its last token this step and needs a slot for
+        # it; when no block is free, the newest running request is preempted (recomputed
+        # later from its prompt and output so far).
+        bs = self.block_size
+        for seq in list(self._running):
+            if seq not in self._running or len(seq.tokens) <= len(seq.blocks) * bs:
+                continue
+            while not self._free_blocks:
+                victim = self._running.pop()
+                self._free(victim)
+                victim.cached = 0
+                self._waiting.appendleft(victim)
+                if victim is seq:
+                    break
+            if seq in self._running:
+                seq.blocks.append(self._free_blocks.pop())
+        # Then admit waiting requests whose tokens fit (FIFO: the head blocks the rest).
+        new: list[_Seq] = []
+        while self._waiting and len(self._running) + len(new) < self.max_running:
+            seq = self._waiting[0]
+            need = -(-len(seq.tokens) // bs) - len(seq.blocks)
+            if need > len(self._free_blocks):
+                break
+            self._waiting.popleft()
+            seq.blocks += [self._free_blocks.pop() for _ in range(need)]
+            new.append(seq)
+        batch_seqs = self._running + new
+        if not batch_seqs:
+            return finished
+        logits = self.model(self._make_batch(batch_seqs), self._k, self._v)
+        for seq in new:
+            self._running.append(seq)
+        for row, seq in enumerate(batch_seqs):
+            seq.cached = len(seq.tokens)
+            tok, lp = self._sample(logits[row], seq.sampling, seq.generator)
+            seq.output.append(tok)
+            seq.logprobs.append(lp)
+            self._tokens_out += 1
+            if self._finished(seq, tok):
+                self._running.remove(seq)
+                finished.append(self._release(seq))
+        return finished
+
+    def _make_batch(self, seqs: list[_Seq]) -> Batch:
+        ids, pos, sid, slots, last = [], [], [], [], []
+        for s, seq in enumerate(seqs):
+            toks = seq.tokens
+            for p in range(seq.cached, len(toks)):
+                ids.append(toks[p])
+                pos.append(p)
+                sid.append(s)
+                slots.append(seq.blocks[p // self.block_size] * self.block_size + p % self.block_size)
+            last.append(len(ids) - 1)
+        width = max(len(seq.blocks) for seq in seqs)
+        tables = [seq.blocks + [0] * (width - len(seq.blocks)) for seq in seqs]
+        dev = self.device
+        return Batch(
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            torch.tensor(sid, device=dev),
+            torch.tensor(slots, device=dev),
+            torch.tensor(tables, device=dev),
+            torch.tensor([len(seq.tokens) for seq in seqs], device=dev),
+            torch.tensor(last, device=dev),
+        )
+
+    def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
+        if sp.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = int(torch.argmax(logits))
+            return tok, float(logp[tok])
+        logp = torch.log_softmax(logits / sp.temperature, dim=-1)
+        probs = logp.exp()
+        if sp.top_k > 0 and sp.top_k < probs.numel():
+            kth = torch.topk(probs, sp.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if sp.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < sp.top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[idx[keep]] = True
+            probs = torch.where(mask, probs, torch.zeros_like(probs))
+        tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+        return tok, float(logp[tok])
+
+    def _finished(self, seq: _Seq, tok: int) -> bool:
+        sp = seq.sampling
+        if (not sp.ignore_eos and tok in self.eos) or tok in sp.stop_token_ids:
+            seq.finish = "stop"
+            return True
+        if sp.stop:
+            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            hits = [text.find(s) for s in sp.stop if s and s in text]
+            if hits:
+                seq.finish = "stop"
+                seq.text = text[: min(hits)]
+                return True
+        if len(seq.output) >= sp.max_new_tokens:
+            seq.finish = "length"
+            return True
+        return False
+
+    def _free(self, seq: _Seq) -> None:
+        self._free_blocks.extend(seq.blocks)
+        seq.blocks = []
+
+    def _release(self, seq: _Seq) -> _Seq:
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        if seq in self._running:
+            self._running.remove(seq)
+        self._free(seq)
+        return seq
+
+    # ------------------------------------------------------------------ control
+
+    async def abort(self, request_ids=None) -> int:
+        """Abort all (None) or the given requests; they finish with reason "abort"."""
+        n = len(self._running) + len(self._waiting) + self._incoming.qsize()
+        if request_ids is None:
+            self._abort_ids.put(None)
+        else:
+            for rid in request_ids:
+                self._abort_ids.put(rid)
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if self._paused:  # aborts are processed even while paused
+            done = await asyncio.get_running_loop().run_in_executor(self._exec, self._step_aborts_only)
+            for seq in done:
+                self._resolve(seq)
+        return n
+
+    def _step_aborts_only(self) -> list[_Seq]:
+        finished = []
+        while not self._incoming.empty():
+            self._waiting.append(self._incoming.get())
+        aborts = set()
+        while not self._abort_ids.empty():
+            aborts.add(self._abort_ids.get())
+        for seq in [s for s in list(self._waiting) + self._running if None in aborts or s.rid in aborts]:
+            seq.finish = "abort"
+            finished.append(self._release(seq))
+        return finished
+
+    async def pause(self) -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _drain(self, drain: str) -> None:
+        if drain == "abort":
+            await self.abort()
+        elif drain != "finish":
+            raise ValueError("drain must be 'abort' or 'finish'")
+        while self._has_work():
+            if self._paused:
+                await self.resume()
+            await asyncio.sleep(0.005)
+
+    async def sleep(self, tags=("weights", "kv_cache"), drain: str = "abort") -> None:
+        tags = check_tags(tags)
+        await self._drain(drain)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._exec, self._sleep_sync, tags)
+        self.events.append((time.monotonic(), "sleep", tags))
+
+    def _sleep_sync(self, tags) -> None:
+        if "kv_cache" in tags and self._k is not None:
+            self._k = self._v = None
+            self._free_blocks = []
+        if "weights" in tags and self._weights_present:
+            if self.weights_mode == "backup":
+                if self._backup is None:  # allocated once, reused by every later sleep
+                    pin = self.device.type == "cuda"
+                    self._backup = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for n, p in self.model.named_parameters()}
+                for n, p in self.model.named_parameters():
+                    self._backup[n].copy_(p.data, non_blocking=True)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            for p in self.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            self._weights_present = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def wake(self, tags=("weights", "kv_cache")) -> None:
+        tags = check_tags(tags)
+        await asyncio.get_running_loop().run_in_executor(self._exec, self._wake_sync, tags)
+        self.events.append((time.monotonic(), "wake", tags))
+
+    def _wake_sync(self, tags) -> None:
+        if "weights" in tags and not self._weights_present:
+            for n, p in self.model.named_parameters():
+                shape, dtype = self._shapes[n]
+                p.data = torch.empty(shape, dtype=dtype, device=self.device)
+                if self.weights_mode == "backup":
+                    p.data.copy_(self._backup[n], non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._weights_present = True
+            self._weights_valid = self.weights_mode == "backup"
+            if self.cfg.tie_word_embeddings:
+                self.model.lm_head.weight = self.model.model.embed_tokens.weight
+        if "kv_cache" in tags and self._k is None:
+            self._allocate_kv()
+
+    async def update_weights(self, buckets, version: int) -> None:
+        """Copy HF-named tensors into the model (all names must be covered once the weights
+        were discarded); generation afterwards uses them and reports ``version``."""
+        await asyncio.get_running_loop().run_in_executor(self._exec, self._update_sync, buckets, version)
+        self.events.append((time.monotonic(), "update_weights", version))
+
+    def _update_sync(self, buckets, version: int) -> None:
+        if not self._weights_present:
+            raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for bucket in buckets:
+            items = bucket.items() if isinstance(bucket, dict) else bucket
+            for name, tensor in items:
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    continue
+                p = params.get(name)
+                if p is None:
+                    raise KeyError(f"update_weights: unknown tensor {name!r}")
+                if tuple(p.shape) != tuple(tensor.shape):
+                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(tensor.to(device=self.device, dtype=p.dtype))
+                seen.add(name)
+        if not self._weights_valid:
+            missing = set(self.model.hf_names()) - seen
+            if missing:
+                raise ValueError(f"update_weights after a discarding sleep must cover every tensor; missing {sorted(missing)[:5]}")
+            self._weights_valid = True
+        self.weight_version = version
+
+    async def health(self) -> dict:
+        ok = self._loop_task is None or not self._loop_task.done() or self._loop_task.exception() is None
+        return {"status": "healthy" if ok else "unhealthy", "name": self.name}
+
+    async def stats(self) -> dict:
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        return {
+            "bytes": self._bytes(),
+            "running": len(self._running),
+            "waiting": len(self._waiting) + self._incoming.qsize(),
+            "tokens_per_s": self._tokens_out / elapsed,
+            "tokens_generated": self._tokens_out,
+            "weight_version": self.weight_version,
+            "kv_blocks_free": len(self._free_blocks),
+            "kv_blocks_total": self.num_blocks if self._k is not None else 0,
+            "paused": self._paused,
+            "asleep": [t for t, present in (("weights", self._weights_present), ("kv_cache", self._k is not None)) if not present],
+        }
+
+    async def close(self) -> None:
+        await self.abort()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._exec.shutdown(wait=False, cancel_futures=True)
+
+
+def default_kv_tokens() -> int | None:
+    v = os.environ.get("RELAY_KV_CACHE_TOKENS")
+    return int(v) if v else None
