@@ -40,7 +40,7 @@ class _Seq:
     blocks: list = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the cache
     finish: str | None = None
-    text: str = ""
+    text: str | None = None  # set when a stop string ended the request (text before it)
 
     @property
     def tokens(self) -> list:
@@ -206,7 +206,7 @@ class TorchEngine(Engine):
     def _resolve(self, seq: _Seq) -> None:
         if seq.future.done():
             return
-        text = seq.text if seq.finish == "stop" and seq.text else self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        text = seq.text if seq.text is not None else self.tokenizer.decode(seq.output, skip_special_tokens=True)
         seq.future.set_result(GenerateResult(list(seq.output), text, list(seq.logprobs), seq.finish, len(seq.prompt), self.weight_version))
 
     # ------------------------------------------------------------------ the step (engine thread)

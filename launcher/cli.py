@@ -60,6 +60,14 @@ def _sbatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_model(args: argparse.Namespace) -> int:
+    from engines.model_builder import make_model
+
+    path = make_model(args.arch, args.size, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote a random-weight {args.arch} ({args.size}) checkpoint to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relay",
@@ -101,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node")
     sb.add_argument("--output", "-o", default="-", help="where to write the script (default: stdout)")
     sb.set_defaults(func=_sbatch, takes_overrides=True)
+    mm = sub.add_parser("make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)")
+    mm.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))
+    mm.add_argument("--size", default="tiny", choices=("tiny", "small", "0.6b", "4b"), help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes")
+    mm.add_argument("--out", required=True, help="output directory")
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    mm.set_defaults(func=_make_model)
     return p
 
 

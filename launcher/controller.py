@@ -219,9 +219,9 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
     agent = this_proc().spawn("agent", NodeAgent, rank, cfg.device)
     await agent.initialized()
     ctrl = await rdzv.get("controller")
-    from relay._heartbeat import Heartbeater
-
     import zmq
+
+    from relay._heartbeat import Heartbeater
 
     Heartbeater(zmq.Context.instance(), ctrl["hb"], f"agent{rank}", parent_pid=0).start()
     rdzv.set(f"agent/{rank}", {"addr": rt.address, "host": os.environ["RELAY_HOST"], "pid": os.getpid()})

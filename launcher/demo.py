@@ -8,7 +8,15 @@ import asyncio
 import os
 import time
 
-from relay import Actor, ActorError, SupervisionError, context, endpoint, set_unhandled_fault_hook, this_host
+from relay import (
+    Actor,
+    ActorError,
+    SupervisionError,
+    context,
+    endpoint,
+    set_unhandled_fault_hook,
+    this_host,
+)
 
 
 class Greeter(Actor):
@@ -44,7 +52,7 @@ async def _demo(procs: int) -> int:
         await greeters.slice(gpus=procs - 1).crash.call_one().result(timeout=30)
     except SupervisionError as e:
         print(f"SupervisionError: {e.failure}")
-    print(f"the others still answer: {len((await greeters.slice(gpus=slice(0, procs - 1)).hello.call('again')))} replies")
+    print(f"the others still answer: {len(await greeters.slice(gpus=slice(0, procs - 1)).hello.call('again'))} replies")
     await mesh.stop()
     print("stopped cleanly")
     return 0 if len(failures) == 1 else 1

@@ -22,7 +22,16 @@ See docs/relay.md for semantics (ordering, errors, supervision, wire, security).
 from ._actor import Actor, Context, context, endpoint
 from ._distributed import setup_torch_distributed
 from ._errors import ActorError, CallTimeout, MeshFailure, SupervisionError
-from ._mesh import ActorMesh, EndpointRef, Future, HostMesh, ProcMesh, ValueMesh, this_host, this_proc
+from ._mesh import (
+    ActorMesh,
+    EndpointRef,
+    Future,
+    HostMesh,
+    ProcMesh,
+    ValueMesh,
+    this_host,
+    this_proc,
+)
 from ._runtime import ProcRef, current_runtime, set_unhandled_fault_hook
 from ._shape import Point
 from ._wire import RemoteException, register

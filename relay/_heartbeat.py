@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 import zmq

@@ -7,8 +7,9 @@ import concurrent.futures
 import contextvars
 import os
 import random
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
 
 from . import _wire
 from ._actor import EndpointSpec, _current, class_path, endpoints_of

@@ -32,8 +32,9 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import zmq

@@ -44,3 +44,12 @@ def no_leftover_processes(request):
         except ProcessLookupError:
             pass
     assert not left, f"processes left behind by {request.node.name}: {left}"
+
+
+@pytest.fixture
+def faults():
+    """Record unhandled failures at the root (for tests that expect some)."""
+    seen: list = []
+    prev = relay.set_unhandled_fault_hook(seen.append)
+    yield seen
+    relay.set_unhandled_fault_hook(prev)

@@ -13,23 +13,13 @@ import time
 
 import pytest
 
-import relay
 from relay import ActorError, SupervisionError, this_host
 from tests.helpers import run, tagged_pids
-from tests.relay.actors import BadInit, Cleanup, Faulty, Spawner, Supervisor
+from tests.relay.actors import BadInit, Cleanup, Faulty, Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture
-def faults():
-    """Record unhandled failures at the root instead of exiting the test process."""
-    seen: list = []
-    prev = relay.set_unhandled_fault_hook(seen.append)
-    yield seen
-    relay.set_unhandled_fault_hook(prev)
 
 
 def test_endpoint_exception_is_actor_error_and_actor_lives_on(faults):

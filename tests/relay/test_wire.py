@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import relay
-from relay import _wire
-from relay import this_host
+from relay import _wire, this_host
 from tests.helpers import run
 from tests.relay.actors import Echo, Job
 

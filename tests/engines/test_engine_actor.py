@@ -1,0 +1,59 @@
+"""Engines behind relay: the rest of the system reaches them only through EngineActor."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from engines.actor import EngineActor
+from engines.model_builder import make_model
+from relay import ActorError, this_host
+from tests.helpers import run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def test_engine_actor_generate_sleep_wake_and_sync(tmp_path):
+    policy = make_model("qwen3", "tiny", str(tmp_path / "p"), seed=1)
+    other = make_model("qwen3", "tiny", str(tmp_path / "o"), seed=2)
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        engines = procs.spawn("rollout", EngineActor, policy, "torch", kv_cache_tokens=1024, weights_mode="discard")
+        await engines.initialized(timeout=120)
+        prompt = [5, 6, 7, 8, 9]
+        first = (await engines.generate.call(prompt, GREEDY)).values()
+        assert first[0].token_ids == first[1].token_ids and len(first[0].token_ids) == 8
+        await engines.sleep.call(["weights", "kv_cache"])
+        stats = (await engines.stats.call()).values()
+        assert all(s["bytes"]["weights"] == 0 and s["bytes"]["kv_cache"] == 0 for s in stats)
+        await engines.wake.call(["weights"])
+        tensors = load_file(f"{other}/model.safetensors")  # CPU tensors travel as zero-copy frames
+        await engines.update_weights.call([tensors], 3)
+        await engines.wake.call(["kv_cache"])
+        after = (await engines.generate.call(prompt, GREEDY)).values()
+        assert all(r.weight_version == 3 for r in after)
+        assert after[0].logprobs != first[0].logprobs
+        events = (await engines.events.call()).values()[0]
+        assert [e[1] for e in events] == ["sleep", "wake", "update_weights", "wake"]
+        with pytest.raises(ActorError, match="top_p"):
+            await engines.slice(gpus=0).generate.call_one(prompt, {"top_p": 2})
+        await procs.stop()
+
+    run(main(), 240)
+
+
+def test_unknown_backend_fails_at_setup(tmp_path, faults):
+    policy = make_model("qwen3", "tiny", str(tmp_path / "p"), seed=1)
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        bad = procs.spawn("bad", EngineActor, policy, "vllm")
+        with pytest.raises(ActorError, match="unknown engine backend 'vllm'"):
+            await bad.initialized(timeout=120)
+        await procs.stop()
+
+    run(main(), 240)
+    assert faults and faults[0].actor == "bad"
