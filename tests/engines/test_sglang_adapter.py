@@ -1,0 +1,146 @@
+"""The SGLang adapter against a protocol-faithful fake server (tests/engines/fake_sglang.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from engines.sglang_engine import SGLangEngine
+from tests.helpers import run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def fake_server(monkeypatch):
+    monkeypatch.setenv("RELAY_SGLANG_LAUNCH", "tests.engines.fake_sglang")
+
+
+async def server_info(eng):
+    async with eng._session.get(f"{eng.url}/server_info") as r:
+        return await r.json()
+
+
+def test_launch_arguments_are_mapped_from_our_config():
+    async def main():
+        eng = SGLangEngine("/models/judge", tp_size=2, dp_size=2, ep_size=2, mem_fraction_static=0.3, context_length=8192,
+                           base_gpu_id=4, colocated=True, weights_cpu_backup=True, extra_args={"chunked_prefill_size": 4096})
+        await eng.start()
+        info = await server_info(eng)
+        await eng.close()
+        return info, eng
+
+    info, eng = run(main())
+    a = info["args"]
+    assert a["model_path"] == "/models/judge" and a["tp_size"] == 2 and a["dp_size"] == 2 and a["ep_size"] == 2
+    assert a["mem_fraction_static"] == 0.3 and a["context_length"] == 8192 and a["base_gpu_id"] == 4
+    assert a["enable_memory_saver"] and a["enable_weights_cpu_backup"]
+    assert a["unknown"] == ["--chunked-prefill-size", "4096"]
+    assert eng.proc.poll() is not None  # the server is gone after close()
+
+
+def test_generate_shapes_and_explicit_max_new_tokens():
+    async def main():
+        eng = SGLangEngine("/m")
+        await eng.start()
+        r = await eng.generate([1, 2, 3], {"temperature": 0, "max_new_tokens": 5})
+        default = await eng.generate([1, 2, 3], {"temperature": 0})  # our default (128) is sent, not left to the server
+        stop = await eng.generate([1, 2, 3], {"max_new_tokens": 50, "stop_token_ids": [(6 + 2) % 100 + 5]})
+        await eng.close()
+        return r, default, stop
+
+    r, default, stop = run(main())
+    assert r.token_ids == [(6 + i) % 100 + 5 for i in range(5)] and r.finish_reason == "length"
+    assert r.logprobs == pytest.approx([-0.5 - 0.01 * i for i in range(5)]) and r.prompt_tokens == 3
+    assert len(default.token_ids) == 128
+    assert stop.finish_reason == "stop" and len(stop.token_ids) == 3
+
+
+def test_sleep_drains_then_releases_and_wake_resumes_in_order():
+    async def main():
+        eng = SGLangEngine("/m", colocated=True)
+        await eng.start()
+        busy = asyncio.ensure_future(eng.generate([1], {"max_new_tokens": 5000}))
+        await asyncio.sleep(0.3)
+        await eng.sleep(["weights", "kv_cache"])  # release would be refused while busy
+        aborted = await busy
+        with pytest.raises(RuntimeError, match="asleep"):
+            await eng.generate([1], {"max_new_tokens": 2})
+        await eng.sleep(["weights", "kv_cache"])  # idempotent: no second release
+        await eng.wake(["weights"])
+        mid = (await server_info(eng))["log"]
+        await eng.wake(["kv_cache"])
+        log = (await server_info(eng))["log"]
+        await eng.close()
+        return aborted, mid, log
+
+    aborted, mid, log = run(main())
+    assert aborted.finish_reason == "abort"
+    kinds = [e if isinstance(e, str) else e[0] for e in log]
+    # pause (abort mode) -> abort all -> flush (400 while busy, retried) -> release
+    first_release = kinds.index("release")
+    assert kinds[0] == "pause" and log[0][1] == "abort" and "abort" in kinds[:first_release]
+    assert kinds[first_release - 1] == "flush_cache"
+    assert kinds.count("release") == 1
+    # generation continues only after the full wake
+    assert "continue" not in [e if isinstance(e, str) else e[0] for e in mid]
+    assert kinds[-1] == "continue" and kinds[-2] == "resume"
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["judge-backup", "rollout-discard"])
+def test_weights_after_wake(backup):
+    async def main():
+        eng = SGLangEngine("/m", colocated=True, weights_cpu_backup=backup)
+        await eng.start()
+        await eng.sleep()
+        await eng.wake()
+        if backup:
+            r = await eng.generate([4], {"max_new_tokens": 3})
+        else:
+            with pytest.raises(Exception, match="500"):
+                await eng.generate([4], {"max_new_tokens": 3})
+            await eng.update_weights([{"w": torch.ones(2, 2)}, [("b", torch.zeros(3))]], version=9)
+            r = await eng.generate([4], {"max_new_tokens": 3})
+        log = (await server_info(eng))["log"]
+        await eng.close()
+        return r, log
+
+    r, log = run(main())
+    assert len(r.token_ids) == 3
+    if not backup:
+        assert r.weight_version == 9
+        assert [e[1] for e in log if isinstance(e, list) and e[0] == "update_weights_from_tensor"] == [["w"], ["b"]]
+
+
+def test_distributed_weight_update_announces_names_dtypes_shapes():
+    async def main():
+        eng = SGLangEngine("/m", colocated=False)
+        await eng.start()
+        await eng.init_weights_update_group("10.0.0.1", 29999, 1, 3)
+        sent = []
+        await eng.update_weights_distributed(["a", "b"], ["bfloat16", "float32"], [[2, 2], [3]], version=2, broadcast=lambda: sent.append(True))
+        log = (await server_info(eng))["log"]
+        await eng.close()
+        return sent, log, eng
+
+    sent, log, eng = run(main())
+    assert sent == [True] and eng.weight_version == 2
+    init = next(e for e in log if isinstance(e, list) and e[0] == "init_weights_update_group")[1]
+    assert init["master_address"] == "10.0.0.1" and init["rank_offset"] == 1 and init["world_size"] == 3
+    assert ["update_weights_from_distributed", ["a", "b"]] in log
+
+
+def test_a_server_that_dies_at_start_is_reported(monkeypatch):
+    monkeypatch.setenv("RELAY_SGLANG_LAUNCH", "tests.engines.no_such_module")
+
+    async def main():
+        eng = SGLangEngine("/m", start_timeout=30)
+        with pytest.raises(Exception, match="exited with code"):
+            await eng.start()
+        await eng.close()
+
+    run(main())
+    assert os.environ["RELAY_SGLANG_LAUNCH"] == "tests.engines.no_such_module"
