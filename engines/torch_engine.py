@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import itertools
 import os
 import queue
 import threading
@@ -99,7 +98,7 @@ class TorchEngine(Engine):
         self._weights_valid = True
         self._backup: dict[str, torch.Tensor] | None = None
         self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
-        self._ids = itertools.count()
+        self._next_rid = 0  # request ids, in arrival order
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._abort_ids: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -181,7 +180,8 @@ class TorchEngine(Engine):
         if sp.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed)
-        seq = _Seq(next(self._ids), ids, sp, loop.create_future(), loop, gen)
+        seq = _Seq(self._next_rid, ids, sp, loop.create_future(), loop, gen)
+        self._next_rid += 1
         self._incoming.put(seq)
         self._ensure_loop()
         self._wakeup.set()
@@ -219,7 +219,7 @@ class TorchEngine(Engine):
         while not self._abort_ids.empty():
             aborts.add(self._abort_ids.get())
         if aborts:
-            for seq in [s for s in list(self._waiting) + self._running if None in aborts or s.rid in aborts]:
+            for seq in [s for s in list(self._waiting) + self._running if _aborted(s.rid, aborts)]:
                 seq.finish = "abort"
                 finished.append(self._release(seq))
         # Running requests first: each feeds its last token this step and needs a slot for
@@ -341,13 +341,13 @@ class TorchEngine(Engine):
     async def abort(self, request_ids=None) -> int:
         """Abort all (None) or the given requests; they finish with reason "abort"."""
         n = len(self._running) + len(self._waiting) + self._incoming.qsize()
-        if request_ids is None:
-            self._abort_ids.put(None)
+        if request_ids is None:  # every request that exists now (not later arrivals)
+            self._abort_ids.put(("before", self._next_rid))
         else:
             for rid in request_ids:
                 self._abort_ids.put(rid)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._ensure_loop()  # the step loop consumes the abort queue
+        self._wakeup.set()
         if self._paused:  # aborts are processed even while paused
             done = await asyncio.get_running_loop().run_in_executor(self._exec, self._step_aborts_only)
             for seq in done:
@@ -361,7 +361,7 @@ class TorchEngine(Engine):
         aborts = set()
         while not self._abort_ids.empty():
             aborts.add(self._abort_ids.get())
-        for seq in [s for s in list(self._waiting) + self._running if None in aborts or s.rid in aborts]:
+        for seq in [s for s in list(self._waiting) + self._running if _aborted(s.rid, aborts)]:
             seq.finish = "abort"
             finished.append(self._release(seq))
         return finished
@@ -486,6 +486,11 @@ class TorchEngine(Engine):
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._exec.shutdown(wait=False, cancel_futures=True)
+
+
+def _aborted(rid: int, aborts: set) -> bool:
+    """Whether request ``rid`` is named by the abort markers (ids, or ("before", n))."""
+    return rid in aborts or any(isinstance(a, tuple) and rid < a[1] for a in aborts)
 
 
 def default_kv_tokens() -> int | None:

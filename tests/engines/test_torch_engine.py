@@ -238,3 +238,19 @@ def test_seeded_sampling_is_reproducible(models):
 
     a, b, c = run(main())
     assert a.token_ids == b.token_ids != c.token_ids
+
+
+def test_sleep_and_abort_on_a_fresh_engine_return(models):
+    """Regression: with no request ever made, the abort queue had no consumer and sleep()
+    waited forever."""
+
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=1024, weights_mode="backup")
+        await asyncio.wait_for(eng.sleep(["weights"]), 10)
+        await asyncio.wait_for(eng.wake(["weights"]), 10)
+        assert await asyncio.wait_for(eng.abort(), 10) == 0
+        r = await eng.generate(prompts()[0], GREEDY)
+        await eng.close()
+        return r
+
+    assert run(main()).finish_reason == "length"

@@ -1,0 +1,151 @@
+"""Built-in engine vs transformers ``generate`` on the same model and device, in one run.
+
+Prints one JSON line: tok_s_b{1,8,64,256}_builtin and _hf (generated tokens/s at a fixed
+output length, ignore_eos), on GPU roofline_frac_b{64,256} (bytes a decode step must read
+— weights + KV — over the step time, against the copy bandwidth measured in the same run),
+and sleep/wake seconds (sleep_s_backup, wake_s_backup, sleep_s_discard, pinned_copy_s).
+
+    python benchmarks/engine_bench.py                      # CPU: tiny Qwen3, prompt 16, 32 new
+    python benchmarks/engine_bench.py --size 0.6b --device cuda --prompt 128 --new 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from engines.model_builder import make_model  # noqa: E402
+from engines.torch_engine import TorchEngine  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+async def builtin_tok_s(eng: TorchEngine, batch: int, prompt: int, new: int) -> float:
+    prompts = [[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)]
+    sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+    await asyncio.gather(*(eng.generate(p, {**sp, "max_new_tokens": 2}) for p in prompts[: min(batch, 8)]))  # warm-up
+    t = time.perf_counter()
+    res = await asyncio.gather(*(eng.generate(p, sp) for p in prompts))
+    el = time.perf_counter() - t
+    return sum(len(r.token_ids) for r in res) / el
+
+
+def hf_tok_s(model, batch: int, prompt: int, new: int, device: str) -> float:
+    ids = torch.tensor([[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)], device=device)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids[: min(batch, 8)], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+    sync(device)
+    t = time.perf_counter()
+    out = model.generate(ids, **kw)
+    sync(device)
+    return (out.shape[1] - prompt) * batch / (time.perf_counter() - t)
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + write counted), measured now."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    sync(device)
+    return 5 * 2 * a.numel() / (time.perf_counter() - t)
+
+
+async def swap_times(path: str, device: str, dtype: str) -> dict:
+    out = {}
+    eng = TorchEngine(path, device=device, dtype=dtype, kv_cache_tokens=4096, weights_mode="backup")
+    nbytes = (await eng.stats())["bytes"]["weights"]
+    await eng.sleep(["weights"])  # first sleep allocates the pinned buffer
+    await eng.wake(["weights"])
+    t = time.perf_counter()
+    await eng.sleep(["weights"])
+    out["sleep_s_backup"] = time.perf_counter() - t
+    t = time.perf_counter()
+    await eng.wake(["weights"])
+    out["wake_s_backup"] = time.perf_counter() - t
+    await eng.close()
+    eng = TorchEngine(path, device=device, dtype=dtype, kv_cache_tokens=4096, weights_mode="discard")
+    t = time.perf_counter()
+    await eng.sleep(["weights"])
+    out["sleep_s_discard"] = time.perf_counter() - t
+    await eng.close()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    t = time.perf_counter()
+    host.copy_(dev)
+    dev.copy_(host)
+    sync(device)
+    out["pinned_copy_s"] = (time.perf_counter() - t) / 2  # one direction
+    out["weight_bytes"] = nbytes
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompt", type=int, default=None)
+    ap.add_argument("--new", type=int, default=None)
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--skip-hf-above", type=int, default=10**9, help="skip transformers at batch sizes above this")
+    a = ap.parse_args()
+    dev = a.device
+    prompt = a.prompt or (128 if dev == "cuda" else 16)
+    new = a.new or (256 if dev == "cuda" else 32)
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    tmp = tempfile.mkdtemp(prefix="engine-bench-")
+    path = make_model("qwen3", a.size, tmp, seed=0, dtype=dtype)
+    import transformers
+
+    result = {"bench": "engine", "device": dev, "model": f"qwen3-{a.size}", "dtype": dtype, "prompt": prompt, "new_tokens": new}
+    if dev == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+        result["copy_gb_s"] = round(copy_bandwidth(dev) / 1e9, 1)
+    batches = [int(b) for b in a.batches.split(",")]
+    kv_tokens = max(batches) * (prompt + new) + 1024
+
+    async def run_builtin():
+        eng = TorchEngine(path, device=dev, dtype=dtype, kv_cache_tokens=kv_tokens, max_running=max(batches))
+        out = {}
+        for b in batches:
+            out[b] = await builtin_tok_s(eng, b, prompt, new)
+        await eng.close()
+        weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+        return out, weights, eng.cfg
+
+    builtin, weight_bytes, cfg = asyncio.run(run_builtin())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(dev).eval()
+    for b in batches:
+        result[f"tok_s_b{b}_builtin"] = round(builtin[b], 1)
+        result[f"tok_s_b{b}_hf"] = round(hf_tok_s(hf, b, prompt, new, dev), 1) if b <= a.skip_hf_above else None
+        if result[f"tok_s_b{b}_hf"]:
+            result[f"speedup_b{b}"] = round(result[f"tok_s_b{b}_builtin"] / result[f"tok_s_b{b}_hf"], 2)
+    del hf
+    if dev == "cuda":
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        for b in (64, 256):
+            if b in builtin:
+                step_s = b / builtin[b]
+                bytes_step = weight_bytes + b * (prompt + new / 2) * kv_per_token
+                result[f"roofline_frac_b{b}"] = round(bytes_step / step_s / (result["copy_gb_s"] * 1e9 / 2), 3)
+    result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
