@@ -103,19 +103,24 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--skip-hf-above", type=int, default=10**9, help="skip transformers at batch sizes above this")
+    ap.add_argument("--swap-only", action="store_true", help="only the sleep/wake figures (e.g. for a 4b judge)")
     a = ap.parse_args()
     dev = a.device
     prompt = a.prompt or (128 if dev == "cuda" else 16)
     new = a.new or (256 if dev == "cuda" else 32)
     dtype = "bfloat16" if dev == "cuda" else "float32"
     tmp = tempfile.mkdtemp(prefix="engine-bench-")
-    path = make_model("qwen3", a.size, tmp, seed=0, dtype=dtype)
+    path = make_model("qwen3", a.size, tmp, seed=0, dtype=dtype, init_device=dev)
     import transformers
 
     result = {"bench": "engine", "device": dev, "model": f"qwen3-{a.size}", "dtype": dtype, "prompt": prompt, "new_tokens": new}
     if dev == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         result["copy_gb_s"] = round(copy_bandwidth(dev) / 1e9, 1)
+    if a.swap_only:
+        result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
+        print(json.dumps(result))
+        return
     batches = [int(b) for b in a.batches.split(",")]
     kv_tokens = max(batches) * (prompt + new) + 1024
 

@@ -81,15 +81,17 @@ def hf_config(arch: str, size: str, **overrides):
     return transformers.LlamaConfig(head_dim=head_dim, **common)
 
 
-def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed: int = 0, dtype: str = "float32", **overrides) -> str:
-    """Write a complete checkpoint directory; returns its path. Same seed, same bytes."""
+def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed: int = 0, dtype: str = "float32", init_device: str = "cpu", **overrides) -> str:
+    """Write a complete checkpoint directory; returns its path. Same seed (and
+    ``init_device``), same bytes. ``init_device="cuda"`` initializes large shapes fast."""
     import torch
     import transformers
 
     cfg = hf_config(arch, size, **overrides)
     cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[arch]
     torch.manual_seed(seed)
-    model = cls(cfg).to(getattr(torch, dtype))
+    with torch.device(init_device):
+        model = cls(cfg).to(getattr(torch, dtype))
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     build_tokenizer().save_pretrained(out)
