@@ -122,11 +122,17 @@ class TorchEngine(Engine):
         if self._kv_tokens_cfg is not None:
             blocks = max(1, self._kv_tokens_cfg // self.block_size)
         elif self.device.type == "cuda":
+            # As in SGLang: this engine's weights + KV cache take mem_fraction_static of the
+            # GPU (other tenants of the GPU, even in this process, are not counted here).
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.mem_fraction_static - torch.cuda.memory_allocated(self.device)
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = min(total * self.mem_fraction_static - weights, free * 0.95)
             blocks = int(max(budget, 0) // self._kv_block_bytes())
             if blocks < 1:
-                raise MemoryError(f"mem_fraction_static {self.mem_fraction_static} leaves no room for the KV cache after the weights")
+                raise MemoryError(
+                    f"mem_fraction_static {self.mem_fraction_static} of {total / 2**30:.0f} GiB leaves no room for the KV cache "
+                    f"after {weights / 2**30:.1f} GiB of weights (free now: {free / 2**30:.1f} GiB)"
+                )
         else:
             blocks = 4096 // self.block_size  # a configured capacity is expected on CPU
         c = self.cfg
@@ -482,7 +488,15 @@ class TorchEngine(Engine):
         }
 
     async def close(self) -> None:
+        """Abort what is in flight and release the KV cache and the weights."""
         await self.abort()
+        await asyncio.get_running_loop().run_in_executor(self._exec, self._sleep_sync, ("kv_cache",))
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self._weights_present = self._weights_valid = False
+        self._backup = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._exec.shutdown(wait=False, cancel_futures=True)
