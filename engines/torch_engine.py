@@ -260,9 +260,10 @@ class TorchEngine(Engine):
         logits = self.model(self._make_batch(batch_seqs), self._k, self._v)
         for seq in new:
             self._running.append(seq)
+        toks, lps = self._sample_batch(logits, batch_seqs)
         for row, seq in enumerate(batch_seqs):
             seq.cached = len(seq.tokens)
-            tok, lp = self._sample(logits[row], seq.sampling, seq.generator)
+            tok, lp = toks[row], lps[row]
             seq.output.append(tok)
             seq.logprobs.append(lp)
             self._tokens_out += 1
@@ -293,6 +294,26 @@ class TorchEngine(Engine):
             torch.tensor([len(seq.tokens) for seq in seqs], device=dev),
             torch.tensor(last, device=dev),
         )
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
+        """Sample one token per row on the device, with one host transfer for the batch.
+        Rows that truncate (top-k / top-p) or carry their own seed are handled row by row."""
+        dev = logits.device
+        temps = torch.tensor([s.sampling.temperature or 1.0 for s in seqs], device=dev, dtype=logits.dtype)
+        greedy = torch.tensor([s.sampling.temperature == 0 for s in seqs], device=dev)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+        tok = logits.argmax(dim=-1)
+        plain = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0 and s.generator is None and s.sampling.top_k < 0 and s.sampling.top_p >= 1.0]
+        if plain:
+            idx = torch.tensor(plain, device=dev)
+            tok[idx] = torch.multinomial(logp[idx].exp(), 1)[:, 0]
+        batched = set(plain)
+        for i, s in enumerate(seqs):
+            if s.sampling.temperature > 0 and i not in batched:
+                tok[i] = self._sample(logits[i], s.sampling, s.generator)[0]
+        tok = torch.where(greedy, logits.argmax(dim=-1), tok)
+        lp = logp.gather(1, tok[:, None])[:, 0]
+        return tok.tolist(), lp.tolist()
 
     def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
         if sp.temperature == 0:
