@@ -49,6 +49,51 @@ def p50_us(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e6, 1)
 
 
+async def measure(call_one, call_all, bulk, n_rtt: int, n_pipe: int, n_fan: int, n_bulk: int) -> dict:
+    """The same measurements for relay and for the floor: ``call_one(payload)`` echoes on one
+    actor, ``call_all(payload)`` on all 8, ``bulk(array)`` returns the byte count."""
+    out = {}
+    for label, size in (("8b", 8), ("1kib", 1024), ("1mib", 1 << 20)):
+        payload = b"x" * size
+        n = n_rtt if size < (1 << 20) else max(50, n_rtt // 20)
+        for _ in range(20):
+            await call_one(payload)
+        samples = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await call_one(payload)
+            samples.append(time.perf_counter() - t)
+        out[f"rtt_us_p50_{label}"] = p50_us(samples)
+
+    payload = b"x" * 1024
+    per_worker = n_pipe // 64
+
+    async def worker():
+        for _ in range(per_worker):
+            await call_one(payload)
+
+    await asyncio.gather(*(worker() for _ in range(64)))
+    t = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(64)))
+    out["calls_per_s_pipelined"] = round(64 * per_worker / (time.perf_counter() - t))
+
+    samples = []
+    for i in range(n_fan + 20):
+        t = time.perf_counter()
+        await call_all(payload)
+        if i >= 20:
+            samples.append(time.perf_counter() - t)
+    out["fanout8_us_p50"] = p50_us(samples)
+
+    arr = np.random.default_rng(0).integers(0, 255, size=64 << 20, dtype=np.uint8)
+    await bulk(arr)
+    t = time.perf_counter()
+    for _ in range(n_bulk):
+        assert await bulk(arr) == arr.nbytes
+    out["bulk_mb_per_s"] = round(n_bulk * arr.nbytes / (1 << 20) / (time.perf_counter() - t))
+    return out
+
+
 # ---------------------------------------------------------------------------- relay side
 
 
@@ -65,44 +110,14 @@ async def bench_relay(n_rtt: int, n_pipe: int, n_fan: int, n_bulk: int) -> dict:
     mesh = procs.spawn("echo", BenchEcho)
     await mesh.echo.call(0)
     one = mesh.slice(gpus=0)
-    for label, size in (("8b", 8), ("1kib", 1024), ("1mib", 1 << 20)):
-        payload = b"x" * size
-        n = n_rtt if size < (1 << 20) else max(50, n_rtt // 20)
-        for _ in range(20):
-            await one.echo.call_one(payload)
-        samples = []
-        for _ in range(n):
-            t = time.perf_counter()
-            await one.echo.call_one(payload)
-            samples.append(time.perf_counter() - t)
-        out[f"rtt_us_p50_{label}"] = p50_us(samples)
-
-    payload = b"x" * 1024
-    per_worker = n_pipe // 64
-
-    async def worker():
-        for _ in range(per_worker):
-            await one.echo.call_one(payload)
-
-    await asyncio.gather(*(worker() for _ in range(64)))
-    t = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(64)))
-    out["calls_per_s_pipelined"] = round(64 * per_worker / (time.perf_counter() - t))
-
-    samples = []
-    for i in range(n_fan + 20):
-        t = time.perf_counter()
-        await mesh.echo.call(payload)
-        if i >= 20:
-            samples.append(time.perf_counter() - t)
-    out["fanout8_us_p50"] = p50_us(samples)
-
-    arr = np.random.default_rng(0).integers(0, 255, size=64 << 20, dtype=np.uint8)
-    await one.size.call_one(arr)
-    t = time.perf_counter()
-    for _ in range(n_bulk):
-        assert await one.size.call_one(arr) == arr.nbytes
-    out["bulk_mb_per_s"] = round(n_bulk * arr.nbytes / (1 << 20) / (time.perf_counter() - t))
+    out.update(
+        await measure(
+            lambda p: one.echo.call_one(p).result(),
+            lambda p: mesh.echo.call(p).result(),
+            lambda a: one.size.call_one(a).result(),
+            n_rtt, n_pipe, n_fan, n_bulk,
+        )
+    )
     await procs.stop()
     return out
 
@@ -173,44 +188,11 @@ async def bench_floor(n_rtt: int, n_pipe: int, n_fan: int, n_bulk: int) -> dict:
     clients = [FloorClient(ctx, a) for a in addrs]
     await asyncio.gather(*(c.call(0) for c in clients))
     one = clients[0]
-    for label, size in (("8b", 8), ("1kib", 1024), ("1mib", 1 << 20)):
-        payload = b"x" * size
-        n = n_rtt if size < (1 << 20) else max(50, n_rtt // 20)
-        for _ in range(20):
-            await one.call(payload)
-        samples = []
-        for _ in range(n):
-            t = time.perf_counter()
-            await one.call(payload)
-            samples.append(time.perf_counter() - t)
-        out[f"rtt_us_p50_{label}"] = p50_us(samples)
 
-    payload = b"x" * 1024
-    per_worker = n_pipe // 64
+    async def call_all(payload):
+        return await asyncio.gather(*(c.call(payload) for c in clients))
 
-    async def worker():
-        for _ in range(per_worker):
-            await one.call(payload)
-
-    await asyncio.gather(*(worker() for _ in range(64)))
-    t = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(64)))
-    out["calls_per_s_pipelined"] = round(64 * per_worker / (time.perf_counter() - t))
-
-    samples = []
-    for i in range(n_fan + 20):
-        t = time.perf_counter()
-        await asyncio.gather(*(c.call(payload) for c in clients))
-        if i >= 20:
-            samples.append(time.perf_counter() - t)
-    out["fanout8_us_p50"] = p50_us(samples)
-
-    arr = np.random.default_rng(0).integers(0, 255, size=64 << 20, dtype=np.uint8)
-    await one.bulk(arr)
-    t = time.perf_counter()
-    for _ in range(n_bulk):
-        assert await one.bulk(arr) == arr.nbytes
-    out["bulk_mb_per_s"] = round(n_bulk * arr.nbytes / (1 << 20) / (time.perf_counter() - t))
+    out.update(await measure(one.call, call_all, one.bulk, n_rtt, n_pipe, n_fan, n_bulk))
     for c in clients:
         await c.close()
     for s in servers:
