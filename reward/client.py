@@ -1,0 +1,74 @@
+"""The judge client for reward code, over relay (ZeroMQ):
+
+    from reward.client import get_genrm_client
+    client = get_genrm_client()          # address from RELAY_GENRM_ADDR (set by the launcher)
+    text = await client.generate(messages, sampling_params=None, route_key=None)
+    texts = await client.generate_many([messages_a, messages_b])
+
+One client per process and event loop (``get_genrm_client`` caches it). Errors are typed:
+:class:`~reward.judge.JudgeAsleep` at once while the judge sleeps (no waiting on a sleeping
+judge), ``ValueError`` / :class:`~reward.judge.UnknownRouteKey` for bad requests (never
+retried), :class:`~reward.judge.JudgeUnavailable` after bounded retries of transport
+failures. Outside a job, pass ``address`` and set ``RELAY_JOB_SECRET`` to the job's secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from relay import ActorError, CallTimeout, ProcMesh, ProcRef, SupervisionError
+
+from .judge import JudgeAsleep, JudgeService, JudgeUnavailable
+
+ENV_ADDR = "RELAY_GENRM_ADDR"
+ENV_ACTOR = "RELAY_GENRM_ACTOR"
+
+
+class GenRMClient:
+    def __init__(self, address: str, actor: str = "genrm", timeout: float = 600.0, retries: int = 2):
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        procs = ProcMesh.attach([ProcRef("genrm", address, "genrm", 0)], name="genrm")
+        self._mesh = procs.actors(actor, JudgeService)
+
+    async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None, timeout: float | None = None) -> str:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                return await self._mesh.generate.call_one(messages, sampling_params, route_key).result(timeout or self.timeout)
+            except ActorError as e:
+                if isinstance(e.exception, JudgeUnavailable):
+                    last = e.exception
+                elif isinstance(e.exception, (JudgeAsleep, ValueError, TypeError)):
+                    raise e.exception from None
+                else:
+                    raise
+            except (SupervisionError, CallTimeout) as e:
+                last = e
+            await asyncio.sleep(0.5 * (attempt + 1))
+        raise JudgeUnavailable(f"judge at {self.address} failed {self.retries + 1} times: {last}")
+
+    async def generate_many(self, list_of_messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> list[str]:
+        return list(await asyncio.gather(*(self.generate(m, sampling_params, route_key) for m in list_of_messages)))
+
+
+_clients: dict = {}
+
+
+def get_genrm_client(address: str | None = None, actor: str | None = None) -> GenRMClient:
+    """The client of this process and event loop (created on first use)."""
+    address = address or os.environ.get(ENV_ADDR)
+    if not address:
+        raise RuntimeError(f"no judge address: pass address=... or run inside a job (which sets {ENV_ADDR})")
+    actor = actor or os.environ.get(ENV_ACTOR, "genrm")
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    key = (os.getpid(), id(loop), address, actor)
+    client = _clients.get(key)
+    if client is None:
+        client = _clients[key] = GenRMClient(address, actor)
+    return client

@@ -1,0 +1,166 @@
+"""The HTTP judge gateway (aiohttp): ``POST /genrm/generate``, ``GET /genrm/health``,
+``GET /genrm/metrics``. Binds 127.0.0.1:8000 by default; an optional bearer token.
+
+Bad input never crashes it and never yields a 5xx: invalid JSON, wrong types, empty or
+malformed messages, unknown ``route_key``, bad sampling parameters and bodies over the size
+limit get a 4xx whose message says what is wrong. A sleeping judge gives 503 with
+``Retry-After: 1``; failed engines give 502.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+from relay import ActorError, CallTimeout, SupervisionError
+
+from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
+
+MAX_BODY = 1 << 20  # bytes
+MAX_MESSAGES = 256
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class BadMessages(ValueError):
+    """The 'messages' value is malformed (422, as in the seed); other bad bodies are 400."""
+
+
+def validate_request(body) -> tuple[list, dict | None, str | None]:
+    """Return (messages, sampling_params, route_key) or raise ValueError with the reason."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object with 'messages'")
+    unknown = set(body) - {"messages", "sampling_params", "route_key"}
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}; allowed: messages, sampling_params, route_key")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadMessages("'messages' must be a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise BadMessages(f"at most {MAX_MESSAGES} messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadMessages(f"messages[{i}] must be an object with string 'role' and 'content' (and nothing else)")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise BadMessages(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
+    sp = body.get("sampling_params")
+    if sp is not None and not isinstance(sp, dict):
+        raise ValueError("'sampling_params' must be an object")
+    rk = body.get("route_key")
+    if rk is not None and not isinstance(rk, str):
+        raise ValueError("'route_key' must be a string")
+    return messages, sp, rk
+
+
+class Gateway:
+    def __init__(self, judge, token: str | None = None, timeout: float = 600.0):
+        self.judge = judge  # ActorMesh of one JudgeService
+        self.token = token
+        self.timeout = timeout
+        self.errors: dict[str, int] = {}
+        self.started = time.time()
+
+    def _count(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler):
+        if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return _bad("missing or wrong bearer token", 401)
+        return await handler(request)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self._count("too_large")
+            return _bad(f"body over {MAX_BODY} bytes", 413)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self._count("invalid_json")
+            return _bad(f"Invalid request body: not JSON ({e})")
+        try:
+            messages, sp, rk = validate_request(body)
+        except ValueError as e:
+            self._count("invalid_request")
+            return _bad(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
+        try:
+            text = await self.judge.generate.call_one(messages, sp, rk).result(self.timeout)
+        except ActorError as e:
+            exc = e.exception
+            if isinstance(exc, JudgeAsleep):
+                self._count("asleep")
+                return web.json_response({"error": str(exc)}, status=503, headers={"Retry-After": "1"})
+            if isinstance(exc, (UnknownRouteKey, ValueError, TypeError)):
+                self._count("invalid_request")
+                return _bad(str(exc))
+            if isinstance(exc, JudgeUnavailable):
+                self._count("engine")
+                return _bad(str(exc), 502)
+            self._count("internal")
+            return _bad(f"judge error: {type(exc).__name__}: {exc}", 502)
+        except (SupervisionError, CallTimeout) as e:
+            self._count("unavailable")
+            return _bad(f"judge service unavailable: {e}", 503)
+        return web.json_response({"response": text})
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            inst = await self.judge.health.call_one().result(30)
+        except Exception as e:  # noqa: BLE001
+            return web.json_response({"status": "unhealthy", "service": "genrm", "error": str(e)})
+        healthy = all(v["status"] == "healthy" for v in inst.values())
+        out = {"status": "healthy" if healthy else "unhealthy", "service": "genrm"}
+        if len(inst) > 1:
+            out["instances"] = inst
+        if not healthy:
+            out["error"] = "; ".join(f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy")
+        return web.json_response(out)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        snap = await self.judge.metrics_snapshot.call_one().result(30)
+        if request.query.get("format") == "json":
+            for v in snap.values():
+                v.pop("latency_s", None)
+            return web.json_response({"service": "genrm", "instances": snap, "gateway_errors": self.errors})
+        return web.Response(text=prometheus_text(snap, self.errors), content_type="text/plain")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self.auth])
+        app.router.add_post("/genrm/generate", self.generate)
+        app.router.add_get("/genrm/health", self.health)
+        app.router.add_get("/genrm/metrics", self.metrics)
+        return app
+
+
+def prometheus_text(snap: dict, gateway_errors: dict) -> str:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    counters = {
+        k: Counter(f"genrm_{k}", f"GenRM {k.replace('_', ' ')}", ["instance"], registry=reg)
+        for k in ("requests", "tokens_in", "tokens_out", "cache_hits", "rejected_asleep", "errors_transport", "errors_engine", "parse_failures")
+    }
+    hist = Histogram("genrm_latency_seconds", "judge call latency", ["instance"], registry=reg, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+    errs = Counter("genrm_gateway_errors", "gateway errors by kind", ["kind"], registry=reg)
+    for inst, vals in snap.items():
+        for k, c in counters.items():
+            c.labels(inst).inc(float(vals.get(k, 0)))
+        for v in vals.get("latency_s", []):
+            hist.labels(inst).observe(v)
+    for kind, n in gateway_errors.items():
+        errs.labels(kind).inc(n)
+    return generate_latest(reg).decode()
+
+
+async def serve(judge, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> web.AppRunner:
+    """Start the gateway on the running loop; returns the runner (``await runner.cleanup()``)."""
+    runner = web.AppRunner(Gateway(judge, token).app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,194 @@
+"""The judge service, HTTP gateway and ZeroMQ client against a tiny built-in-engine judge."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.actor import EngineActor
+from engines.model_builder import make_model
+from relay import this_host, this_proc
+from reward.gateway import serve, validate_request
+from reward.judge import JudgeService
+from tests.helpers import run
+from tests.launcher.test_launch import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MSG = [{"role": "user", "content": "Is 2+2=4? Answer 1 or 0."}]
+
+
+@pytest.fixture(scope="module")
+def judge_model(tmp_path_factory):
+    return make_model("qwen3", "tiny", str(tmp_path_factory.mktemp("j") / "judge"), seed=3)
+
+
+async def start(judge_model, instances=("__default__",), token=None):
+    procs = this_host().spawn_procs(per_host={"gpus": len(instances)}, name="judges")
+    engines = procs.spawn("judge-engine", EngineActor, judge_model, "torch", kv_cache_tokens=2048, weights_mode="backup")
+    await engines.initialized(120)
+    spec = {
+        name: {"model_path": judge_model, "num_gpus": 1, "sampling_config": {"temperature": 0.0, "max_response_len": 4}, "engines": [engines.slice(gpus=i)]}
+        for i, name in enumerate(instances)
+    }
+    judge = this_proc().spawn("genrm", JudgeService, spec)
+    await judge.initialized(120)
+    port = free_port()
+    runner = await serve(judge, "127.0.0.1", port, token)
+    return procs, engines, judge, runner, f"http://127.0.0.1:{port}"
+
+
+def test_generate_health_metrics_and_sleeping_judge(judge_model):
+    async def main():
+        procs, engines, judge, runner, url = await start(judge_model)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/genrm/generate", json={"messages": MSG}) as r:
+                assert r.status == 200
+                first = (await r.json())["response"]
+            assert isinstance(first, str)
+            async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": {"max_new_tokens": 2}}) as r:
+                assert r.status == 200
+            async with s.get(f"{url}/genrm/health") as r:
+                assert await r.json() == {"status": "healthy", "service": "genrm"}
+            # curl, as a user would
+            # (in a thread: the gateway is served by this event loop)
+            out = await asyncio.to_thread(subprocess.run, ["curl", "-s", f"{url}/genrm/health"], capture_output=True, text=True, timeout=30)
+            assert json.loads(out.stdout)["status"] == "healthy"
+            out = await asyncio.to_thread(
+                subprocess.run,
+                ["curl", "-s", "-X", "POST", f"{url}/genrm/generate", "-H", "Content-Type: application/json", "-d", json.dumps({"messages": MSG})],
+                capture_output=True, text=True, timeout=30,
+            )
+            assert json.loads(out.stdout) == {"response": first}  # deterministic: cached
+            # close admission (the controller does this while the judge sleeps)
+            await judge.set_awake.call_one(None, False)
+            async with s.post(f"{url}/genrm/generate", json={"messages": MSG}) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+            await judge.set_awake.call_one(None, True)
+            async with s.get(f"{url}/genrm/metrics?format=json") as r:
+                m = await r.json()
+            inst = m["instances"]["__default__"]
+            assert inst["num_engines"] == 1 and inst["requests"] == 3 and inst["cache_hits"] == 1 and inst["rejected_asleep"] == 1
+            async with s.get(f"{url}/genrm/metrics") as r:
+                text = await r.text()
+            assert 'genrm_requests_total{instance="__default__"} 3.0' in text and "genrm_latency_seconds_bucket" in text
+        await runner.cleanup()
+        await procs.stop()
+
+    run(main(), 240)
+
+
+BAD_BODIES = [
+    (b"not json", 400),
+    (b"", 400),
+    (b"[]", 400),
+    (b'"text"', 400),
+    (b"{}", 422),
+    (b'{"messages": []}', 422),
+    (b'{"messages": "hi"}', 422),
+    (b'{"messages": [1]}', 422),
+    (b'{"messages": [{"role": "user"}]}', 422),
+    (b'{"messages": [{"role": 5, "content": "x"}]}', 422),
+    (b'{"messages": [{"role": "robot", "content": "x"}]}', 422),
+    (b'{"messages": [{"role": "user", "content": "x", "extra": 1}]}', 422),
+    (json.dumps({"messages": MSG, "sampling_params": "hot"}).encode(), 400),
+    (json.dumps({"messages": MSG, "sampling_params": {"temprature": 1}}).encode(), 400),
+    (json.dumps({"messages": MSG, "sampling_params": {"top_p": 7}}).encode(), 400),
+    (json.dumps({"messages": MSG, "route_key": 3}).encode(), 400),
+    (json.dumps({"messages": MSG, "route_key": "nope"}).encode(), 400),
+    (json.dumps({"messages": MSG, "extra": 1}).encode(), 400),
+    (b"{" * 5000, 400),
+    (b'{"messages": [{"role": "user", "content": "' + b"x" * (2 << 20) + b'"}]}', 413),
+]
+
+
+def test_bad_input_gets_4xx_and_the_service_stays_healthy(judge_model):
+    async def main():
+        procs, engines, judge, runner, url = await start(judge_model)
+        async with aiohttp.ClientSession() as s:
+            for body, status in BAD_BODIES:
+                async with s.post(f"{url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                    text = await r.text()
+                    assert r.status == status, (body[:80], r.status, text)
+                    assert r.status < 500
+            async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "route_key": "nope"}) as r:
+                assert "No GenRM instance registered for route_key='nope'; available=['__default__']" in (await r.json())["error"]
+            async with s.get(f"{url}/genrm/health") as r:
+                assert (await r.json())["status"] == "healthy"
+        await runner.cleanup()
+        await procs.stop()
+
+    run(main(), 240)
+
+
+def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
+    async def main():
+        procs, engines, judge, runner, url = await start(judge_model, instances=("quality", "safety"), token="s3cret")
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/genrm/health") as r:
+                assert r.status == 401
+            h = {"Authorization": "Bearer s3cret"}
+            async with s.get(f"{url}/genrm/health", headers=h) as r:
+                body = await r.json()
+            assert body["status"] == "healthy" and set(body["instances"]) == {"quality", "safety"}
+            async with s.post(f"{url}/genrm/generate", json={"messages": MSG}, headers=h) as r:
+                assert r.status == 400 and "route_key='__default__'" in (await r.json())["error"]  # several: must choose
+            async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "route_key": "safety"}, headers=h) as r:
+                assert r.status == 200
+        addr = judge._view.members[0].proc.addr
+        script = textwrap.dedent(
+            f"""
+            import asyncio, json, sys
+            sys.path.insert(0, {ROOT!r})
+            from reward.client import get_genrm_client
+            from reward.judge import UnknownRouteKey
+            async def main():
+                c = get_genrm_client({addr!r})
+                assert get_genrm_client({addr!r}) is c
+                one = await c.generate({MSG!r}, route_key="quality")
+                many = await c.generate_many([{MSG!r}] * 3, route_key="safety")
+                try:
+                    await c.generate({MSG!r}, route_key="nope")
+                except UnknownRouteKey as e:
+                    err = str(e)
+                print(json.dumps({{"one": one, "many": many, "err": err}}))
+            asyncio.run(main())
+            """
+        )
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert isinstance(got["one"], str) and len(got["many"]) == 3
+        assert "available=['quality', 'safety']" in got["err"]
+        await runner.cleanup()
+        await procs.stop()
+
+    run(main(), 240)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["messages", "role", "content", "sampling_params", "route_key", "x"]), children, max_size=4),
+    max_leaves=12,
+))
+def test_fuzzed_bodies_are_accepted_or_rejected_with_a_reason(body):
+    """Any JSON value: either a valid (messages, sampling, route_key) or a ValueError."""
+    try:
+        messages, sp, rk = validate_request(body)
+    except ValueError as e:
+        assert str(e)
+        return
+    assert messages and all(isinstance(m["content"], str) for m in messages)
+    assert sp is None or isinstance(sp, dict)
+    assert rk is None or isinstance(rk, str)
