@@ -4,6 +4,7 @@ sbatch, judge, sft, plot, make-model)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -68,6 +69,26 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _judge(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from launcher.config import ConfigError, load_config
+    from reward.serve_judge import run_judge
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"relay judge: {e}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(run_judge(cfg, args.host, args.port, args.token))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relay",
@@ -109,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node")
     sb.add_argument("--output", "-o", default="-", help="where to write the script (default: stdout)")
     sb.set_defaults(func=_sbatch, takes_overrides=True)
+    jd = sub.add_parser("judge", help="run only the judge (engines + HTTP gateway) until Ctrl-C")
+    jd.add_argument("--config", required=True, help="YAML config with a GenRM judge")
+    jd.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    jd.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    jd.add_argument("--token", default=os.environ.get("RELAY_GENRM_TOKEN"), help="require 'Authorization: Bearer TOKEN'")
+    jd.set_defaults(func=_judge, takes_overrides=True)
     mm = sub.add_parser("make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)")
     mm.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))
     mm.add_argument("--size", default="tiny", choices=("tiny", "small", "0.6b", "4b"), help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes")

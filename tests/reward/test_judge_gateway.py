@@ -192,3 +192,35 @@ def test_fuzzed_bodies_are_accepted_or_rejected_with_a_reason(body):
     assert messages and all(isinstance(m["content"], str) for m in messages)
     assert sp is None or isinstance(sp, dict)
     assert rk is None or isinstance(rk, str)
+
+
+def test_relay_judge_serves_the_tiny_config_and_stops_on_sigint(tmp_path):
+    """`relay judge --config tiny-cpu-split` on a fresh machine: the tiny judge is built on
+    first use (no download), curl sees it healthy, Ctrl-C stops it and its engines."""
+    import signal
+
+    from tests.launcher.test_launch import read_until
+
+    port = free_port()
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "judge", "--config", "tiny-cpu-split", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        read_until(p, "judge ready", 120)
+        health = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/genrm/health"], capture_output=True, text=True, timeout=30)
+        assert json.loads(health.stdout) == {"status": "healthy", "service": "genrm"}
+        gen = subprocess.run(
+            ["curl", "-s", "-X", "POST", f"http://127.0.0.1:{port}/genrm/generate", "-d", json.dumps({"messages": MSG})],
+            capture_output=True, text=True, timeout=30,
+        )
+        assert "response" in json.loads(gen.stdout)
+        assert os.path.exists(tmp_path / "cache" / "models" / "tiny-judge" / "config.json")
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+        assert p.returncode == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
