@@ -91,6 +91,7 @@ class JobConfig:
     custom_reward_post_process_path: str | None = _opt(None, help="module.func hook (args, samples) -> (raw, normalized), used by defer-swap")
     defer_reward_to_post_process: bool = _opt(False, help="score the whole batch after rollout (Shared layout: defer-swap)")
     reward_max_concurrency: int = _opt(64, help="reward calls in flight at most", minimum=1)
+    genrm_parse: str = _opt("strict", help="dapo-genrm verdict parsing: strict (only an exact '1' scores) or loose", choices=("strict", "loose"))
     # ---- GRPO
     advantage_estimator: str = _opt("grpo", help="advantage estimator", choices=("grpo",))
     use_kl_loss: bool = _opt(False, help="add a KL loss against the reference model")

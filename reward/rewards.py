@@ -1,0 +1,95 @@
+"""Reward functions by ``--rm-type`` / ``--custom-rm-path``, bounded by
+``--reward-max-concurrency``, and the defer-swap post-process hook.
+
+A sample is a dict with at least ``response`` and ``label`` (and ``prompt``,
+``metadata``). A reward returns a float or a dict; ``--reward-key`` picks the value the
+trainer uses from a dict (``score`` when not given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import dapo_genrm, math_grader
+
+RewardFn = Callable[[dict], Awaitable[Any]]
+
+
+def load_callable(path: str, what: str) -> Callable:
+    """``module.func`` (or ``module:func``) -> the function, with an error that says what is wrong."""
+    module, sep, name = path.replace(":", ".").rpartition(".")
+    if not sep or not module:
+        raise ValueError(f"{what} must look like 'package.module.function', got {path!r}")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{what}: cannot import module {module!r}: {e}") from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ValueError(f"{what}: {module!r} has no function {name!r}")
+    return fn
+
+
+def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None) -> RewardFn:
+    """The per-sample reward for a config; ``judge`` overrides the judge client (tests)."""
+    sem = asyncio.Semaphore(cfg.reward_max_concurrency)
+    if cfg.custom_rm_path:
+        fn = load_callable(cfg.custom_rm_path, "--custom-rm-path")
+
+        async def custom(sample: dict):
+            out = fn(cfg, sample)
+            return await out if inspect.isawaitable(out) else out
+
+        inner: RewardFn = custom
+    elif cfg.rm_type == "dapo":
+
+        async def dapo(sample: dict):
+            return math_grader.grade(sample.get("response", ""), str(sample.get("label", "")))
+
+        inner = dapo
+    elif cfg.rm_type == "dapo-genrm":
+
+        async def genrm(sample: dict):
+            j = judge
+            if j is None:
+                from .client import get_genrm_client
+
+                j = get_genrm_client().generate
+            return await dapo_genrm.score(sample, j, parse=cfg.genrm_parse)
+
+        inner = genrm
+    elif cfg.rm_type == "dummy":
+
+        async def dummy(sample: dict):
+            return {cfg.reward_key: 0.0} if cfg.reward_key else 0.0
+
+        inner = dummy
+    else:
+        raise ValueError("no reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func")
+
+    async def bounded(sample: dict):
+        async with sem:
+            return await inner(sample)
+
+    return bounded
+
+
+def reward_value(result: Any, reward_key: str | None) -> float:
+    """The number the trainer uses: the float itself, or ``result[reward_key]`` (default "score")."""
+    if isinstance(result, dict):
+        key = reward_key or "score"
+        if key not in result:
+            raise KeyError(f"reward dict has no key {key!r} (keys: {sorted(result)}); set --reward-key")
+        return float(result[key])
+    return float(result)
+
+
+def load_post_process(cfg) -> Callable | None:
+    """The ``--custom-reward-post-process-path`` hook ``(args, samples) -> (raw, normalized)``."""
+    if not cfg.custom_reward_post_process_path:
+        return None
+    return load_callable(cfg.custom_reward_post_process_path, "--custom-reward-post-process-path")
