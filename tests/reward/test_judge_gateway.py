@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.actor import EngineActor
-from engines.model_builder import make_model
 from relay import this_host, this_proc
 from reward.gateway import serve, validate_request
 from reward.judge import JudgeService
@@ -25,11 +24,6 @@ from tests.launcher.test_launch import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MSG = [{"role": "user", "content": "Is 2+2=4? Answer 1 or 0."}]
-
-
-@pytest.fixture(scope="module")
-def judge_model(tmp_path_factory):
-    return make_model("qwen3", "tiny", str(tmp_path_factory.mktemp("j") / "judge"), seed=3)
 
 
 async def start(judge_model, instances=("__default__",), token=None):
