@@ -50,6 +50,11 @@ class GenRMClient:
             await asyncio.sleep(0.5 * (attempt + 1))
         raise JudgeUnavailable(f"judge at {self.address} failed {self.retries + 1} times: {last}")
 
+    def report_parse(self, route_key: str | None, ok: bool) -> None:
+        """Tell the service whether a verdict could be read (fire and forget; feeds the
+        parse-failure rate in its metrics)."""
+        self._mesh.record_parse.broadcast(route_key, ok)
+
     async def generate_many(self, list_of_messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> list[str]:
         return list(await asyncio.gather(*(self.generate(m, sampling_params, route_key) for m in list_of_messages)))
 

@@ -51,7 +51,7 @@ def parse_verdict(text: str, mode: str = "strict") -> int | None:
 
 
 async def score(
-    sample: dict, judge: Callable[[list[dict]], Awaitable[str]], parse: str = "strict"
+    sample: dict, judge: Callable[[list[dict]], Awaitable[str]], parse: str = "strict", report: Callable[[bool], None] | None = None
 ) -> dict:
     """``sample`` has ``response`` and ``label`` (or ``metadata.label``) and the question in
     ``metadata.question`` (or ``prompt``). Returns {score, acc, pred, judge_response, format_error}."""
@@ -68,6 +68,8 @@ async def score(
         log.warning("judge call failed after retries: %s", e)
         return {"score": 0.0, "acc": False, "pred": pred, "judge_response": "", "format_error": "judge_error"}
     verdict = parse_verdict(reply, parse)
+    if report is not None:
+        report(verdict is not None)
     if verdict is None:
         return {"score": 0.0, "acc": False, "pred": pred, "judge_response": reply, "format_error": "parse_error"}
     return {"score": float(verdict), "acc": bool(verdict), "pred": pred, "judge_response": reply, "format_error": ""}

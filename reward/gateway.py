@@ -144,7 +144,7 @@ def prometheus_text(snap: dict, gateway_errors: dict) -> str:
     reg = CollectorRegistry()
     counters = {
         k: Counter(f"genrm_{k}", f"GenRM {k.replace('_', ' ')}", ["instance"], registry=reg)
-        for k in ("requests", "tokens_in", "tokens_out", "cache_hits", "rejected_asleep", "errors_transport", "errors_engine", "parse_failures")
+        for k in ("requests", "tokens_in", "tokens_out", "cache_hits", "rejected_asleep", "errors_transport", "errors_engine", "verdicts", "parse_failures")
     }
     hist = Histogram("genrm_latency_seconds", "judge call latency", ["instance"], registry=reg, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
     errs = Counter("genrm_gateway_errors", "gateway errors by kind", ["kind"], registry=reg)

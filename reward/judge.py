@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 
 import relay
 from relay import Actor, ActorError, CallTimeout, SupervisionError, endpoint
+
+log = logging.getLogger("relay.judge")
 
 DEFAULT_ROUTE = "__default__"
 SAMPLING_DEFAULTS = {"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 4096}
@@ -179,6 +182,23 @@ class JudgeService(Actor):
             finally:
                 inst.in_flight[i] -= 1
         raise JudgeUnavailable(f"GenRM instance {inst.name!r}: engines failed ({last})")
+
+    @endpoint(concurrent=True)
+    async def record_parse(self, route_key: str | None, ok: bool) -> None:
+        """Reward code reports whether it could read a verdict; past 20% failures (after 20
+        verdicts) the service warns once per instance."""
+        inst = self._resolve(route_key)
+        self.metrics.inc(inst.name, "verdicts")
+        if not ok:
+            self.metrics.inc(inst.name, "parse_failures")
+        n = self.metrics.counts[(inst.name, "verdicts")]
+        bad = self.metrics.counts[(inst.name, "parse_failures")]
+        if n >= 20 and bad / n > 0.2 and not self.metrics.counts[(inst.name, "parse_warned")]:
+            self.metrics.inc(inst.name, "parse_warned")
+            log.warning(
+                "GenRM instance %r: %d of %d judge outputs are not a bare 0/1: set "
+                "chat_template_kwargs.enable_thinking=false or use parse=loose", inst.name, bad, n,
+            )
 
     @endpoint(concurrent=True)
     async def set_awake(self, route_key: str | None, awake: bool) -> None:

@@ -54,12 +54,14 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None) -
     elif cfg.rm_type == "dapo-genrm":
 
         async def genrm(sample: dict):
-            j = judge
+            j, report = judge, None
             if j is None:
                 from .client import get_genrm_client
 
-                j = get_genrm_client().generate
-            return await dapo_genrm.score(sample, j, parse=cfg.genrm_parse)
+                client = get_genrm_client()
+                j = client.generate
+                report = lambda ok: client.report_parse(None, ok)  # noqa: E731
+            return await dapo_genrm.score(sample, j, parse=cfg.genrm_parse, report=report)
 
         inner = genrm
     elif cfg.rm_type == "dummy":

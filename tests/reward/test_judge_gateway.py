@@ -72,8 +72,12 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
                 m = await r.json()
             inst = m["instances"]["__default__"]
             assert inst["num_engines"] == 1 and inst["requests"] == 3 and inst["cache_hits"] == 1 and inst["rejected_asleep"] == 1
+            for i in range(25):  # reward code reports unreadable verdicts: warned past 20%
+                await judge.record_parse.call_one(None, i % 3 != 0)
             async with s.get(f"{url}/genrm/metrics") as r:
                 text = await r.text()
+            assert 'genrm_parse_failures_total{instance="__default__"} 9.0' in text
+            assert 'genrm_verdicts_total{instance="__default__"} 25.0' in text
             assert 'genrm_requests_total{instance="__default__"} 3.0' in text and "genrm_latency_seconds_bucket" in text
         await runner.cleanup()
         await procs.stop()
