@@ -272,6 +272,14 @@ class ActorMesh:
 
     # Wire form: a reference any process can call through.
     def _to_wire(self) -> dict:
+        st = self._state
+        if st.initialized is not None and not st.initialized.done():
+            # Another process calling through this reference would not be ordered behind
+            # the spawn message (FIFO holds per sender only) and could reach the actor first.
+            raise RuntimeError(
+                f"actor mesh {self._name!r} is still being spawned; await mesh.initialized() "
+                "before passing it to another actor"
+            )
         return {
             "name": self._name,
             "cls": self._cls_path,

@@ -114,6 +114,9 @@ def test_self_call_through_own_mesh_is_rejected_not_deadlocked():
     async def main():
         procs = this_host().spawn_procs(per_host={"gpus": 1})
         mesh = procs.spawn("overlap", Overlap)
+        with pytest.raises(RuntimeError, match="still being spawned"):
+            mesh.set_mesh.call_one(mesh)  # refused at the sender: it could overtake the spawn
+        await mesh.initialized()
         await mesh.set_mesh.call_one(mesh)
         with pytest.raises(ActorError, match="would deadlock"):
             await mesh.reenter.call_one().result(timeout=10)
