@@ -1,0 +1,129 @@
+"""A Megatron-core ``GPTModel`` from an HF Qwen2/Qwen3/Llama config (local layer spec, no
+TransformerEngine), and HF <-> Megatron weight conversion (tensor parallel size 1 here;
+TP sharding is the next step of issue #5)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engines.model import ModelConfig
+
+
+def transformer_config(cfg: ModelConfig, tp: int = 1, dtype=torch.float32):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_query_groups=cfg.num_kv_heads,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+    )
+
+
+def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if cfg.rope_scaling is not None:
+        raise NotImplementedError("rope scaling (llama3) is not wired into the Megatron model yet")
+    return GPTModel(
+        config=transformer_config(cfg, tp, dtype),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        parallel_output=True,
+    )
+
+
+def _qkv_rows(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q/k/v (rows = heads x head_dim) -> Megatron's per-group [q..., k, v] layout."""
+    g, d = cfg.num_kv_heads, cfg.head_dim
+    per = cfg.num_heads // g
+    rest = q.shape[1:]
+    q = q.reshape(g, per * d, *rest)
+    k = k.reshape(g, d, *rest)
+    v = v.reshape(g, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, *rest)
+
+
+def _split_qkv(cfg: ModelConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = cfg.num_kv_heads, cfg.head_dim
+    per = cfg.num_heads // g
+    rest = w.shape[1:]
+    w = w.reshape(g, (per + 2) * d, *rest)
+    q, k, v = w.split([per * d, d, d], dim=1)
+    return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
+
+
+def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensor names -> the GPTModel state dict (TP=1)."""
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"], "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        a = h + "self_attn."
+        out[m + "self_attention.linear_qkv.weight"] = _qkv_rows(cfg, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"])
+        if cfg.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = _qkv_rows(cfg, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"])
+        if cfg.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
+        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The GPTModel state dict (TP=1) -> HF tensor names (the inverse of :func:`hf_to_megatron`)."""
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"], "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["output_layer.weight"]
+    for i in range(cfg.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[h + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
+        a = h + "self_attn."
+        q, k, v = _split_qkv(cfg, sd[m + "self_attention.linear_qkv.weight"])
+        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        if cfg.qkv_bias:
+            qb, kb, vb = _split_qkv(cfg, sd[m + "self_attention.linear_qkv.bias"])
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"]
+            out[a + "k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"]
+        out[a + "o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
+        gate, up = sd[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        out[h + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"]
+    return out
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    """Megatron's mask convention: True where attention is *not* allowed."""
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]

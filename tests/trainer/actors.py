@@ -1,0 +1,54 @@
+"""Actors for trainer tests: each runs Megatron in its own process (torch.distributed and
+Megatron's parallel state are per process)."""
+
+from __future__ import annotations
+
+import os
+
+from relay import Actor, endpoint
+
+
+class MegatronCheck(Actor):
+    @endpoint
+    def hf_roundtrip_and_logits(self, path: str) -> dict:
+        import torch
+        import torch.distributed as dist
+        import transformers
+        from safetensors.torch import load_file
+
+        from engines.model import ModelConfig
+        from engines.trainer import cpu_shim
+        from engines.trainer.megatron_model import (
+            build_gpt,
+            causal_mask,
+            hf_to_megatron,
+            megatron_to_hf,
+        )
+
+        cpu_shim.install()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://")
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+            model_parallel_cuda_manual_seed(1234)
+        cfg = ModelConfig.from_dir(path)
+        hf_sd = load_file(os.path.join(path, "model.safetensors"))
+        gpt = build_gpt(cfg).eval()
+        missing, unexpected = gpt.load_state_dict(hf_to_megatron(cfg, hf_sd), strict=False)
+        back = megatron_to_hf(cfg, {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")})
+        skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        exact = sorted(back) == sorted(set(hf_sd) - skip) and all(torch.equal(back[k], hf_sd[k]) for k in back)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        torch.manual_seed(0)
+        ids = torch.randint(5, 100, (2, 24))
+        with torch.no_grad():
+            ml = gpt(ids, torch.arange(24)[None].expand(2, -1), causal_mask(24))
+            hl = hf(ids).logits
+        return {
+            "missing": [m for m in missing if not m.endswith("_extra_state")],
+            "unexpected": list(unexpected),
+            "exact": exact,
+            "max_diff": float((ml - hl).abs().max()),
+        }
