@@ -127,3 +127,65 @@ def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, t
 def causal_mask(seq: int) -> torch.Tensor:
     """Megatron's mask convention: True where attention is *not* allowed."""
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
+# Tensor-parallel layout of the GPTModel parameters (local spec): column-parallel weights
+# split their rows, row-parallel ones their columns; the GLU fc1 holds [gate_r; up_r] per rank.
+_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """The TP=1 state dict -> this tensor-parallel rank's shard."""
+    if tp == 1:
+        return sd
+    out = {}
+    for name, w in sd.items():
+        if name.endswith("mlp.linear_fc1.weight"):
+            gate, up = w.chunk(2, dim=0)
+            out[name] = torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0).clone()
+        elif name.endswith(_COLUMN):
+            if w.shape[0] % tp:
+                raise ValueError(f"{name}: {w.shape[0]} rows do not split over TP={tp}")
+            out[name] = w.chunk(tp, 0)[rank].clone()
+        elif name.endswith(_ROW):
+            out[name] = w.chunk(tp, 1)[rank].clone()
+        else:
+            out[name] = w
+    return out
+
+
+def gather_full(model, tp_group) -> dict[str, torch.Tensor]:
+    """Gather this rank's shards into the TP=1 state dict (every rank gets it)."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    out = {}
+    for name, p in model.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        if tp == 1 or not (name.endswith(_COLUMN) or name.endswith(_ROW) or name.endswith("mlp.linear_fc1.weight")):
+            out[name] = p.detach().clone()
+            continue
+        parts = [torch.empty_like(p) for _ in range(tp)]
+        dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
+        if name.endswith("mlp.linear_fc1.weight"):
+            gates = [x.chunk(2, 0)[0] for x in parts]
+            ups = [x.chunk(2, 0)[1] for x in parts]
+            out[name] = torch.cat(gates + ups, dim=0)
+        elif name.endswith(_ROW):
+            out[name] = torch.cat(parts, dim=1)
+        else:
+            out[name] = torch.cat(parts, dim=0)
+    return out
+
+
+def token_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs of ``targets`` under the model, vocab-parallel (no full-vocab
+    gather across TP): ``-vocab_parallel_cross_entropy(logits / T, targets)``."""
+    from megatron.core import tensor_parallel
+
+    logits = model(input_ids, position_ids, mask)  # [b, s, V/tp]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), targets)

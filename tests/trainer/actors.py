@@ -52,3 +52,78 @@ class MegatronCheck(Actor):
             "exact": exact,
             "max_diff": float((ml - hl).abs().max()),
         }
+
+
+class TPTrainer(Actor):
+    """A tiny GRPO trainer shard (TP = world size) for tests."""
+
+    @endpoint
+    def setup_model(self, path: str, tp: int) -> None:
+        import torch
+        import torch.distributed as dist
+        from safetensors.torch import load_file
+
+        from engines.model import ModelConfig
+        from engines.trainer import cpu_shim
+        from engines.trainer.megatron_model import build_gpt, hf_to_megatron, shard_for_rank
+
+        cpu_shim.install()
+        dist.init_process_group("gloo", init_method="env://")
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        model_parallel_cuda_manual_seed(1234)
+        self.cfg = ModelConfig.from_dir(path)
+        self.model = build_gpt(self.cfg, tp=tp)
+        full = hf_to_megatron(self.cfg, load_file(os.path.join(path, "model.safetensors")))
+        missing, unexpected = self.model.load_state_dict(shard_for_rank(full, tp, parallel_state.get_tensor_model_parallel_rank()), strict=False)
+        assert not [m for m in missing if not m.endswith("_extra_state")] and not unexpected
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+
+    def _batch(self, seqs):
+        import torch
+
+        from engines.trainer.megatron_model import causal_mask
+
+        ids = torch.tensor(seqs)
+        b, s = ids.shape
+        return ids[:, :-1], torch.arange(s - 1)[None].expand(b, -1), causal_mask(s - 1), ids[:, 1:]
+
+    @endpoint
+    def logprobs(self, seqs: list) -> list:
+        import torch
+
+        from engines.trainer.megatron_model import token_logprobs
+
+        ids, pos, mask, tgt = self._batch(seqs)
+        self.model.eval()
+        with torch.no_grad():
+            return token_logprobs(self.model, ids, pos, mask, tgt).tolist()
+
+    @endpoint
+    def grpo_step(self, seqs: list, advantages: list) -> dict:
+        import torch
+
+        from engines.trainer.loss import LossConfig, policy_loss
+        from engines.trainer.megatron_model import token_logprobs
+
+        ids, pos, mask, tgt = self._batch(seqs)
+        self.model.train()
+        with torch.no_grad():
+            old = token_logprobs(self.model, ids, pos, mask, tgt)
+        logp = token_logprobs(self.model, ids, pos, mask, tgt)
+        loss, stats = policy_loss(logp, old, torch.tensor(advantages), torch.ones_like(logp), LossConfig())
+        self.opt.zero_grad()
+        loss.backward()  # replicated params (norms) get identical grads on every TP rank
+        self.opt.step()
+        return stats
+
+    @endpoint
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
