@@ -108,17 +108,17 @@ def policy_loss(
     loss = aggregate(pg, m, cfg.aggregation)
     if ref_logp is not None:  # logged whenever given; in the loss only with a coefficient
         kl = aggregate(kl_penalty(logp, ref_logp, cfg.kl_type), m, cfg.aggregation)
-        stats["kl"] = float(kl)
+        stats["kl"] = float(kl.detach())
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl
     if entropy is not None:
         ent = aggregate(entropy, m, cfg.aggregation)
-        stats["entropy"] = float(ent)
+        stats["entropy"] = float(ent.detach())
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ent
     stats["pg_clipfrac"] = float(aggregate(clipped, m))
-    stats["ppo_kl"] = float(aggregate(old_logp - logp, m))
+    stats["ppo_kl"] = float(aggregate((old_logp - logp).detach(), m))
     if rollout_logp is not None:
         stats["mismatch_kl"] = float(aggregate(kl_penalty(old_logp, rollout_logp, "k3"), m))
-    stats["loss"] = float(loss)
+    stats["loss"] = float(loss.detach())
     return loss, stats

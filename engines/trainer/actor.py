@@ -1,0 +1,244 @@
+"""``TrainerActor``: one Megatron-core training shard per worker process (sync endpoints:
+they run on the actor's thread, so the process's event loop and heartbeats stay free).
+
+Expects torch.distributed's env (MASTER_ADDR, RANK, WORLD_SIZE, ...) from
+``relay.setup_torch_distributed``. Tensor parallel size ``tp`` divides the world; the rest is
+data parallel. CPU (gloo) and CUDA (NCCL).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import torch
+
+from relay import Actor, endpoint
+
+from .loss import LossConfig, policy_loss
+
+
+class TrainerActor(Actor):
+    def __init__(self, model_path: str, tp: int = 1, lr: float = 1e-6, weight_decay: float = 0.0, clip_grad: float = 1.0,
+                 lr_decay_style: str = "constant", lr_warmup_iters: int = 0, total_iters: int = 1000, seed: int = 1234, loss: dict | None = None):
+        self.model_path = model_path
+        self.tp = tp
+        self.opt_args = dict(lr=lr, weight_decay=weight_decay)
+        self.clip_grad = clip_grad
+        self.schedule = (lr_decay_style, lr_warmup_iters, total_iters)
+        self.seed = seed
+        self.loss_cfg = LossConfig(**(loss or {}))
+        self.step = 0
+        self._offloaded: dict | None = None
+
+    def setup(self) -> None:
+        import torch.distributed as dist
+        from safetensors.torch import load_file
+
+        from engines.model import ModelConfig
+
+        from . import cpu_shim
+        from .megatron_model import build_gpt, hf_to_megatron, shard_for_rank
+
+        cpu_shim.install()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method="env://")
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        model_parallel_cuda_manual_seed(self.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.cfg = ModelConfig.from_dir(self.model_path)
+        self.model = build_gpt(self.cfg, tp=self.tp).to(self.device)
+        files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
+        hf = {}
+        for f in files:
+            hf.update(load_file(os.path.join(self.model_path, f)))
+        state = shard_for_rank(hf_to_megatron(self.cfg, hf), self.tp, self.tp_rank)
+        missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise KeyError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.opt_args["lr"], weight_decay=self.opt_args["weight_decay"])
+
+    # ------------------------------------------------------------------ helpers
+
+    def _lr(self) -> float:
+        style, warmup, total = self.schedule
+        base = self.opt_args["lr"]
+        if warmup and self.step < warmup:
+            return base * (self.step + 1) / warmup
+        if style == "cosine":
+            progress = min(1.0, (self.step - warmup) / max(1, total - warmup))
+            return base * 0.5 * (1 + math.cos(math.pi * progress))
+        return base
+
+    def _batch(self, seqs: list):
+        from .megatron_model import causal_mask
+
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        ids = ids.to(self.device)
+        s = width - 1
+        pos = torch.arange(s, device=self.device)[None].expand(len(seqs), -1)
+        return ids[:, :-1], pos, causal_mask(s).to(self.device), ids[:, 1:]
+
+    def _logprobs(self, seqs, temperature: float = 1.0) -> torch.Tensor:
+        from .megatron_model import token_logprobs
+
+        ids, pos, mask, tgt = self._batch(seqs)
+        return token_logprobs(self.model, ids, pos, mask, tgt, temperature)
+
+    # ------------------------------------------------------------------ endpoints
+
+    @endpoint
+    def compute_logprobs(self, seqs: list, temperature: float = 1.0) -> list:
+        """Per-token log-probs of each sequence's tokens 1..n (the engines' definition)."""
+        self.model.eval()
+        with torch.no_grad():
+            lp = self._logprobs(seqs, temperature)
+        return [row[: len(s) - 1].tolist() for row, s in zip(lp.cpu(), seqs)]
+
+    @endpoint
+    def train_step(self, seqs: list, response_masks: list, advantages: list, rollout_logprobs: list | None = None, temperature: float = 1.0) -> dict:
+        """One optimizer step of GRPO on these sequences. ``response_masks[i][t]`` marks the
+        response tokens among tokens 1..n of sequence i."""
+        if self._offloaded is not None:
+            raise RuntimeError("the trainer is offloaded; onload() before training")
+        self.model.train()
+        width = max(len(s) for s in seqs) - 1
+        mask = torch.zeros(len(seqs), width, device=self.device)
+        for i, m in enumerate(response_masks):
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        with torch.no_grad():
+            old = self._logprobs(seqs, temperature)
+        rollout = None
+        if rollout_logprobs is not None:
+            rollout = old.clone()
+            for i, r in enumerate(rollout_logprobs):
+                rollout[i, : len(r)] = torch.tensor(r, device=self.device)
+        for g in self.opt.param_groups:
+            g["lr"] = self._lr()
+        logp = self._logprobs(seqs, temperature)
+        loss, stats = policy_loss(logp, old, torch.tensor(advantages, device=self.device, dtype=torch.float32), mask, self.loss_cfg, rollout_logp=rollout)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad))
+        stats["lr"] = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.step += 1
+        return stats
+
+    @endpoint
+    def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
+        """The full weights under HF names (TP shards gathered), in buckets of about
+        ``bucket_bytes``, as CPU tensors (the relay path; GPU paths are issue #5's next step)."""
+        from .megatron_model import gather_full, megatron_to_hf
+
+        full = megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None))
+        buckets, cur, size = [], {}, 0
+        for name in sorted(full):
+            t = full[name].detach().cpu().contiguous()
+            if cur and size + t.numel() * t.element_size() > bucket_bytes:
+                buckets.append(cur)
+                cur, size = {}, 0
+            cur[name] = t
+            size += t.numel() * t.element_size()
+        if cur:
+            buckets.append(cur)
+        return buckets
+
+    @endpoint
+    def offload(self) -> int:
+        """Move params, grads and optimizer state to CPU buffers (allocated once, pinned on
+        GPU) and free the device memory. Returns the bytes moved."""
+        if self._offloaded is not None:
+            return 0
+        pin = self.device.type == "cuda"
+        bufs, moved = {"params": [], "grads": [], "opt": []}, 0
+        params = list(self.model.parameters())
+        cache = getattr(self, "_host", None)
+        if cache is None:
+            cache = self._host = {}
+        for i, p in enumerate(params):
+            host = cache.setdefault(("p", i), torch.empty(p.shape, dtype=p.dtype, pin_memory=pin))
+            host.copy_(p.data)
+            bufs["params"].append(host)
+            moved += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            if p.grad is not None:
+                g = cache.setdefault(("g", i), torch.empty(p.grad.shape, dtype=p.grad.dtype, pin_memory=pin))
+                g.copy_(p.grad)
+                bufs["grads"].append((i, g))
+                p.grad = None
+        for i, p in enumerate(params):
+            st = self.opt.state.get(p, {})
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and v.device.type == self.device.type and v.numel() > 1:
+                    h = cache.setdefault(("o", i, k), torch.empty(v.shape, dtype=v.dtype, pin_memory=pin))
+                    h.copy_(v)
+                    bufs["opt"].append((i, k, h))
+                    moved += v.numel() * v.element_size()
+                    st[k] = torch.empty(0, dtype=v.dtype, device=self.device)
+        self._offloaded = bufs
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return moved
+
+    @endpoint
+    def onload(self) -> None:
+        if self._offloaded is None:
+            return
+        params = list(self.model.parameters())
+        bufs = self._offloaded
+        for p, host in zip(params, bufs["params"]):
+            p.data = host.to(self.device, non_blocking=True).clone() if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+        for i, g in bufs["grads"]:
+            params[i].grad = g.to(self.device).clone()
+        for i, k, h in bufs["opt"]:
+            self.opt.state[params[i]][k] = h.to(self.device).clone() if self.device.type == "cpu" else h.to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._offloaded = None
+
+    @endpoint
+    def save_checkpoint(self, path: str) -> None:
+        """Weights (this rank's shard), optimizer, step and RNG states; written to a temporary
+        name and renamed, so a crash never leaves a half-written checkpoint."""
+        os.makedirs(path, exist_ok=True)
+        state = {
+            "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
+            "opt": self.opt.state_dict(),
+            "step": self.step,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        final = os.path.join(path, f"trainer-tp{self.tp_rank}.pt")
+        tmp = final + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, final)
+
+    @endpoint
+    def load_checkpoint(self, path: str) -> int:
+        state = torch.load(os.path.join(path, f"trainer-tp{self.tp_rank}.pt"), weights_only=False)
+        self.model.load_state_dict(state["model"], strict=False)
+        self.opt.load_state_dict(state["opt"])
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        return self.step
+
+    @endpoint
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if dist.is_initialized():
+            dist.barrier()
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
