@@ -136,6 +136,28 @@ class TrainerActor(Actor):
         return stats
 
     @endpoint
+    def sft_step(self, seqs: list, response_masks: list) -> dict:
+        """One optimizer step of supervised fine-tuning: cross-entropy on the response tokens
+        (token-level mean). Used by ``relay sft`` and the demo's warm-up."""
+        if self._offloaded is not None:
+            raise RuntimeError("the trainer is offloaded; onload() before training")
+        self.model.train()
+        width = max(len(s) for s in seqs) - 1
+        mask = torch.zeros(len(seqs), width, device=self.device)
+        for i, m in enumerate(response_masks):
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        for g in self.opt.param_groups:
+            g["lr"] = self._lr()
+        logp = self._logprobs(seqs)
+        loss = -(logp * mask).sum() / mask.sum().clamp_min(1)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad))
+        self.opt.step()
+        self.step += 1
+        return {"loss": float(loss.detach()), "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
+
+    @endpoint
     def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
         """The full weights under HF names (TP shards gathered), in buckets of about
         ``bucket_bytes``, as CPU tensors (the relay path; GPU paths are issue #5's next step)."""

@@ -99,3 +99,14 @@ def test_exported_weights_make_the_engine_match_the_trainer(policy):
     assert len(buckets) > 1
     assert max(abs(a - b) for a, b in zip(r.logprobs, trainer_lp)) < 1e-4
     assert r.weight_version == 1
+
+
+def test_sft_steps_lower_the_loss_on_the_response_tokens(policy):
+    async def main():
+        procs, t = await start(policy)
+        losses = [(await t.sft_step.call_one(SEQS, MASKS).result(120))["loss"] for _ in range(5)]
+        await stop(procs, t)
+        return losses
+
+    losses = run(main(), 280)
+    assert losses[-1] < losses[0] * 0.9, losses
