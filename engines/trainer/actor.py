@@ -256,6 +256,14 @@ class TrainerActor(Actor):
         return self.step
 
     @endpoint
+    def gpu_memory(self) -> dict:
+        """Device memory now: free (driver view) and allocated by torch in this process."""
+        if self.device.type != "cuda":
+            return {"free": 0, "allocated": 0}
+        torch.cuda.synchronize()
+        return {"free": torch.cuda.mem_get_info()[0], "allocated": torch.cuda.memory_allocated()}
+
+    @endpoint
     def shutdown(self) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state
