@@ -33,18 +33,19 @@ class MegatronCheck(Actor):
 
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
             model_parallel_cuda_manual_seed(1234)
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         cfg = ModelConfig.from_dir(path)
         hf_sd = load_file(os.path.join(path, "model.safetensors"))
-        gpt = build_gpt(cfg).eval()
-        missing, unexpected = gpt.load_state_dict(hf_to_megatron(cfg, hf_sd), strict=False)
-        back = megatron_to_hf(cfg, {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")})
+        gpt = build_gpt(cfg).eval().to(dev)
+        missing, unexpected = gpt.load_state_dict({k: v.to(dev) for k, v in hf_to_megatron(cfg, hf_sd).items()}, strict=False)
+        back = megatron_to_hf(cfg, {k: v.cpu() for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")})
         skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         exact = sorted(back) == sorted(set(hf_sd) - skip) and all(torch.equal(back[k], hf_sd[k]) for k in back)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval().to(dev)
         torch.manual_seed(0)
-        ids = torch.randint(5, 100, (2, 24))
+        ids = torch.randint(5, 100, (2, 24)).to(dev)
         with torch.no_grad():
-            ml = gpt(ids, torch.arange(24)[None].expand(2, -1), causal_mask(24))
+            ml = gpt(ids, torch.arange(24, device=dev)[None].expand(2, -1), causal_mask(24).to(dev))
             hl = hf(ids).logits
         return {
             "missing": [m for m in missing if not m.endswith("_extra_state")],
