@@ -50,6 +50,20 @@ def extract_answer(text: str) -> str | None:
     return None
 
 
+def _closing(s: str, k: int) -> int:
+    """Index of the brace closing the one at ``s[k]`` (len(s) if unbalanced)."""
+    depth = 0
+    while k < len(s):
+        if s[k] == "{":
+            depth += 1
+        elif s[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return k
+        k += 1
+    return k
+
+
 def _unwrap(cmd: str, s: str) -> str:
     """Replace ``\\cmd{x}`` by ``x`` (balanced braces), everywhere."""
     out, i, key = [], 0, "\\" + cmd + "{"
@@ -59,15 +73,7 @@ def _unwrap(cmd: str, s: str) -> str:
             out.append(s[i:])
             return "".join(out)
         out.append(s[i:j])
-        depth, k = 0, j + len(key) - 1
-        while k < len(s):
-            if s[k] == "{":
-                depth += 1
-            elif s[k] == "}":
-                depth -= 1
-                if depth == 0:
-                    break
-            k += 1
+        k = _closing(s, j + len(key) - 1)
         out.append(s[j + len(key) : k])
         i = k + 1
 
@@ -81,15 +87,7 @@ def _fracs(s: str) -> str:
         for _ in range(2):
             if k >= len(s) or s[k] != "{":
                 return s
-            depth, start = 0, k
-            while k < len(s):
-                if s[k] == "{":
-                    depth += 1
-                elif s[k] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                k += 1
+            start, k = k, _closing(s, k)
             parts.append(s[start + 1 : k])
             k += 1
         a, b = parts

@@ -89,6 +89,13 @@ class TrainerActor(Actor):
         pos = torch.arange(s, device=self.device)[None].expand(len(seqs), -1)
         return ids[:, :-1], pos, causal_mask(s).to(self.device), ids[:, 1:]
 
+    def _mask(self, seqs: list, response_masks: list) -> torch.Tensor:
+        """0/1 over tokens 1..n of each (right-padded) sequence: 1 on response tokens."""
+        mask = torch.zeros(len(seqs), max(len(s) for s in seqs) - 1, device=self.device)
+        for i, m in enumerate(response_masks):
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        return mask
+
     def _logprobs(self, seqs, temperature: float = 1.0) -> torch.Tensor:
         from .megatron_model import token_logprobs
 
@@ -112,10 +119,7 @@ class TrainerActor(Actor):
         if self._offloaded is not None:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         self.model.train()
-        width = max(len(s) for s in seqs) - 1
-        mask = torch.zeros(len(seqs), width, device=self.device)
-        for i, m in enumerate(response_masks):
-            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        mask = self._mask(seqs, response_masks)
         with torch.no_grad():
             old = self._logprobs(seqs, temperature)
         rollout = None
@@ -142,10 +146,7 @@ class TrainerActor(Actor):
         if self._offloaded is not None:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         self.model.train()
-        width = max(len(s) for s in seqs) - 1
-        mask = torch.zeros(len(seqs), width, device=self.device)
-        for i, m in enumerate(response_masks):
-            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        mask = self._mask(seqs, response_masks)
         for g in self.opt.param_groups:
             g["lr"] = self._lr()
         logp = self._logprobs(seqs)
