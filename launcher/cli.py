@@ -80,12 +80,9 @@ def _judge(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"relay judge: {e}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
+    from launcher.job import install_uvloop
 
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     return asyncio.run(run_judge(cfg, args.host, args.port, args.token))
 
 

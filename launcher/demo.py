@@ -61,10 +61,7 @@ async def _demo(procs: int) -> int:
 def run_relay_demo(procs: int = 4) -> int:
     if procs < 2:
         raise SystemExit("relay demo: --procs must be at least 2")
-    try:
-        import uvloop
+    from launcher.job import install_uvloop
 
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     return asyncio.run(_demo(procs))

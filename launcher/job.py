@@ -20,7 +20,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def _install_uvloop() -> None:
+def install_uvloop() -> None:
+    """Use uvloop for asyncio.run() when it is installed."""
     try:
         import uvloop
 
@@ -39,7 +40,7 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
     rank = Rank(0, 1) if single_node else (torchrun_rank() or Rank(0, 1))
     if cfg.nnodes is None:
         cfg = dataclasses.replace(cfg, nnodes=rank.world_size)
-    _install_uvloop()
+    install_uvloop()
     try:
         if rank.rank == 0:
             if single_node and cfg.nnodes != 1:

@@ -44,7 +44,10 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if cfg.rope_scaling is not None:
-        raise NotImplementedError("rope scaling (llama3) is not wired into the Megatron model yet")
+        raise ValueError(
+            "the Megatron trainer does not support rope scaling (llama3-style) yet; the built-in "
+            "engine does. Use a checkpoint without rope_scaling for training"
+        )
     return GPTModel(
         config=transformer_config(cfg, tp, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm),
@@ -77,50 +80,47 @@ def _split_qkv(cfg: ModelConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
 
 
-def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensor names -> the GPTModel state dict (TP=1)."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"], "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(HF name, Megatron name) pairs that map one to one (no layout change); the fused
+    q/k/v and gate/up tensors are handled by the two converters below."""
+    pairs = [("model.embed_tokens.weight", "embedding.word_embeddings.weight"), ("model.norm.weight", "decoder.final_layernorm.weight")]
     if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
+        pairs.append(("lm_head.weight", "output_layer.weight"))
     for i in range(cfg.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        a = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = _qkv_rows(cfg, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"])
-        if cfg.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _qkv_rows(cfg, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"])
+        pairs += [
+            (h + "input_layernorm.weight", m + "input_layernorm.weight"),
+            (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
+            (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
+            (h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"),
+        ]
         if cfg.qk_norm:
-            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
-        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+            pairs += [(h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"), (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight")]
+    return pairs
+
+
+def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensor names -> the GPTModel state dict (TP=1)."""
+    out = {m: hf[h] for h, m in _renames(cfg)}
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_rows(cfg, hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"])
+        mlp = f"model.layers.{i}.mlp."
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]], dim=0)
     return out
 
 
 def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The GPTModel state dict (TP=1) -> HF tensor names (the inverse of :func:`hf_to_megatron`)."""
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"], "model.norm.weight": sd["decoder.final_layernorm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = sd["output_layer.weight"]
+    out = {h: sd[m] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[h + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
-        a = h + "self_attn."
-        q, k, v = _split_qkv(cfg, sd[m + "self_attention.linear_qkv.weight"])
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        if cfg.qkv_bias:
-            qb, kb, vb = _split_qkv(cfg, sd[m + "self_attention.linear_qkv.bias"])
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
-        if cfg.qk_norm:
-            out[a + "q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"]
-            out[a + "k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"]
-        out[a + "o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
-        gate, up = sd[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"]
+        a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            q, k, v = _split_qkv(cfg, sd[m + f"self_attention.linear_qkv.{kind}"])
+            out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
+        mlp = f"model.layers.{i}.mlp."
+        out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = sd[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
     return out
 
 
