@@ -109,3 +109,23 @@ def cached_model(arch: str = "qwen3", size: str = "tiny", seed: int = 0, cache_d
         make_model(arch, size, tmp, seed)
         os.replace(tmp, path) if not os.path.exists(path) else None
     return path
+
+
+def ensure_model(path: str, seed: int = 7) -> str:
+    """``path`` if it holds a checkpoint; else, when ``path`` lies under the cache directory
+    (``$RELAY_CACHE``, default ``.cache``), build a tiny random Qwen3 there (the tiny configs'
+    models: no download) and return it. Anything else is a FileNotFoundError."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    cache = os.path.abspath(os.environ.get("RELAY_CACHE", ".cache"))
+    if not os.path.abspath(path).startswith(cache + os.sep):
+        raise FileNotFoundError(f"model {path!r} not found (only models under {cache} are built on first use)")
+    tmp = path + f".tmp{os.getpid()}"
+    make_model("qwen3", "tiny", tmp, seed=seed)
+    if os.path.exists(os.path.join(path, "config.json")):
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)  # another process built it first
+    else:
+        os.replace(tmp, path)
+    return path

@@ -1,5 +1,4 @@
-"""The ``relay`` command line. Subcommands: version, demo (later issues add train, plan,
-sbatch, judge, sft, plot, make-model)."""
+"""The ``relay`` command line: version, demo, plan, train, sft, plot, sbatch, judge, make-model."""
 
 from __future__ import annotations
 
@@ -39,6 +38,26 @@ def _train(args: argparse.Namespace) -> int:
 
     argv = (["--config", args.config] if args.config else []) + (["--hold", str(args.hold)] if args.hold else []) + args.overrides
     return job_main(argv, prog="relay train", single_node=True)
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from launcher.job import main as job_main
+
+    argv = (["--config", args.config] if args.config else []) + ["--sft"] + args.overrides
+    return job_main(argv, prog="relay sft", single_node=True)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from launcher.metrics import plot
+
+    try:
+        paths = plot(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"relay plot: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
 
 
 def _sbatch(args: argparse.Namespace) -> int:
@@ -111,12 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser(
         "train",
         help="run a job on this machine (one node) without typing torchrun",
-        description="Start the controller and this node's agent and workers. Until the GRPO loop "
-        "exists this places a probe actor on every bundle, reports the placement and shuts down.",
+        description="Start the controller and this node's agent and workers, report the placement, then run "
+        "GRPO when the config has --prompt-data (otherwise only place the job and stop).",
     )
     tr.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")
     tr.set_defaults(func=_train, takes_overrides=True)
+    st = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning (cross-entropy on response tokens) with the same trainer",
+        description="Train on JSONL rows {prompt, response} (--prompt-data), --sft-steps steps of --global-batch-size rows; "
+        "held-out exact-match accuracy on --eval-prompt-data; writes an HF checkpoint to --save-hf.",
+    )
+    st.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    st.set_defaults(func=_sft, takes_overrides=True)
+    pt = sub.add_parser("plot", help="write PNG curves (reward, accuracy, eval, phase times) of a run directory")
+    pt.add_argument("run_dir", help="the run directory (--run-dir of the job)")
+    pt.set_defaults(func=_plot)
     sb = sub.add_parser("sbatch", help="write a slurm script that runs the job with one torchrun per node")
     sb.add_argument("--config", required=True, help="YAML config")
     sb.add_argument("--nodes", type=int, required=True, help="number of nodes")

@@ -77,6 +77,8 @@ class JobConfig:
     rollout_top_p: float = _opt(1.0, help="rollout nucleus sampling", minimum=0.0)
     max_staleness: int = _opt(0, help="fully-async: how many weight versions a sample may lag", minimum=0)
     num_rollout: int = _opt(1, help="training steps (rollout + train) to run", minimum=0)
+    kv_cache_tokens: int = _opt(16384, help="cpu engines: KV-cache capacity in tokens (on GPU it comes from the memory fraction)", minimum=16)
+    update_weight_buffer_size: int = _opt(512 << 20, help="weight-sync bucket size in bytes", minimum=1)
     # ---- GenRM (the judge)
     genrm_model_path: str | None = _opt(None, help="legacy single judge: becomes the '__default__' instance")
     genrm_num_gpus: int | None = _opt(None, help="GPUs of the legacy judge (default: from --resource)", minimum=0)
@@ -91,6 +93,8 @@ class JobConfig:
     custom_reward_post_process_path: str | None = _opt(None, help="module.func hook (args, samples) -> (raw, normalized), used by defer-swap")
     defer_reward_to_post_process: bool = _opt(False, help="score the whole batch after rollout (Shared layout: defer-swap)")
     reward_max_concurrency: int = _opt(64, help="reward calls in flight at most", minimum=1)
+    genrm_prompt_template: str | None = _opt(None, help="dapo-genrm judge prompt: a format string with {question}, {label}, {answer} (default: the dapo-genrm prompt)")
+    genrm_gateway_port: int = _opt(8000, help="port of the judge's HTTP gateway on 127.0.0.1 (0: any free port)", minimum=0)
     genrm_parse: str = _opt("strict", help="dapo-genrm verdict parsing: strict (only an exact '1' scores) or loose", choices=("strict", "loose"))
     # ---- GRPO
     advantage_estimator: str = _opt("grpo", help="advantage estimator", choices=("grpo",))
@@ -104,6 +108,7 @@ class JobConfig:
     tis_clip: float = _opt(2.0, help="TIS upper clamp", minimum=0.0)
     tis_clip_low: float = _opt(0.0, help="TIS lower clamp", minimum=0.0)
     entropy_coef: float = _opt(0.0, help="entropy bonus coefficient", minimum=0.0)
+    tensor_model_parallel_size: int = _opt(1, help="trainer tensor parallel size (the rest of the actor GPUs is data parallel)", minimum=1)
     # ---- optimizer
     optimizer: str = _opt("adam", help="optimizer", choices=("adam", "adamw"))
     lr: float = _opt(1e-6, help="learning rate", minimum=0.0)
@@ -116,8 +121,17 @@ class JobConfig:
     eval_prompt_data: str | None = _opt(None, help="evaluation prompts (JSONL)")
     eval_interval: int | None = _opt(None, help="evaluate every N steps", minimum=1)
     n_samples_per_eval_prompt: int = _opt(1, help="samples per evaluation prompt", minimum=1)
+    eval_max_response_len: int | None = _opt(None, help="max new tokens per evaluation sample (default: --rollout-max-response-len)", minimum=1)
+    eval_temperature: float = _opt(0.0, help="evaluation sampling temperature (0: greedy)", minimum=0.0)
+    eval_top_p: float = _opt(1.0, help="evaluation nucleus sampling", minimum=0.0)
+    skip_eval_before_train: bool = _opt(False, help="do not evaluate before the first step")
+    apply_chat_template: bool = _opt(True, help="prompts go through the tokenizer's chat template (text prompts become one user turn)")
+    chat_template_kwargs: dict = _opt({}, help='JSON passed to the policy\'s chat template, e.g. {"enable_thinking": false}')
     hf_checkpoint: str | None = _opt(None, help="policy checkpoint directory (HF format)")
     save_interval: int | None = _opt(None, help="save a checkpoint every N steps", minimum=1)
+    resume: bool = _opt(False, help="continue from the latest checkpoint in --run-dir (same data order and step numbers)")
+    sft_steps: int | None = _opt(None, help="relay sft: optimizer steps (default: one pass over --prompt-data)", minimum=1)
+    save_hf: str | None = _opt(None, help="relay sft: write the trained model here as an HF checkpoint (default: RUN_DIR/hf)")
     run_dir: str = _opt("runs/latest", help="where metrics, plots and checkpoints go")
     seed: int = _opt(1234, help="random seed")
 
@@ -336,6 +350,13 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             f"--global-batch-size ({cfg.global_batch_size}) must be a multiple of --n-samples-per-prompt "
             f"({cfg.n_samples_per_prompt}): GRPO groups are never split across optimizer steps"
         )
+    if cfg.genrm_prompt_template is not None:
+        from reward.dapo_genrm import check_template
+
+        try:
+            check_template(cfg.genrm_prompt_template)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _ = cfg.genrm  # normalize now: errors surface at load time, not at launch
     return cfg
 

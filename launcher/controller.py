@@ -1,9 +1,11 @@
 """The job: rank 0 runs the controller (and its node's agent); every other rank runs an
 agent. ``python -m launcher`` under torchrun and ``relay train`` both end up here.
 
-Until the training loop exists, the controller starts every agent's workers (one per
-bundle of the plan), places a trivial actor on each, reports the placement, optionally
-holds the job up for ``--hold`` seconds, and shuts everything down cleanly.
+The controller starts every agent's workers (one per bundle of the plan), places a probe
+actor on each and reports the placement (optionally holding the job up for ``--hold``
+seconds); then it runs the GRPO loop (``launcher/grpo.py``) when the config has
+``--prompt-data``, or SFT (``launcher/sft.py``) for ``relay sft``, and shuts everything
+down cleanly.
 
 Health: agents heartbeat to the controller and workers to their agent. A dead or silent
 agent, or a dead worker (reported by its agent), stops the whole job with a message that
@@ -79,8 +81,9 @@ def _prepare_process_env(rank: int) -> None:
 # ---------------------------------------------------------------------------- controller
 
 
-async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out=sys.stdout) -> int:
-    """Rank 0. Returns the process exit code."""
+async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out=sys.stdout, mode: str = "train") -> int:
+    """Rank 0. ``mode`` "train" runs GRPO when the config has ``--prompt-data`` (else it only
+    places the job); "sft" runs supervised fine-tuning. Returns the process exit code."""
     plan = make_plan(cfg)
     if plan.nnodes != world_size:
         raise JobFailed(
@@ -112,6 +115,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
     agent_refs: dict[int, ProcRef] = {}
     roles = _roles_by_bundle(plan)
     code = 0
+    jobs: list = []
 
     async def body() -> None:
         for r in range(1, world_size):
@@ -144,6 +148,16 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         if hold > 0:
             print(f"holding the job for {hold:g} s", file=out, flush=True)
             await asyncio.sleep(hold)
+        if mode == "sft" or cfg.prompt_data:
+            from .grpo import GRPOJob
+            from .sft import SFTJob
+
+            job = (SFTJob if mode == "sft" else GRPOJob)(cfg, plan, workers, out)
+            jobs.append(job)
+            await job.start()
+            await job.run()
+        else:
+            print("no --prompt-data: the job was placed; nothing to train", file=out, flush=True)
 
     task = asyncio.ensure_future(body())
     waiter = asyncio.ensure_future(failures.get())
@@ -170,6 +184,11 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             f.cancel()
     if message:
         print(f"relay: job {'failed' if code == 1 else 'stopped'}: {message}", file=sys.stderr, flush=True)
+    for job in jobs:
+        try:
+            await asyncio.wait_for(job.close(graceful=code == 0), 90)
+        except Exception as e:  # noqa: BLE001 (the workers are stopped next in any case)
+            print(f"relay: closing the job: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     await _shutdown(agents, agent_refs, rt)
     if code == 0:
         print("shut down cleanly", file=out, flush=True)

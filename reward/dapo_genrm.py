@@ -33,8 +33,25 @@ def final_answer(response: str) -> str:
     return response[-TAIL_CHARS:].strip()
 
 
-def judge_messages(question: str, label: str, response: str) -> list[dict]:
-    return [{"role": "user", "content": PROMPT.format(question=question, label=label, answer=final_answer(response))}]
+def judge_messages(question: str, label: str, response: str, template: str | None = None) -> list[dict]:
+    """One user turn: ``template`` (default :data:`PROMPT`) filled with the question, the
+    reference and the response's final answer."""
+    text = (template or PROMPT).format(question=question, label=label, answer=final_answer(response))
+    return [{"role": "user", "content": text}]
+
+
+def check_template(template: str) -> str:
+    """A judge prompt template may use only {question}, {label} and {answer}, and must use {answer}."""
+    import string
+
+    try:
+        names = {f[1] for f in string.Formatter().parse(template) if f[1] is not None}
+    except ValueError as e:
+        raise ValueError(f"--genrm-prompt-template is not a valid format string: {e}") from None
+    bad = names - {"question", "label", "answer"}
+    if bad or "answer" not in names:
+        raise ValueError(f"--genrm-prompt-template may use {{question}}, {{label}}, {{answer}} (and must use {{answer}}); got {sorted(names)}")
+    return template
 
 
 def parse_verdict(text: str, mode: str = "strict") -> int | None:
@@ -51,7 +68,8 @@ def parse_verdict(text: str, mode: str = "strict") -> int | None:
 
 
 async def score(
-    sample: dict, judge: Callable[[list[dict]], Awaitable[str]], parse: str = "strict", report: Callable[[bool], None] | None = None
+    sample: dict, judge: Callable[[list[dict]], Awaitable[str]], parse: str = "strict", report: Callable[[bool], None] | None = None,
+    template: str | None = None,
 ) -> dict:
     """``sample`` has ``response`` and ``label`` (or ``metadata.label``) and the question in
     ``metadata.question`` (or ``prompt``). Returns {score, acc, pred, judge_response, format_error}."""
@@ -63,7 +81,7 @@ async def score(
     response = sample.get("response", "")
     pred = final_answer(response)
     try:
-        reply = await judge(judge_messages(question, label, response))
+        reply = await judge(judge_messages(question, label, response, template))
     except Exception as e:  # noqa: BLE001 (the contract: never crash the step)
         log.warning("judge call failed after retries: %s", e)
         return {"score": 0.0, "acc": False, "pred": pred, "judge_response": "", "format_error": "judge_error"}

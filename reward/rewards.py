@@ -61,7 +61,7 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None) -
                 client = get_genrm_client()
                 j = client.generate
                 report = lambda ok: client.report_parse(None, ok)  # noqa: E731
-            return await dapo_genrm.score(sample, j, parse=cfg.genrm_parse, report=report)
+            return await dapo_genrm.score(sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None))
 
         inner = genrm
     elif cfg.rm_type == "dummy":

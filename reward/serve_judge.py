@@ -9,30 +9,16 @@ Qwen3 with a local tokenizer: no download) and reused afterwards.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 
 import relay
 from engines.actor import EngineActor
+from engines.model_builder import ensure_model
 from launcher.config import JobConfig
 
 from .gateway import serve
 from .judge import JudgeService
-
-
-def ensure_model(path: str) -> str:
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    cache = os.path.abspath(os.environ.get("RELAY_CACHE", ".cache"))
-    if not os.path.abspath(path).startswith(cache):
-        raise FileNotFoundError(f"judge model {path!r} not found (only models under {cache} are built on first use)")
-    from engines.model_builder import make_model
-
-    tmp = path + f".tmp{os.getpid()}"
-    make_model("qwen3", "tiny", tmp, seed=7)
-    os.replace(tmp, path)
-    return path
 
 
 async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, ready=None) -> int:

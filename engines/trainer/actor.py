@@ -52,6 +52,9 @@ class TrainerActor(Actor):
         model_parallel_cuda_manual_seed(self.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.rank = dist.get_rank()
         self.cfg = ModelConfig.from_dir(self.model_path)
         self.model = build_gpt(self.cfg, tp=self.tp).to(self.device)
         files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
@@ -76,6 +79,22 @@ class TrainerActor(Actor):
             progress = min(1.0, (self.step - warmup) / max(1, total - warmup))
             return base * 0.5 * (1 + math.cos(math.pi * progress))
         return base
+
+    def _reduce_grads(self) -> None:
+        """Data parallel: average gradients over the DP group (each rank's loss is the mean
+        over its own shard of the batch, so ranks should get equal shares)."""
+        if self.dp_size == 1:
+            return
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
 
     def _batch(self, seqs: list):
         from .megatron_model import causal_mask
@@ -113,9 +132,11 @@ class TrainerActor(Actor):
         return [row[: len(s) - 1].tolist() for row, s in zip(lp.cpu(), seqs)]
 
     @endpoint
-    def train_step(self, seqs: list, response_masks: list, advantages: list, rollout_logprobs: list | None = None, temperature: float = 1.0) -> dict:
+    def train_step(self, seqs: list, response_masks: list, advantages: list, rollout_logprobs: list | None = None,
+                   ref_logprobs: list | None = None, temperature: float = 1.0) -> dict:
         """One optimizer step of GRPO on these sequences. ``response_masks[i][t]`` marks the
-        response tokens among tokens 1..n of sequence i."""
+        response tokens among tokens 1..n of sequence i; ``rollout_logprobs`` / ``ref_logprobs``
+        (aligned the same way) feed TIS / mismatch_kl and the KL loss."""
         if self._offloaded is not None:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         self.model.train()
@@ -127,12 +148,19 @@ class TrainerActor(Actor):
             rollout = old.clone()
             for i, r in enumerate(rollout_logprobs):
                 rollout[i, : len(r)] = torch.tensor(r, device=self.device)
+        ref = None
+        if ref_logprobs is not None:
+            ref = old.clone()
+            for i, r in enumerate(ref_logprobs):
+                ref[i, : len(r)] = torch.tensor(r, device=self.device)
         for g in self.opt.param_groups:
             g["lr"] = self._lr()
         logp = self._logprobs(seqs, temperature)
-        loss, stats = policy_loss(logp, old, torch.tensor(advantages, device=self.device, dtype=torch.float32), mask, self.loss_cfg, rollout_logp=rollout)
+        loss, stats = policy_loss(logp, old, torch.tensor(advantages, device=self.device, dtype=torch.float32), mask, self.loss_cfg,
+                                  ref_logp=ref, rollout_logp=rollout)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        self._reduce_grads()
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad))
         stats["lr"] = self.opt.param_groups[0]["lr"]
         self.opt.step()
@@ -153,18 +181,46 @@ class TrainerActor(Actor):
         loss = -(logp * mask).sum() / mask.sum().clamp_min(1)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        self._reduce_grads()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad))
         self.opt.step()
         self.step += 1
         return {"loss": float(loss.detach()), "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
 
     @endpoint
+    def greedy_match(self, seqs: list, response_masks: list) -> list:
+        """Per sequence: does the argmax prediction equal every response token (teacher
+        forced)? For a one-token answer this is exactly greedy decoding's accuracy."""
+        self.model.eval()
+        ids, pos, mask, tgt = self._batch(seqs)
+        with torch.no_grad():
+            logits = self.model(ids, pos, mask)
+            if self.tp > 1:
+                from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+                logits = gather_from_tensor_model_parallel_region(logits)
+            pred = logits.argmax(-1)
+        rmask = self._mask(seqs, response_masks).bool()
+        ok = ((pred == tgt) | ~rmask).all(dim=1)
+        return [bool(x) for x in ok.cpu()]
+
+    @endpoint
     def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
         """The full weights under HF names (TP shards gathered), in buckets of about
-        ``bucket_bytes``, as CPU tensors (the relay path; GPU paths are issue #5's next step)."""
+        ``bucket_bytes``, as CPU tensors (the relay path; GPU paths are issue #5's next step).
+        Works while offloaded (the parameters come back for the gather and leave again)."""
         from .megatron_model import gather_full, megatron_to_hf
 
-        full = megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None))
+        params = list(self.model.parameters())
+        if self._offloaded is not None:  # export reads the parameters only: bring those back for the gather
+            for p, host in zip(params, self._offloaded["params"]):
+                p.data = host.to(self.device)
+        try:
+            full = megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None))
+        finally:
+            if self._offloaded is not None:
+                for p in params:
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         buckets, cur, size = [], {}, 0
         for name in sorted(full):
             t = full[name].detach().cpu().contiguous()
@@ -176,6 +232,19 @@ class TrainerActor(Actor):
         if cur:
             buckets.append(cur)
         return buckets
+
+    @endpoint
+    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0) -> int:
+        """Weight sync: every rank joins the TP gather; rank 0 sends the HF-named buckets
+        with ``version`` to each engine (an EngineActor mesh) and waits until all applied
+        them (so no buffer is reused while a receiver still reads it). Returns bytes sent."""
+        buckets = self.export_hf(bucket_bytes)
+        if self.rank != 0:
+            return 0
+        futures = [e.update_weights.call(buckets, version) for e in engines]
+        for f in futures:
+            f.get(timeout)
+        return sum(t.numel() * t.element_size() for b in buckets for t in b.values()) * len(engines)
 
     @endpoint
     def offload(self) -> int:

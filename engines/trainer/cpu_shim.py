@@ -16,8 +16,18 @@ import torch
 _installed = False
 
 
+def quiet_optional_backend_warnings() -> None:
+    """Megatron warns at import that TransformerEngine/Apex are absent (they are optional
+    here) once per module and process; keep job logs readable."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+
+
 def install() -> None:
     global _installed
+    quiet_optional_backend_warnings()
     if _installed or torch.cuda.is_available():
         return
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]

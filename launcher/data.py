@@ -1,0 +1,90 @@
+"""Prompt data: JSONL in the dapo-math-17k / aime-2024 schema.
+
+Each line is an object with ``prompt`` (text, or chat messages ``[{role, content}, ...]``)
+and ``label`` (the reference answer); every other key is kept as metadata. For ``relay
+sft`` a line also has ``response`` (the target text).
+
+The order is deterministic: epoch ``e`` visits the rows in a permutation seeded by
+``(seed, e)``, and step ``s`` takes the next ``batch`` rows of that endless sequence, so a
+resumed run sees exactly the prompts the original run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+
+class DataError(ValueError):
+    """The data file is unusable; the message names the file, line and what to change."""
+
+
+@dataclass
+class Row:
+    index: int
+    prompt: str | list
+    label: str
+    response: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+def load_rows(path: str, what: str = "--prompt-data", need_response: bool = False) -> list[Row]:
+    rows: list[Row] = []
+    try:
+        f = open(path)
+    except OSError as e:
+        raise DataError(f"{what}: cannot read {path!r}: {e.strerror}") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{what}: {path}:{n} is not JSON: {e}") from None
+            if not isinstance(obj, dict) or "prompt" not in obj:
+                raise DataError(f"{what}: {path}:{n} needs an object with a 'prompt' (text or chat messages)")
+            prompt = obj.pop("prompt")
+            ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+            if not ok:
+                raise DataError(f"{what}: {path}:{n}: 'prompt' must be text or a list of {{role, content}} messages")
+            response = obj.pop("response", None)
+            if need_response and not isinstance(response, str):
+                raise DataError(f"{what}: {path}:{n} needs a 'response' (the target text) for relay sft")
+            label = obj.pop("label", "")
+            rows.append(Row(len(rows), prompt, str(label), response, obj))
+    if not rows:
+        raise DataError(f"{what}: {path!r} has no rows")
+    return rows
+
+
+def question_text(prompt: str | list) -> str:
+    """The last user turn of a chat prompt, or the text prompt itself."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+
+
+class PromptOrder:
+    """The endless, seeded sequence of rows (see the module docstring)."""
+
+    def __init__(self, rows: list[Row], seed: int):
+        self.rows = rows
+        self.seed = seed
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        p = self._perms.get(epoch)
+        if p is None:
+            p = list(range(len(self.rows)))
+            random.Random(f"{self.seed}:{epoch}").shuffle(p)
+            self._perms = {epoch: p}
+        return p
+
+    def batch(self, step: int, size: int) -> list[Row]:
+        out = []
+        for k in range(step * size, (step + 1) * size):
+            epoch, i = divmod(k, len(self.rows))
+            out.append(self.rows[self._perm(epoch)[i]])
+        return out

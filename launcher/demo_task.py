@@ -1,0 +1,71 @@
+"""The demo's synthetic task and its data files (no downloads).
+
+Policy task: "What is N mod 10?" for 2- to 4-digit N; the answer is one digit. Train and
+held-out prompts use disjoint N. The judge's task: given a reference digit and a model's
+answer (a digit, or a few characters), reply "1" if they match and "0" if not; its prompt is
+the compact :data:`JUDGE_TEMPLATE` (a tiny character-level judge cannot read the long
+dapo-genrm prompt in the minutes the demo has), passed to the job as
+``--genrm-prompt-template``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+JUDGE_TEMPLATE = "Reference: {label}\nAnswer: {answer}"
+
+
+def question(n: int) -> str:
+    return f"What is {n} mod 10?"
+
+
+def _write(path: str, rows: list[dict]) -> str:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def _judge_answer(rng: random.Random, label: str) -> str:
+    """Half matching answers; the rest other digits, two-character strings or junk, the
+    kinds of mistakes a tiny policy makes."""
+    r = rng.random()
+    if r < 0.5:
+        return label
+    if r < 0.8:
+        return rng.choice([d for d in "0123456789" if d != label])
+    if r < 0.9:
+        return rng.choice("0123456789") + rng.choice("0123456789")
+    return rng.choice(["", "?", "a", label + label, "1" + label, label + "0"])
+
+
+def write_demo_data(root: str, seed: int = 0) -> dict[str, str]:
+    """All the demo's JSONL files under ``root``; returns their paths by name."""
+    from reward.dapo_genrm import judge_messages
+
+    os.makedirs(root, exist_ok=True)
+    rng = random.Random(seed)
+    numbers = list(range(10, 10000))
+    rng.shuffle(numbers)
+    held, train = numbers[:200], numbers[200:]
+    paths = {
+        "train": _write(os.path.join(root, "train.jsonl"), [{"prompt": [{"role": "user", "content": question(n)}], "label": str(n % 10)} for n in train]),
+        "eval": _write(os.path.join(root, "eval.jsonl"), [{"prompt": [{"role": "user", "content": question(n)}], "label": str(n % 10)} for n in held]),
+        "policy_sft": _write(os.path.join(root, "policy_sft.jsonl"), [{"prompt": question(n), "response": str(n % 10)} for n in train]),
+        "policy_sft_eval": _write(os.path.join(root, "policy_sft_eval.jsonl"), [{"prompt": question(n), "response": str(n % 10)} for n in held]),
+    }
+
+    def judge_rows(k: int, r: random.Random) -> list[dict]:
+        rows = []
+        for _ in range(k):
+            label = str(r.randrange(10))
+            answer = _judge_answer(r, label)
+            msgs = judge_messages("", label, f"Answer: {answer}", JUDGE_TEMPLATE)
+            rows.append({"prompt": msgs, "response": "1" if answer == label else "0"})
+        return rows
+
+    paths["judge_sft"] = _write(os.path.join(root, "judge_sft.jsonl"), judge_rows(20000, random.Random(seed + 1)))
+    paths["judge_sft_eval"] = _write(os.path.join(root, "judge_sft_eval.jsonl"), judge_rows(400, random.Random(seed + 2)))
+    return paths

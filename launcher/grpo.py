@@ -1,0 +1,602 @@
+"""The GRPO training loop, run by the controller once every bundle has its worker.
+
+Roles come from the allocator's plan: a ``TrainerActor`` on every actor bundle (TP within,
+DP across), an ``EngineActor`` per rollout engine and per judge engine (on the first
+bundle of its slice), the ``JudgeService`` and its HTTP gateway in the controller process,
+and the reward function, which calls the judge through the ZeroMQ client.
+
+One colocated step (DESIGN.md; the order matters):
+  rollout (+ inline rewards in Split / Co-resident)
+  -> [Defer-swap: rollout sleeps, judge wakes, batch score, judge sleeps (in a finally)]
+  -> engines sleep -> trainer onloads, trains, offloads
+  -> rollout wakes weights -> weight sync (new version) -> rollout wakes kv_cache
+  -> judge wakes (not in Defer-swap).
+Fully-async: dedicated pools, a producer keeps generating (and scoring) groups while the
+trainer trains; a group whose weight version lags the trainer by more than
+``--max-staleness`` is dropped; every sample records its weight version.
+A step whose rewards failed is not trained on: the job stops with the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import relay
+from relay import ProcMesh, this_proc
+
+from .agent import WorkerInfo
+from .allocator import Plan
+from .config import JobConfig
+from .data import PromptOrder, Row, load_rows, question_text
+from .metrics import MetricsLog
+
+CHECKPOINT_DIR = "checkpoints"
+STATE_FILE = "state.json"
+
+
+@dataclass
+class Engine:
+    role: str  # "rollout" or "genrm"
+    instance: str
+    mesh: relay.ActorMesh
+    outstanding: int = 0
+
+
+def _groups(xs: list, n: int) -> list[list]:
+    return [xs[i : i + n] for i in range(0, len(xs), n)]
+
+
+class GRPOJob:
+    def __init__(self, cfg: JobConfig, plan: Plan, workers: list[WorkerInfo], out):
+        if not cfg.hf_checkpoint:
+            raise ValueError("training needs a policy: set --hf-checkpoint (an HF checkpoint directory)")
+        if not cfg.prompt_data:
+            raise ValueError("training needs prompts: set --prompt-data (a JSONL file with 'prompt' and 'label')")
+        if cfg.rollout_gpus == 0:
+            raise ValueError("training needs rollout engines: give --resource a 'rollout' entry")
+        self.cfg = cfg
+        self.plan = plan
+        self.out = out
+        self.by_bundle = {w.bundle: w for w in workers}
+        self.mode = plan.mode
+        self.colocate = plan.mode.startswith("colocate")
+        self.defer = plan.mode == "colocate-defer"
+        self.rows = load_rows(cfg.prompt_data)
+        self.order = PromptOrder(self.rows, cfg.seed)
+        self.eval_rows = load_rows(cfg.eval_prompt_data, "--eval-prompt-data") if cfg.eval_prompt_data else None
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.version = 0
+        self.start_step = 0
+        self.gateway = None
+        self.judge = None
+        self.rollout: list[Engine] = []
+        self.judges: list[Engine] = []
+
+    # ------------------------------------------------------------------ start-up
+
+    def _procs(self, bundles) -> list:
+        return [self.by_bundle[b.index].proc for b in bundles]
+
+    def _engine_kwargs(self, claim, weights_mode: str) -> dict:
+        kw: dict = {"weights_mode": weights_mode}
+        if self.cfg.device == "cpu":
+            kw["kv_cache_tokens"] = self.cfg.kv_cache_tokens
+        else:
+            kw.update(device="cuda", mem_fraction_static=claim.mem_fraction or self.cfg.sglang_mem_fraction_static)
+        return kw
+
+    async def start(self) -> None:
+        from engines.model_builder import ensure_model
+        from engines.trainer.actor import TrainerActor
+        from reward.gateway import serve
+        from reward.judge import JudgeService
+
+        cfg = self.cfg
+        t0 = time.monotonic()
+        await asyncio.to_thread(ensure_model, cfg.hf_checkpoint, 1)
+        for inst in cfg.genrm.values():
+            await asyncio.to_thread(ensure_model, inst.model_path, 7)
+        actor_claim = next(c for c in self.plan.claims if c.role == "actor")
+        actor_procs = ProcMesh.attach(self._procs(self.plan.bundles_of(actor_claim)), name="trainer", dims={"ranks": actor_claim.size})
+        if actor_claim.size % cfg.tensor_model_parallel_size:
+            raise ValueError(f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size} does not divide the {actor_claim.size} actor GPUs")
+        self.dp = actor_claim.size // cfg.tensor_model_parallel_size
+        loss = dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
+                    kl_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_type=cfg.kl_loss_type, use_tis=cfg.use_tis,
+                    tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low, entropy_coef=cfg.entropy_coef)
+        self.trainer = actor_procs.spawn(
+            "trainer", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+            clip_grad=cfg.clip_grad, lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters,
+            total_iters=max(1, cfg.num_rollout * max(1, cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.global_batch_size)),
+            seed=cfg.seed, loss=loss,
+        )
+        self.reference = None
+        if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
+            ref_claim = next((c for c in self.plan.claims if c.role == "reference"), actor_claim)
+            ref_procs = actor_procs if ref_claim is actor_claim else ProcMesh.attach(self._procs(self.plan.bundles_of(ref_claim)), name="reference", dims={"ranks": ref_claim.size})
+            self.reference = ref_procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, seed=cfg.seed)
+        pending = [asyncio.ensure_future(self.trainer.initialized(900))]
+        if self.reference is not None:
+            pending.append(asyncio.ensure_future(self.reference.initialized(900)))
+        try:
+            self._spawn_engines(pending)
+            await asyncio.gather(*pending)
+        finally:
+            for f in pending:
+                f.cancel()
+        if self.judges:
+            specs: dict = {}
+            for name, inst in cfg.genrm.items():
+                specs[name] = {"model_path": inst.model_path, "num_gpus": inst.num_gpus, "sampling_config": inst.sampling_config,
+                               "engines": [e.mesh for e in self.judges if e.instance == name]}
+            self.judge = this_proc().spawn("genrm", JudgeService, specs)
+            await self.judge.initialized(300)
+            os.environ["RELAY_GENRM_ADDR"] = relay.current_runtime().address
+            self.gateway = await serve(self.judge, "127.0.0.1", cfg.genrm_gateway_port)
+            port = self.gateway.addresses[0][1] if self.gateway.addresses else cfg.genrm_gateway_port
+            print(f"judge gateway: http://127.0.0.1:{port}/genrm/health", file=self.out, flush=True)
+        from reward.rewards import load_post_process, make_reward_fn
+
+        self.reward_fn = make_reward_fn(cfg)
+        self.post_process = load_post_process(cfg)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+        self._prompt_ids: dict[int, list[int]] = {}
+        if cfg.resume:
+            await self._restore()
+        if self.defer:
+            await self._judge_sleep()
+        if self.colocate:
+            await self.trainer.offload.call().result(600)
+        print(f"started {len(self.rollout)} rollout engine(s), {len(self.judges)} judge engine(s) and a {self.dp}x{cfg.tensor_model_parallel_size} "
+              f"(DP x TP) trainer in {time.monotonic() - t0:.1f} s ({self.mode})", file=self.out, flush=True)
+
+    def _spawn_engines(self, pending: list) -> None:
+        from engines.actor import EngineActor
+
+        cfg = self.cfg
+        for claim in self.plan.claims:
+            if claim.role not in ("rollout", "genrm"):
+                continue
+            for i, bundles in enumerate(self.plan.engines_of(claim)):
+                proc = ProcMesh.attach(self._procs(bundles[:1]), name=f"{claim.label()}-e{i}")
+                rollout = claim.role == "rollout"
+                path = cfg.hf_checkpoint if rollout else cfg.genrm[claim.instance].model_path
+                mode = "discard" if (rollout and self.colocate) else "backup"
+                name = f"engine-{claim.role}-{claim.instance or 'policy'}-{i}".replace("_", "")
+                mesh = proc.spawn(name, EngineActor, path, cfg.engine, **self._engine_kwargs(claim, mode))
+                (self.rollout if rollout else self.judges).append(Engine(claim.role, claim.instance, mesh))
+                pending.append(asyncio.ensure_future(mesh.initialized(900)))
+
+    async def close(self, graceful: bool = True) -> None:
+        """Stop the gateway; with ``graceful``, also leave torch.distributed cleanly."""
+        if self.gateway is not None:
+            await self.gateway.cleanup()
+            self.gateway = None
+        if not graceful:
+            return
+        try:
+            await self.trainer.shutdown.call().result(60)
+        except Exception:  # noqa: BLE001 (best effort: the workers are stopped next anyway)
+            pass
+
+    # ------------------------------------------------------------------ engines
+
+    async def _each(self, engines: list[Engine], method: str, *args, timeout: float = 600) -> list:
+        return await asyncio.gather(*(getattr(e.mesh, method).call_one(*args).result(timeout) for e in engines))
+
+    async def _judge_sleep(self) -> None:
+        if not self.judges:
+            return
+        for name in self.cfg.genrm:
+            await self.judge.set_awake.call_one(name, False)
+        await self._each(self.judges, "sleep", ["weights", "kv_cache"], "finish")
+
+    async def _judge_wake(self) -> None:
+        if not self.judges:
+            return
+        await self._each(self.judges, "wake", ["weights", "kv_cache"])
+        for name in self.cfg.genrm:
+            await self.judge.set_awake.call_one(name, True)
+
+    async def _engine_bytes(self, engines: list[Engine]) -> int:
+        stats = await self._each(engines, "stats")
+        return int(sum(sum(s["bytes"].values()) for s in stats))
+
+    def _prompt(self, row: Row) -> list[int]:
+        ids = self._prompt_ids.get(row.index)
+        if ids is None:
+            if self.cfg.apply_chat_template:
+                msgs = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **self.cfg.chat_template_kwargs)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            else:
+                ids = self.tokenizer(question_text(row.prompt))["input_ids"]
+            self._prompt_ids[row.index] = ids
+        return ids
+
+    async def _generate_group(self, row: Row, n: int, sampling: dict, seed: int, score: bool) -> list[dict]:
+        """n samples of one prompt on the least-loaded rollout engine; scored inline if asked."""
+        eng = min(self.rollout, key=lambda e: e.outstanding)
+        eng.outstanding += n
+        prompt_ids = self._prompt(row)
+        try:
+            calls = [eng.mesh.generate.call_one(prompt_ids, {**sampling, "seed": seed + j}).result(1800) for j in range(n)]
+            results = await asyncio.gather(*calls)
+        finally:
+            eng.outstanding -= n
+        samples = []
+        for r in results:
+            samples.append({
+                "index": row.index, "prompt": row.prompt, "label": row.label, "metadata": {**row.metadata, "label": row.label, "question": question_text(row.prompt)},
+                "prompt_ids": prompt_ids, "response_ids": list(r.token_ids), "response": r.text, "rollout_logprobs": list(r.logprobs),
+                "finish_reason": r.finish_reason, "weight_version": r.weight_version,
+            })
+        if score:
+            await asyncio.gather(*(self._score(s) for s in samples))
+        return samples
+
+    async def _score(self, sample: dict) -> None:
+        from reward.rewards import reward_value
+
+        result = await self.reward_fn(sample)
+        sample["reward_info"] = result
+        sample["reward"] = reward_value(result, self.cfg.reward_key)
+
+    async def _score_deferred(self, samples: list[dict]) -> float:
+        """Defer-swap: rollout sleeps, the judge wakes, the batch is scored, the judge sleeps
+        again whatever happened. Returns the seconds spent swapping."""
+        t = time.monotonic()
+        await self._each(self.rollout, "sleep", ["weights", "kv_cache"])
+        await self._judge_wake()
+        swap = time.monotonic() - t
+        try:
+            if self.post_process is not None:
+                raw, normalized = await self.post_process(self.cfg, samples)
+                if len(raw) != len(samples) or len(normalized) != len(samples):
+                    raise ValueError(f"the post-process hook returned {len(raw)}/{len(normalized)} rewards for {len(samples)} samples")
+                for s, r, a in zip(samples, raw, normalized):
+                    s["reward"], s["advantage"] = float(r), float(a)
+            else:
+                await asyncio.gather(*(self._score(s) for s in samples))
+        finally:
+            t = time.monotonic()
+            await self._judge_sleep()
+            swap += time.monotonic() - t
+        return swap
+
+    # ------------------------------------------------------------------ steps
+
+    def _sampling(self, evaluation: bool = False) -> dict:
+        c = self.cfg
+        if evaluation:
+            return {"temperature": c.eval_temperature, "top_p": c.eval_top_p, "max_new_tokens": c.eval_max_response_len or c.rollout_max_response_len}
+        return {"temperature": c.rollout_temperature, "top_p": c.rollout_top_p, "max_new_tokens": c.rollout_max_response_len}
+
+    def _seed(self, step: int, k: int) -> int:
+        return random.Random(f"{self.cfg.seed}:{step}:{k}").randrange(1 << 30)
+
+    async def _rollout(self, step: int, score_inline: bool) -> list[dict]:
+        rows = self.order.batch(step, self.cfg.rollout_batch_size)
+        n = self.cfg.n_samples_per_prompt
+        groups = await asyncio.gather(*(self._generate_group(r, n, self._sampling(), self._seed(step, k) * 64, score_inline) for k, r in enumerate(rows)))
+        return [s for g in groups for s in g]
+
+    def _advantages(self, samples: list[dict]) -> list[float]:
+        import torch
+
+        from engines.trainer.loss import group_advantages
+
+        if all("advantage" in s for s in samples):
+            return [s["advantage"] for s in samples]
+        rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
+        return group_advantages(rewards, self.cfg.n_samples_per_prompt).tolist()
+
+    async def _train(self, samples: list[dict], advantages: list[float]) -> dict:
+        """Optimizer steps over ``--global-batch-size`` chunks (whole groups), each chunk split
+        across the DP ranks (TP ranks of one DP rank get the same shard)."""
+        cfg = self.cfg
+        seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
+        masks = [[0] * (len(s["prompt_ids"]) - 1) + [1] * len(s["response_ids"]) for s in samples]
+        rollout_lp = [[0.0] * (len(s["prompt_ids"]) - 1) + s["rollout_logprobs"] for s in samples]
+        order = list(range(len(samples)))
+        stats_all: list[dict] = []
+        tp = cfg.tensor_model_parallel_size
+        for chunk in _groups(order, cfg.global_batch_size):
+            shards = [chunk[d :: self.dp] for d in range(self.dp)]
+            if any(not s for s in shards):
+                shards = [chunk] * self.dp  # fewer samples than DP ranks: every rank takes all
+            ref = None
+            if self.reference is not None:
+                ref = await self._call_ranks(self.reference, "compute_logprobs", [([seqs[i] for i in sh],) for sh in shards], tp)
+            args = []
+            for d, sh in enumerate(shards):
+                a = ([seqs[i] for i in sh], [masks[i] for i in sh], [advantages[i] for i in sh], [rollout_lp[i] for i in sh])
+                args.append(a + ((ref[d],) if ref is not None else ()))
+            stats = await self._call_ranks(self.trainer, "train_step", args, tp)
+            stats_all.append(stats[0])
+        out: dict = {}
+        for k in stats_all[0]:
+            vals = [s[k] for s in stats_all if isinstance(s.get(k), (int, float))]
+            if vals:
+                out[k] = sum(vals) / len(vals)
+        return out
+
+    async def _call_ranks(self, mesh: relay.ActorMesh, method: str, per_dp_args: list[tuple], tp: int) -> list:
+        n = len(per_dp_args) * tp
+        calls = [getattr(mesh.slice(ranks=r), method).call_one(*per_dp_args[r // tp]).result(3600) for r in range(n)]
+        results = await asyncio.gather(*calls)
+        return [results[d * tp] for d in range(len(per_dp_args))]
+
+    async def _sync(self) -> None:
+        self.version += 1
+        engines = [e.mesh for e in self.rollout]
+        await self.trainer.push_weights.call(engines, self.version, self.cfg.update_weight_buffer_size).result(1800)
+
+    def _reward_metrics(self, samples: list[dict], prefix: str = "reward") -> dict:
+        rewards = [s["reward"] for s in samples]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        accs = [bool(s["reward_info"].get("acc", s["reward"] > 0)) if isinstance(s.get("reward_info"), dict) else s["reward"] > 0 for s in samples]
+        errs = sum(1 for s in samples if isinstance(s.get("reward_info"), dict) and s["reward_info"].get("format_error"))
+        return {f"{prefix}/mean": mean, f"{prefix}/std": std, f"{prefix}/accuracy": sum(accs) / len(accs), f"{prefix}/format_errors": errs}
+
+    async def _judge_counts(self) -> dict:
+        if self.judge is None:
+            return {}
+        snap = await self.judge.metrics_snapshot.call_one().result(60)
+        tot: dict = {"requests": 0, "cache_hits": 0, "parse_failures": 0, "latency": []}
+        for inst in snap.values():
+            for k in ("requests", "cache_hits", "parse_failures"):
+                tot[k] += inst.get(k, 0)
+            tot["latency"] += inst.get("latency_s", [])
+        return tot
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def evaluate(self, step: int) -> dict:
+        """Pass rate and pass@k on the eval prompts (engines must be awake). The configured
+        reward scores them; ``eval/exact_accuracy`` is the rule-based grader (when labels exist)."""
+        from reward.math_grader import grade
+
+        k = self.cfg.n_samples_per_eval_prompt
+        t = time.monotonic()
+        groups = await asyncio.gather(*(self._generate_group(r, k, self._sampling(True), self._seed(-1, r.index) * 64, score=not self.defer)
+                                         for r in self.eval_rows))
+        samples = [s for g in groups for s in g]
+        if self.defer:
+            await self._score_deferred(samples)
+            await self._each(self.rollout, "wake", ["weights", "kv_cache"])
+            await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, self.cfg.update_weight_buffer_size).result(1800)
+        correct = [s["reward"] > 0 for s in samples]
+        exact = [grade(s["response"], s["label"])["acc"] for s in samples]
+        rec = {
+            "kind": "eval", "step": step, "eval/accuracy": sum(correct) / len(correct),
+            "eval/pass@k": sum(any(g) for g in _groups(correct, k)) / len(groups), "eval/k": k,
+            "eval/exact_accuracy": sum(exact) / len(exact), "eval/samples": len(samples), "time/eval": time.monotonic() - t,
+        }
+        return rec
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _ckpt_dir(self, step: int) -> str:
+        return os.path.join(self.run_dir, CHECKPOINT_DIR, f"step_{step:06d}")
+
+    async def _save(self, step: int) -> None:
+        """All trainer ranks write their shard; ``state.json`` is written last, so a
+        checkpoint without it is incomplete and ignored by ``--resume``."""
+        path = self._ckpt_dir(step)
+        if self.colocate:
+            await self.trainer.onload.call().result(600)
+        await self.trainer.save_checkpoint.call(path).result(1800)
+        if self.colocate:
+            await self.trainer.offload.call().result(600)
+        tmp = os.path.join(path, STATE_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"next_step": step + 1, "weight_version": self.version}, f)
+        os.replace(tmp, os.path.join(path, STATE_FILE))
+
+    def latest_checkpoint(self) -> str | None:
+        root = os.path.join(self.run_dir, CHECKPOINT_DIR)
+        if not os.path.isdir(root):
+            return None
+        done = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, STATE_FILE)))
+        return os.path.join(root, done[-1]) if done else None
+
+    async def _restore(self) -> None:
+        path = self.latest_checkpoint()
+        if path is None:
+            print(f"--resume: no complete checkpoint under {self.run_dir}/{CHECKPOINT_DIR}; starting from step 0", file=self.out, flush=True)
+            return
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+        await self.trainer.load_checkpoint.call(path).result(1800)
+        self.start_step = state["next_step"]
+        self.version = state["weight_version"]
+        await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, self.cfg.update_weight_buffer_size).result(1800)
+        print(f"resumed from {path}: next step {self.start_step}, weight version {self.version}", file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        log = MetricsLog(self.run_dir, cfg.num_rollout, self.out)
+        last: dict = {}
+        try:
+            if self.eval_rows and not cfg.skip_eval_before_train and self.start_step == 0:
+                rec = await self.evaluate(0)
+                log.write(rec)
+                print(f"eval before training: accuracy {rec['eval/accuracy']:.3f} (exact {rec['eval/exact_accuracy']:.3f})", file=self.out, flush=True)
+            if cfg.fully_async:
+                last = await self._run_async(log)
+            else:
+                for step in range(self.start_step, cfg.num_rollout):
+                    last = await self._step(step)
+                    await self._after_step(step, last, log)
+        finally:
+            log.close()
+        return last
+
+    async def _after_step(self, step: int, rec: dict, log: MetricsLog) -> None:
+        log.write(rec)
+        log.progress(step, rec)
+        cfg = self.cfg
+        if cfg.save_interval and (step + 1) % cfg.save_interval == 0:
+            await self._save(step)
+        if self.eval_rows and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+            ev = await self.evaluate(step + 1)
+            log.write(ev)
+            print(f"eval after step {step + 1}: accuracy {ev['eval/accuracy']:.3f} (exact {ev['eval/exact_accuracy']:.3f}, pass@{ev['eval/k']} {ev['eval/pass@k']:.3f})",
+                  file=self.out, flush=True)
+
+    async def _step(self, step: int) -> dict:
+        t_step = time.monotonic()
+        phases: dict[str, float] = {}
+        judge0 = await self._judge_counts()
+        t = time.monotonic()
+        samples = await self._rollout(step, score_inline=not self.defer)
+        phases["rollout"] = time.monotonic() - t
+        mem = {"mem/rollout_bytes_generating": await self._engine_bytes(self.rollout)}
+        swap = 0.0
+        if self.defer:
+            t = time.monotonic()
+            swap += await self._score_deferred(samples)
+            phases["reward"] = time.monotonic() - t - swap
+        judge1 = await self._judge_counts()
+        advantages = self._advantages(samples)
+        t = time.monotonic()
+        if self.colocate:
+            if not self.defer:
+                for name in self.cfg.genrm:
+                    await self.judge.set_awake.call_one(name, False)
+                await self._each(self.judges, "sleep", ["weights", "kv_cache"], "finish")
+                await self._each(self.rollout, "sleep", ["weights", "kv_cache"])
+            # (defer-swap: rollout went to sleep before scoring and the judge after it)
+            mem["mem/engine_bytes_training"] = await self._engine_bytes(self.rollout + self.judges)
+            await self.trainer.onload.call().result(600)
+        swap += time.monotonic() - t
+        t = time.monotonic()
+        train_stats = await self._train(samples, advantages)
+        phases["train"] = time.monotonic() - t
+        if self.colocate:
+            mem["mem/trainer"] = (await self.trainer.slice(ranks=0).gpu_memory.call_one().result(60))["allocated"]
+            t = time.monotonic()
+            await self.trainer.offload.call().result(600)
+            await self._each(self.rollout, "wake", ["weights"])
+            swap += time.monotonic() - t
+        t = time.monotonic()
+        await self._sync()
+        phases["sync"] = time.monotonic() - t
+        if self.colocate:
+            t = time.monotonic()
+            await self._each(self.rollout, "wake", ["kv_cache"])
+            if not self.defer:
+                await self._judge_wake()
+            swap += time.monotonic() - t
+        phases["swap"] = swap
+        total = time.monotonic() - t_step
+        return self._record(step, samples, train_stats, phases, mem, judge0, judge1, total)
+
+    def _record(self, step, samples, train_stats, phases, mem, judge0, judge1, total) -> dict:
+        rec: dict = {"kind": "train", "step": step, "weight_version": self.version, "samples": len(samples)}
+        rec.update(self._reward_metrics(samples))
+        lens = [len(s["response_ids"]) for s in samples]
+        rec["rollout/response_len"] = sum(lens) / len(lens)
+        rec["rollout/tokens_per_s"] = sum(lens) / max(phases.get("rollout", 0.0), 1e-9)
+        rec["rollout/truncated"] = sum(s["finish_reason"] == "length" for s in samples) / len(samples)
+        versions = [s["weight_version"] for s in samples]
+        rec["rollout/min_weight_version"] = min(versions)
+        if judge1:
+            calls = judge1["requests"] - judge0["requests"]
+            hits = judge1["cache_hits"] - judge0["cache_hits"]
+            lat = judge1["latency"][len(judge0["latency"]) :] if len(judge1["latency"]) >= len(judge0["latency"]) else []
+            rec.update({"judge/requests": calls, "judge/cache_hits": hits, "judge/engine_calls": calls - hits,
+                        "judge/cache_hit_rate": hits / calls if calls else 0.0,
+                        "judge/parse_failures": judge1["parse_failures"] - judge0["parse_failures"],
+                        "judge/latency_mean": sum(lat) / len(lat) if lat else 0.0})
+        rec.update({f"train/{k}": v for k, v in train_stats.items()})
+        rec.update({f"time/{k}": v for k, v in phases.items()})
+        rec["time/step"] = total
+        rec["time/orchestration"] = max(0.0, total - sum(phases.values()))
+        rec.update(mem)
+        return rec
+
+    # ------------------------------------------------------------------ fully-async
+
+    async def _run_async(self, log: MetricsLog) -> dict:
+        """A producer generates and scores groups in data order without waiting for the
+        trainer; the trainer takes ``--rollout-batch-size`` groups per step, dropping any
+        group older than ``--max-staleness`` weight versions, then syncs the new weights."""
+        cfg = self.cfg
+        n = cfg.n_samples_per_prompt
+        queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.rollout_batch_size * (cfg.max_staleness + 1))
+        cursor = self.start_step * cfg.rollout_batch_size  # group index in data order
+
+        async def produce() -> None:
+            sem = asyncio.Semaphore(cfg.rollout_batch_size)
+            inflight: set = set()
+
+            async def one(k: int) -> None:
+                try:
+                    row = self.order.batch(k, 1)[0]
+                    group = await self._generate_group(row, n, self._sampling(), self._seed(k, 0) * 64, score=True)
+                except Exception as e:  # noqa: BLE001 (handed to the trainer loop, which stops the job)
+                    group = e
+                finally:
+                    sem.release()
+                await queue.put(group)
+
+            k = cursor
+            try:
+                while True:
+                    await sem.acquire()
+                    task = asyncio.ensure_future(one(k))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+                    k += 1
+            finally:
+                for task in list(inflight):
+                    task.cancel()
+                await asyncio.gather(*inflight, return_exceptions=True)
+
+        producer = asyncio.ensure_future(produce())
+        last: dict = {}
+        try:
+            for step in range(self.start_step, cfg.num_rollout):
+                t_step = time.monotonic()
+                judge0 = await self._judge_counts()
+                batch, stale = [], 0
+                t = time.monotonic()
+                while len(batch) < cfg.rollout_batch_size:
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if min(s["weight_version"] for s in item) < self.version - cfg.max_staleness:
+                        stale += 1
+                        continue
+                    batch.append(item)
+                wait = time.monotonic() - t
+                samples = [s for g in batch for s in g]
+                judge1 = await self._judge_counts()
+                t = time.monotonic()
+                train_stats = await self._train(samples, self._advantages(samples))
+                train_s = time.monotonic() - t
+                t = time.monotonic()
+                await self._sync()
+                sync_s = time.monotonic() - t
+                phases = {"rollout": wait, "train": train_s, "sync": sync_s}
+                last = self._record(step, samples, train_stats, phases, {}, judge0, judge1, time.monotonic() - t_step)
+                last["rollout/stale_groups_dropped"] = stale
+                last["rollout/staleness_max"] = self.version - 1 - last["rollout/min_weight_version"]
+                await self._after_step(step, last, log)
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+            await self._each(self.rollout, "abort")
+        return last

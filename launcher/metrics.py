@@ -1,0 +1,108 @@
+"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (plus TensorBoard
+scalars when ``torch.utils.tensorboard`` works), a one-line progress report per step, and
+``relay plot RUN_DIR``, which draws the curves as PNG files next to the metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Append-only; a resumed run keeps the earlier lines (the step numbers continue)."""
+
+    def __init__(self, run_dir: str, total_steps: int, out=sys.stdout):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.total = total_steps
+        self.out = out
+        self.t0 = time.monotonic()
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        except Exception:  # noqa: BLE001 (TensorBoard is optional)
+            self._tb = None
+
+    def write(self, record: dict) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
+                    self._tb.add_scalar(k.replace(".", "/"), v, step)
+            self._tb.flush()
+
+    def progress(self, step: int, record: dict) -> None:
+        """``[step/total] elapsed | key figures``, one line per step."""
+        done = step + 1
+        bar_len = 20
+        filled = int(bar_len * done / max(1, self.total))
+        bar = "#" * filled + "." * (bar_len - filled)
+        keys = [("reward", "reward/mean"), ("acc", "reward/accuracy"), ("eval", "eval/accuracy"), ("loss", "train/loss"),
+                ("len", "rollout/response_len"), ("step_s", "time/step")]
+        parts = [f"{name} {record[k]:.3g}" for name, k in keys if isinstance(record.get(k), (int, float))]
+        print(f"[{bar}] step {done}/{self.total} {time.monotonic() - self.t0:6.1f}s | " + "  ".join(parts), file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is {run_dir!r} a run directory (--run-dir)?")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot(run_dir: str) -> list[str]:
+    """Write reward.png, accuracy.png, eval.png and phases.png into ``run_dir``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    written = []
+
+    def series(rs, key):
+        pts = [(r["step"], r[key]) for r in rs if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    figures = [
+        ("reward.png", "reward", [(train, "reward/mean", "reward mean"), (train, "reward/std", "reward std")]),
+        ("accuracy.png", "accuracy", [(train, "reward/accuracy", "train accuracy (judge)"), (evals, "eval/accuracy", "held-out accuracy"),
+                                       (evals, "eval/pass@k", "held-out pass@k")]),
+        ("phases.png", "seconds", [(train, k, k.split("/", 1)[1]) for k in ("time/rollout", "time/reward", "time/swap", "time/train", "time/sync", "time/orchestration")]),
+    ]
+    for name, ylabel, lines in figures:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        drawn = 0
+        for rs, key, label in lines:
+            x, y = series(rs, key)
+            if x:
+                ax.plot(x, y, marker="o" if len(x) < 30 else None, label=label)
+                drawn += 1
+        if drawn:
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            path = os.path.join(run_dir, name)
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            written.append(path)
+        plt.close(fig)
+    return written

@@ -1,0 +1,141 @@
+"""``relay sft``: supervised fine-tuning with the same Megatron trainer (cross-entropy on the
+response tokens), driven by the controller on the plan's actor bundles.
+
+Data: JSONL rows with ``prompt`` (text or chat messages) and ``response`` (the target); the
+prompt goes through the chat template like a rollout prompt and the response is followed
+by the end-of-turn token. ``--global-batch-size`` rows per step (split across DP ranks),
+``--sft-steps`` steps (default: one pass). With ``--eval-prompt-data`` (same schema) the
+held-out exact-match accuracy (teacher forced: every response token is the argmax) is
+measured every ``--eval-interval`` steps and at the end. The trained model is written as an
+HF checkpoint to ``--save-hf`` (default RUN_DIR/hf).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+
+from relay import ProcMesh
+
+from .agent import WorkerInfo
+from .allocator import Plan
+from .config import JobConfig
+from .data import PromptOrder, Row, load_rows
+from .metrics import MetricsLog
+
+#: tokenizer and config files copied next to the trained weights
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "relay_model.json")
+
+
+class SFTJob:
+    def __init__(self, cfg: JobConfig, plan: Plan, workers: list[WorkerInfo], out):
+        if not cfg.hf_checkpoint:
+            raise ValueError("relay sft needs a model: set --hf-checkpoint")
+        if not cfg.prompt_data:
+            raise ValueError("relay sft needs data: set --prompt-data (JSONL rows with 'prompt' and 'response')")
+        self.cfg, self.plan, self.out = cfg, plan, out
+        self.by_bundle = {w.bundle: w for w in workers}
+        self.rows = load_rows(cfg.prompt_data, need_response=True)
+        self.eval_rows = load_rows(cfg.eval_prompt_data, "--eval-prompt-data", need_response=True) if cfg.eval_prompt_data else None
+        self.steps = cfg.sft_steps or max(1, len(self.rows) // cfg.global_batch_size)
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.save_to = os.path.abspath(cfg.save_hf or os.path.join(self.run_dir, "hf"))
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from engines.trainer.actor import TrainerActor
+
+        cfg = self.cfg
+        claim = next((c for c in self.plan.claims if c.role == "actor"), None)
+        if claim is None:
+            raise ValueError("relay sft trains on the 'actor' GPUs: give --resource an 'actor' entry")
+        procs = ProcMesh.attach([self.by_bundle[b.index].proc for b in self.plan.bundles_of(claim)], name="trainer", dims={"ranks": claim.size})
+        self.tp = cfg.tensor_model_parallel_size
+        if claim.size % self.tp:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp} does not divide the {claim.size} actor GPUs")
+        self.dp = claim.size // self.tp
+        self.trainer = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, tp=self.tp, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   clip_grad=cfg.clip_grad, lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters,
+                                   total_iters=self.steps, seed=cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+        await self.trainer.initialized(900)
+
+    def _encode(self, row: Row) -> tuple[list[int], list[int]]:
+        msgs = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **self.cfg.chat_template_kwargs)
+        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        response = self.tokenizer(row.response, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return prompt + response, [0] * (len(prompt) - 1) + [1] * len(response)
+
+    async def _per_rank(self, method: str, rows: list[Row]) -> list:
+        """Rows split across DP ranks (TP ranks of one DP rank get the same shard); returns
+        each DP shard's result."""
+        shards = [rows[d :: self.dp] or rows for d in range(self.dp)]
+        enc = [[self._encode(r) for r in sh] for sh in shards]
+        calls = [getattr(self.trainer.slice(ranks=r), method).call_one([e[0] for e in enc[r // self.tp]], [e[1] for e in enc[r // self.tp]]).result(3600)
+                 for r in range(self.dp * self.tp)]
+        res = await asyncio.gather(*calls)
+        return [res[d * self.tp] for d in range(self.dp)]
+
+    async def evaluate(self) -> float:
+        hits = []
+        for i in range(0, len(self.eval_rows), 256):
+            for shard in await self._per_rank("greedy_match", self.eval_rows[i : i + 256]):
+                hits += shard
+        return sum(hits) / len(hits)
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        order = PromptOrder(self.rows, cfg.seed)
+        log = MetricsLog(self.run_dir, self.steps, self.out)
+        rec: dict = {}
+        t0 = time.monotonic()
+        try:
+            for step in range(self.steps):
+                t = time.monotonic()
+                stats = await self._per_rank("sft_step", order.batch(step, cfg.global_batch_size))
+                rec = {"kind": "sft", "step": step, "train/loss": sum(s["loss"] for s in stats) / len(stats),
+                       "train/grad_norm": stats[0]["grad_norm"], "train/lr": stats[0]["lr"], "time/step": time.monotonic() - t}
+                last = step == self.steps - 1
+                if self.eval_rows and (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):
+                    rec["eval/accuracy"] = await self.evaluate()
+                log.write(rec)
+                if last or step % 10 == 0 or "eval/accuracy" in rec:
+                    log.progress(step, rec)
+        finally:
+            log.close()
+        await self.save()
+        rec["time/total"] = time.monotonic() - t0
+        print(f"sft: {self.steps} steps in {rec['time/total']:.1f} s; wrote {self.save_to}"
+              + (f"; held-out accuracy {rec['eval/accuracy']:.3f}" if "eval/accuracy" in rec else ""), file=self.out, flush=True)
+        return rec
+
+    async def save(self) -> None:
+        """The trained weights as an HF checkpoint (rank 0's gathered export), written to a
+        temporary directory and renamed into place."""
+        from safetensors.torch import save_file
+
+        buckets = (await self.trainer.export_hf.call(1 << 62).result(1800)).values()[0]
+        tensors = {k: v.contiguous() for b in buckets for k, v in b.items()}
+        tmp = self.save_to + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for name in _MODEL_FILES:
+            src = os.path.join(self.cfg.hf_checkpoint, name)
+            if os.path.exists(src):
+                shutil.copy(src, tmp)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.exists(self.save_to):
+            shutil.rmtree(self.save_to)
+        os.replace(tmp, self.save_to)
+
+    async def close(self, graceful: bool = True) -> None:
+        if not graceful:
+            return
+        try:
+            await self.trainer.shutdown.call().result(60)
+        except Exception:  # noqa: BLE001 (best effort)
+            pass
