@@ -109,6 +109,7 @@ class TorchEngine(Engine):
         self._loop_task: asyncio.Task | None = None
         self._lock = threading.Lock()
         self._tokens_out = 0
+        self._requests_done = 0  # requests answered (any finish reason)
         self._t0 = time.monotonic()
         self.events: list[tuple] = []  # (monotonic time, event, detail): sleep/wake/sync log
 
@@ -213,6 +214,7 @@ class TorchEngine(Engine):
         if seq.future.done():
             return
         text = seq.text if seq.text is not None else self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        self._requests_done += 1
         seq.future.set_result(GenerateResult(list(seq.output), text, list(seq.logprobs), seq.finish, len(seq.prompt), self.weight_version))
 
     # ------------------------------------------------------------------ the step (engine thread)
@@ -501,6 +503,7 @@ class TorchEngine(Engine):
             "waiting": len(self._waiting) + self._incoming.qsize(),
             "tokens_per_s": self._tokens_out / elapsed,
             "tokens_generated": self._tokens_out,
+            "requests_finished": self._requests_done,
             "weight_version": self.weight_version,
             "kv_blocks_free": len(self._free_blocks),
             "kv_blocks_total": self.num_blocks if self._k is not None else 0,

@@ -90,6 +90,7 @@ MODE_TITLES = {
     "colocate": "colocate (rollout on the actor's GPUs)",
     "fully-async": "fully-async (a dedicated pool per role)",
     "dedicated": "dedicated pools (synchronous)",
+    "train-only": "training only (relay sft: the actor's GPUs)",
 }
 
 
@@ -103,12 +104,21 @@ def _pool(name: str, start: int, size: int, gpus_per_node: int) -> Pool:
     return Pool(name, [Bundle(i, i // gpus_per_node, i % gpus_per_node) for i in range(start, start + size)])
 
 
-def make_plan(cfg: JobConfig) -> Plan:
-    """Turn the config into a validated plan, or raise PlanError saying what to change."""
+def make_plan(cfg: JobConfig, train_only: bool = False) -> Plan:
+    """Turn the config into a validated plan, or raise PlanError saying what to change.
+    ``train_only`` (relay sft): only the actor's GPUs are placed; other roles are ignored."""
     if cfg.fully_async and cfg.colocate:
         raise PlanError("--fully-async cannot be combined with --colocate: choose one (fully-async gives each role its own GPUs)")
     if "actor" not in cfg.resource:
         raise PlanError('--resource must give the actor (trainer) GPUs, e.g. --resource \'{"actor": [1, 8], "rollout": [1, 8]}\'')
+    if train_only:
+        plan = Plan("train-only", 1, cfg.gpus_per_node, cfg.device, {}, [])
+        size = cfg.role_gpus("actor")
+        plan.nnodes = cfg.nnodes or _nodes_needed(cfg, size)
+        plan.pools["actor"] = _pool("actor", 0, size, cfg.gpus_per_node)
+        plan.claims.append(Claim("actor", "", "actor", 0, size, ("train",), size))
+        _check_physical(plan)
+        return plan
     defer = cfg.defer_reward_to_post_process
     if cfg.colocate:
         plan = _colocate(cfg, defer)

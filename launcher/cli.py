@@ -15,9 +15,13 @@ def _version(_: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from launcher.demo import run_relay_demo
+    if args.runtime:
+        from launcher.relay_demo import run_relay_demo
 
-    return run_relay_demo(procs=args.procs)
+        return run_relay_demo(procs=args.procs)
+    from launcher.demo import run_demo
+
+    return run_demo(fresh=args.fresh, steps=args.steps)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -115,9 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_version)
     d = sub.add_parser(
         "demo",
-        help="run the main demo on this machine (for now: a relay process mesh that replies)",
+        help="the main demo: a tiny judge and policy, then GRPO with the judge through the whole stack (CPU, minutes)",
     )
-    d.add_argument("--procs", type=int, default=4, help="number of worker processes (default 4)")
+    d.add_argument("--fresh", action="store_true", help="rebuild everything (the trained judge is cached otherwise)")
+    d.add_argument("--steps", type=int, help="GRPO steps (default: the config's, 40)")
+    d.add_argument("--runtime", action="store_true", help="instead: a short tour of the relay runtime (process mesh, errors, failures)")
+    d.add_argument("--procs", type=int, default=4, help="--runtime: number of worker processes (default 4)")
     d.set_defaults(func=_demo)
     pl = sub.add_parser(
         "plan",

@@ -84,7 +84,7 @@ def _prepare_process_env(rank: int) -> None:
 async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out=sys.stdout, mode: str = "train") -> int:
     """Rank 0. ``mode`` "train" runs GRPO when the config has ``--prompt-data`` (else it only
     places the job); "sft" runs supervised fine-tuning. Returns the process exit code."""
-    plan = make_plan(cfg)
+    plan = make_plan(cfg, train_only=mode == "sft")
     if plan.nnodes != world_size:
         raise JobFailed(
             f"the plan needs {plan.nnodes} node(s) but the job has {world_size}: launch torchrun with "

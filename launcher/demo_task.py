@@ -2,10 +2,10 @@
 
 Policy task: "What is N mod 10?" for 2- to 4-digit N; the answer is one digit. Train and
 held-out prompts use disjoint N. The judge's task: given a reference digit and a model's
-answer (a digit, or a few characters), reply "1" if they match and "0" if not; its prompt is
-the compact :data:`JUDGE_TEMPLATE` (a tiny character-level judge cannot read the long
-dapo-genrm prompt in the minutes the demo has), passed to the job as
-``--genrm-prompt-template``.
+answer (a digit, or a few characters), decide whether they match; it restates both and ends
+with 1 or 0 (:func:`judge_response`). Its prompt is the compact :data:`JUDGE_TEMPLATE` (a
+tiny character-level judge cannot learn to read the long dapo-genrm prompt in the minutes
+the demo has), passed to the job as ``--genrm-prompt-template``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import os
 import random
 
-JUDGE_TEMPLATE = "Reference: {label}\nAnswer: {answer}"
+JUDGE_TEMPLATE = "Answer: {answer}\nReference: {label}"
 
 
 def question(n: int) -> str:
@@ -29,16 +29,23 @@ def _write(path: str, rows: list[dict]) -> str:
 
 
 def _judge_answer(rng: random.Random, label: str) -> str:
-    """Half matching answers; the rest other digits, two-character strings or junk, the
+    """40% matching answers; the rest other digits, two-character strings or junk, the
     kinds of mistakes a tiny policy makes."""
     r = rng.random()
-    if r < 0.5:
+    if r < 0.4:
         return label
-    if r < 0.8:
+    if r < 0.85:
         return rng.choice([d for d in "0123456789" if d != label])
-    if r < 0.9:
+    if r < 0.93:
         return rng.choice("0123456789") + rng.choice("0123456789")
     return rng.choice(["", "?", "a", label + label, "1" + label, label + "0"])
+
+
+def judge_response(answer: str, label: str) -> str:
+    """The judge's reply: it restates the answer and the reference, then gives its verdict
+    (read with ``--genrm-parse loose``: the last standalone 0/1). Restating first turns a
+    long-range comparison into a local one, which a 2-layer model learns in minutes."""
+    return f"{answer} {label} {1 if answer == label else 0}"
 
 
 def write_demo_data(root: str, seed: int = 0) -> dict[str, str]:
@@ -63,7 +70,7 @@ def write_demo_data(root: str, seed: int = 0) -> dict[str, str]:
             label = str(r.randrange(10))
             answer = _judge_answer(r, label)
             msgs = judge_messages("", label, f"Answer: {answer}", JUDGE_TEMPLATE)
-            rows.append({"prompt": msgs, "response": "1" if answer == label else "0"})
+            rows.append({"prompt": msgs, "response": judge_response(answer, label)})
         return rows
 
     paths["judge_sft"] = _write(os.path.join(root, "judge_sft.jsonl"), judge_rows(20000, random.Random(seed + 1)))

@@ -175,7 +175,12 @@ class GRPOJob:
                 pending.append(asyncio.ensure_future(mesh.initialized(900)))
 
     async def close(self, graceful: bool = True) -> None:
-        """Stop the gateway; with ``graceful``, also leave torch.distributed cleanly."""
+        """Write the engines' sleep/wake/sync logs to ``RUN_DIR/engine_events.jsonl``, stop
+        the gateway; with ``graceful``, also leave torch.distributed cleanly."""
+        try:
+            await self._dump_events()
+        except Exception as e:  # noqa: BLE001 (a dead engine has no log to give)
+            print(f"relay: engine event logs not written: {e}", file=self.out, flush=True)
         if self.gateway is not None:
             await self.gateway.cleanup()
             self.gateway = None
@@ -185,6 +190,17 @@ class GRPOJob:
             await self.trainer.shutdown.call().result(60)
         except Exception:  # noqa: BLE001 (best effort: the workers are stopped next anyway)
             pass
+
+    async def _dump_events(self) -> None:
+        """One line per engine event: engine, role, instance, t (monotonic, host-wide), event, detail."""
+        engines = self.rollout + self.judges
+        logs = await asyncio.gather(*(e.mesh.events.call_one().result(30) for e in engines))
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "engine_events.jsonl"), "a") as f:
+            for i, (e, events) in enumerate(zip(engines, logs)):
+                for t, what, detail in events:
+                    f.write(json.dumps({"engine": f"{e.role}{i if e.role == 'rollout' else i - len(self.rollout)}", "role": e.role,
+                                        "instance": e.instance, "t": t, "event": what, "detail": detail}) + "\n")
 
     # ------------------------------------------------------------------ engines
 
@@ -207,7 +223,7 @@ class GRPOJob:
 
     async def _engine_bytes(self, engines: list[Engine]) -> int:
         stats = await self._each(engines, "stats")
-        return int(sum(sum(s["bytes"].values()) for s in stats))
+        return int(sum(v for s in stats for k, v in s["bytes"].items() if k != "cpu_backup"))
 
     def _prompt(self, row: Row) -> list[int]:
         ids = self._prompt_ids.get(row.index)
@@ -334,10 +350,24 @@ class GRPOJob:
         results = await asyncio.gather(*calls)
         return [results[d * tp] for d in range(len(per_dp_args))]
 
-    async def _sync(self) -> None:
+    async def _sync(self) -> dict:
+        """Push the trainer's weights to every rollout engine under a new version, then
+        check it: each engine reports the version, and a fixed greedy probe's log-prob
+        (recorded per step) shows the weights really changed."""
         self.version += 1
         engines = [e.mesh for e in self.rollout]
         await self.trainer.push_weights.call(engines, self.version, self.cfg.update_weight_buffer_size).result(1800)
+        versions = [s["weight_version"] for s in await self._each(self.rollout, "stats")]
+        if versions != [self.version] * len(versions):
+            raise RuntimeError(f"weight sync: engines report versions {versions}, expected {self.version}")
+        return {"sync/engine_versions": versions}
+
+    async def _probe(self) -> dict:
+        """Greedy one-token answers of every rollout engine to the first prompt: their
+        log-probs change when the weights do (and agree across engines)."""
+        ids = self._prompt(self.rows[0])
+        res = await asyncio.gather(*(e.mesh.generate.call_one(ids, {"temperature": 0.0, "max_new_tokens": 1}).result(300) for e in self.rollout))
+        return {"sync/probe_logprobs": [r.logprobs[0] for r in res], "sync/probe_versions": [r.weight_version for r in res]}
 
     def _reward_metrics(self, samples: list[dict], prefix: str = "reward") -> dict:
         rewards = [s["reward"] for s in samples]
@@ -351,7 +381,9 @@ class GRPOJob:
         if self.judge is None:
             return {}
         snap = await self.judge.metrics_snapshot.call_one().result(60)
-        tot: dict = {"requests": 0, "cache_hits": 0, "parse_failures": 0, "latency": []}
+        stats = await self._each(self.judges, "stats")
+        tot: dict = {"requests": 0, "cache_hits": 0, "parse_failures": 0, "latency": [],
+                     "engine_requests": sum(s.get("requests_finished", 0) for s in stats)}
         for inst in snap.values():
             for k in ("requests", "cache_hits", "parse_failures"):
                 tot[k] += inst.get(k, 0)
@@ -362,8 +394,10 @@ class GRPOJob:
 
     async def evaluate(self, step: int) -> dict:
         """Pass rate and pass@k on the eval prompts (engines must be awake). The configured
-        reward scores them; ``eval/exact_accuracy`` is the rule-based grader (when labels exist)."""
-        from reward.math_grader import grade
+        reward scores them; ``eval/exact_accuracy`` is a rule-based check that needs no judge:
+        the response's final answer (text after the last "Answer:", else the whole reply)
+        equals the label exactly, after stripping whitespace."""
+        from reward.dapo_genrm import final_answer
 
         k = self.cfg.n_samples_per_eval_prompt
         t = time.monotonic()
@@ -375,7 +409,7 @@ class GRPOJob:
             await self._each(self.rollout, "wake", ["weights", "kv_cache"])
             await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, self.cfg.update_weight_buffer_size).result(1800)
         correct = [s["reward"] > 0 for s in samples]
-        exact = [grade(s["response"], s["label"])["acc"] for s in samples]
+        exact = [final_answer(s["response"]).strip() == s["label"].strip() for s in samples]
         rec = {
             "kind": "eval", "step": step, "eval/accuracy": sum(correct) / len(correct),
             "eval/pass@k": sum(any(g) for g in _groups(correct, k)) / len(groups), "eval/k": k,
@@ -491,7 +525,7 @@ class GRPOJob:
             await self._each(self.rollout, "wake", ["weights"])
             swap += time.monotonic() - t
         t = time.monotonic()
-        await self._sync()
+        synced = await self._sync()
         phases["sync"] = time.monotonic() - t
         if self.colocate:
             t = time.monotonic()
@@ -501,7 +535,10 @@ class GRPOJob:
             swap += time.monotonic() - t
         phases["swap"] = swap
         total = time.monotonic() - t_step
-        return self._record(step, samples, train_stats, phases, mem, judge0, judge1, total)
+        rec = self._record(step, samples, train_stats, phases, mem, judge0, judge1, total)
+        rec.update(synced)
+        rec.update(await self._probe())
+        return rec
 
     def _record(self, step, samples, train_stats, phases, mem, judge0, judge1, total) -> dict:
         rec: dict = {"kind": "train", "step": step, "weight_version": self.version, "samples": len(samples)}
@@ -519,7 +556,8 @@ class GRPOJob:
             rec.update({"judge/requests": calls, "judge/cache_hits": hits, "judge/engine_calls": calls - hits,
                         "judge/cache_hit_rate": hits / calls if calls else 0.0,
                         "judge/parse_failures": judge1["parse_failures"] - judge0["parse_failures"],
-                        "judge/latency_mean": sum(lat) / len(lat) if lat else 0.0})
+                        "judge/latency_mean": sum(lat) / len(lat) if lat else 0.0,
+                        "judge/engine_requests": judge1["engine_requests"] - judge0["engine_requests"]})
         rec.update({f"train/{k}": v for k, v in train_stats.items()})
         rec.update({f"time/{k}": v for k, v in phases.items()})
         rec["time/step"] = total
@@ -588,10 +626,11 @@ class GRPOJob:
                 train_stats = await self._train(samples, self._advantages(samples))
                 train_s = time.monotonic() - t
                 t = time.monotonic()
-                await self._sync()
+                synced = await self._sync()
                 sync_s = time.monotonic() - t
                 phases = {"rollout": wait, "train": train_s, "sync": sync_s}
                 last = self._record(step, samples, train_stats, phases, {}, judge0, judge1, time.monotonic() - t_step)
+                last.update(synced)
                 last["rollout/stale_groups_dropped"] = stale
                 last["rollout/staleness_max"] = self.version - 1 - last["rollout/min_weight_version"]
                 await self._after_step(step, last, log)

@@ -25,8 +25,6 @@ from .config import JobConfig
 from .data import PromptOrder, Row, load_rows
 from .metrics import MetricsLog
 
-#: tokenizer and config files copied next to the trained weights
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "relay_model.json")
 
 
 class SFTJob:
@@ -123,9 +121,9 @@ class SFTJob:
         tmp = self.save_to + f".tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for name in _MODEL_FILES:
+        for name in os.listdir(self.cfg.hf_checkpoint):  # config, tokenizer, chat template: all but the weights
             src = os.path.join(self.cfg.hf_checkpoint, name)
-            if os.path.exists(src):
+            if os.path.isfile(src) and not name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
                 shutil.copy(src, tmp)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         if os.path.exists(self.save_to):

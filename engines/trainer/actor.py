@@ -96,6 +96,10 @@ class TrainerActor(Actor):
             g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
 
+    def _clip(self) -> float:
+        """Clip the gradient norm to ``clip_grad`` (0: no clipping); returns the norm before."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf")))
+
     def _batch(self, seqs: list):
         from .megatron_model import causal_mask
 
@@ -161,7 +165,7 @@ class TrainerActor(Actor):
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self._reduce_grads()
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad))
+        stats["grad_norm"] = self._clip()
         stats["lr"] = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.step += 1
@@ -182,7 +186,7 @@ class TrainerActor(Actor):
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self._reduce_grads()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad))
+        grad_norm = self._clip()
         self.opt.step()
         self.step += 1
         return {"loss": float(loss.detach()), "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
