@@ -87,6 +87,7 @@ def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars in job logs
     cfg = hf_config(arch, size, **overrides)
     cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[arch]
     torch.manual_seed(seed)

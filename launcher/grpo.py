@@ -374,8 +374,11 @@ class GRPOJob:
         mean = sum(rewards) / len(rewards)
         std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
         accs = [bool(s["reward_info"].get("acc", s["reward"] > 0)) if isinstance(s.get("reward_info"), dict) else s["reward"] > 0 for s in samples]
-        errs = sum(1 for s in samples if isinstance(s.get("reward_info"), dict) and s["reward_info"].get("format_error"))
-        return {f"{prefix}/mean": mean, f"{prefix}/std": std, f"{prefix}/accuracy": sum(accs) / len(accs), f"{prefix}/format_errors": errs}
+        infos = [s["reward_info"] for s in samples if isinstance(s.get("reward_info"), dict)]
+        errs = sum(1 for i in infos if i.get("format_error"))
+        judged = sum(1 for i in infos if i.get("judge_response"))  # samples whose reward is a judge's verdict
+        return {f"{prefix}/mean": mean, f"{prefix}/std": std, f"{prefix}/accuracy": sum(accs) / len(accs), f"{prefix}/format_errors": errs,
+                f"{prefix}/judged": judged}
 
     async def _judge_counts(self) -> dict:
         if self.judge is None:

@@ -73,7 +73,7 @@ def plot(run_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [r for r in records if r.get("kind", "train") == "train"]
+    train = [r for r in records if r.get("kind", "train") in ("train", "sft")]
     evals = [r for r in records if r.get("kind") == "eval"]
     written = []
 
@@ -84,7 +84,7 @@ def plot(run_dir: str) -> list[str]:
     figures = [
         ("reward.png", "reward", [(train, "reward/mean", "reward mean"), (train, "reward/std", "reward std")]),
         ("accuracy.png", "accuracy", [(train, "reward/accuracy", "train accuracy (judge)"), (evals, "eval/accuracy", "held-out accuracy"),
-                                       (evals, "eval/pass@k", "held-out pass@k")]),
+                                       (evals, "eval/pass@k", "held-out pass@k"), (evals, "eval/exact_accuracy", "held-out exact match (no judge)")]),
         ("phases.png", "seconds", [(train, k, k.split("/", 1)[1]) for k in ("time/rollout", "time/reward", "time/swap", "time/train", "time/sync", "time/orchestration")]),
     ]
     for name, ylabel, lines in figures:

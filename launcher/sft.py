@@ -26,7 +26,6 @@ from .data import PromptOrder, Row, load_rows
 from .metrics import MetricsLog
 
 
-
 class SFTJob:
     def __init__(self, cfg: JobConfig, plan: Plan, workers: list[WorkerInfo], out):
         if not cfg.hf_checkpoint:
@@ -101,7 +100,7 @@ class SFTJob:
                 if self.eval_rows and (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):
                     rec["eval/accuracy"] = await self.evaluate()
                 log.write(rec)
-                if last or step % 10 == 0 or "eval/accuracy" in rec:
+                if last or step % max(1, self.steps // 20) == 0 or "eval/accuracy" in rec:
                     log.progress(step, rec)
         finally:
             log.close()

@@ -306,7 +306,12 @@ class TrainerActor(Actor):
     @endpoint
     def save_checkpoint(self, path: str) -> None:
         """Weights (this rank's shard), optimizer, step and RNG states; written to a temporary
-        name and renamed, so a crash never leaves a half-written checkpoint."""
+        name and renamed, so a crash never leaves a half-written checkpoint. Data-parallel
+        replicas hold the same state: only DP rank 0 of each TP rank writes."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_data_parallel_rank() != 0:
+            return
         os.makedirs(path, exist_ok=True)
         state = {
             "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},

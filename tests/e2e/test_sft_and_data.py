@@ -1,0 +1,88 @@
+"""relay sft (through the session fixture's real runs), the data loader and relay plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launcher.data import DataError, PromptOrder, load_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_relay_sft_learns_and_writes_a_loadable_checkpoint(trained):
+    with open(os.path.join(trained["judge_sft_run"], "metrics.jsonl")) as f:
+        evals = [r["eval/accuracy"] for r in map(json.loads, f) if "eval/accuracy" in r]
+    assert len(evals) == 2 and evals[1] > evals[0] + 0.3, evals  # held-out accuracy after 150 and 300 steps
+    assert "held-out accuracy" in trained["judge_sft_stdout"]
+    import asyncio
+
+    import transformers
+
+    from engines.torch_engine import TorchEngine
+    from launcher.demo_task import JUDGE_TEMPLATE
+    from reward.dapo_genrm import judge_messages, parse_verdict
+
+    transformers.AutoModelForCausalLM.from_pretrained(trained["judge"])  # a valid HF checkpoint
+    assert transformers.AutoTokenizer.from_pretrained(trained["judge"]).chat_template
+
+    async def verdicts():
+        eng = TorchEngine(trained["judge"], kv_cache_tokens=4096)
+        try:
+            cases = [("3", "3"), ("4", "7")]
+            outs = await asyncio.gather(*(eng.generate(judge_messages("", ref, ans, JUDGE_TEMPLATE), {"temperature": 0, "max_new_tokens": 8})
+                                          for ans, ref in cases))
+            return [parse_verdict(o.text, "loose") for o in outs]
+        finally:
+            await eng.close()
+
+    assert all(v in (0, 1) for v in asyncio.run(verdicts()))
+
+
+@pytest.mark.unit
+def test_data_errors_name_the_file_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "hi", "label": "1"}\n{"label": "2"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2 needs an object with a 'prompt'"):
+        load_rows(str(p))
+    p.write_text('{"prompt": "hi"\n')
+    with pytest.raises(DataError, match=r"d.jsonl:1 is not JSON"):
+        load_rows(str(p))
+    p.write_text('{"prompt": "hi", "label": "1"}\n')
+    with pytest.raises(DataError, match="needs a 'response'"):
+        load_rows(str(p), need_response=True)
+    with pytest.raises(DataError, match="cannot read"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.unit
+def test_prompt_order_is_deterministic_and_covers_every_row_per_epoch(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i), "extra": i}) + "\n" for i in range(10)))
+    rows = load_rows(str(p))
+    assert rows[3].metadata == {"extra": 3}
+    a, b = PromptOrder(rows, 1), PromptOrder(rows, 1)
+    first_epoch = [r.index for s in range(5) for r in a.batch(s, 2)]
+    assert sorted(first_epoch) == list(range(10))
+    assert [r.index for r in b.batch(7, 3)] == [r.index for r in a.batch(7, 3)]  # resume: same rows at the same step
+    assert [r.index for r in PromptOrder(rows, 2).batch(0, 10)] != [r.index for r in a.batch(0, 10)]
+
+
+@pytest.mark.unit
+def test_relay_plot_writes_pngs(tmp_path):
+    recs = [{"kind": "train", "step": s, "reward/mean": 0.1 * s, "reward/std": 0.1, "reward/accuracy": 0.1 * s, "time/rollout": 1.0,
+             "time/train": 2.0, "time/sync": 0.1, "time/swap": 0.2, "time/orchestration": 0.01} for s in range(3)]
+    recs.append({"kind": "eval", "step": 3, "eval/accuracy": 0.5, "eval/pass@k": 0.6})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for name in ("reward.png", "accuracy.png", "phases.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr
