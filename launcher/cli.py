@@ -29,7 +29,7 @@ def _plan(args: argparse.Namespace) -> int:
     from launcher.config import ConfigError, load_config
 
     try:
-        plan = make_plan(load_config(args.config, args.overrides))
+        plan = make_plan(load_config(args.config, args.overrides), train_only=args.sft)
     except ConfigError as e:
         print(f"relay plan: invalid layout:\n{e}", file=sys.stderr)
         return 2
@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fractions. Any config key can be overridden with its seed flag, e.g. --resource '{...}' --colocate.",
     )
     pl.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    pl.add_argument("--sft", action="store_true", help="the placement of relay sft (the actor's GPUs only)")
     pl.set_defaults(func=_plan, takes_overrides=True)
     tr = sub.add_parser(
         "train",
