@@ -221,6 +221,13 @@ class GRPOJob:
         for name in self.cfg.genrm:
             await self.judge.set_awake.call_one(name, True)
 
+    async def _gpu_used(self, phase: str, into: dict) -> None:
+        """Bytes in use on each actor GPU (every process on it), as the driver reports; on
+        GPU only. Recorded as ``mem/gpu_used_<phase>`` (one number per GPU)."""
+        mem = (await self.trainer.gpu_memory.call().result(60)).values()
+        if mem and mem[0]["total"]:
+            into[f"mem/gpu_used_{phase}"] = [m["total"] - m["free"] for m in mem]
+
     async def _engine_bytes(self, engines: list[Engine]) -> int:
         stats = await self._each(engines, "stats")
         return int(sum(v for s in stats for k, v in s["bytes"].items() if k != "cpu_backup"))
@@ -500,6 +507,7 @@ class GRPOJob:
         samples = await self._rollout(step, score_inline=not self.defer)
         phases["rollout"] = time.monotonic() - t
         mem = {"mem/rollout_bytes_generating": await self._engine_bytes(self.rollout)}
+        await self._gpu_used("generating", mem)
         swap = 0.0
         if self.defer:
             t = time.monotonic()
@@ -521,6 +529,7 @@ class GRPOJob:
         t = time.monotonic()
         train_stats = await self._train(samples, advantages)
         phases["train"] = time.monotonic() - t
+        await self._gpu_used("training", mem)
         if self.colocate:
             mem["mem/trainer"] = (await self.trainer.slice(ranks=0).gpu_memory.call_one().result(60))["allocated"]
             t = time.monotonic()
@@ -538,6 +547,7 @@ class GRPOJob:
             swap += time.monotonic() - t
         phases["swap"] = swap
         total = time.monotonic() - t_step
+        await self._gpu_used("synced", mem)
         rec = self._record(step, samples, train_stats, phases, mem, judge0, judge1, total)
         rec.update(synced)
         rec.update(await self._probe())

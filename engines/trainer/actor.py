@@ -336,11 +336,13 @@ class TrainerActor(Actor):
 
     @endpoint
     def gpu_memory(self) -> dict:
-        """Device memory now: free (driver view) and allocated by torch in this process."""
+        """Device memory now: free and total (driver view: every process on this GPU) and
+        allocated by torch in this process. All zero on CPU."""
         if self.device.type != "cuda":
-            return {"free": 0, "allocated": 0}
+            return {"free": 0, "total": 0, "allocated": 0}
         torch.cuda.synchronize()
-        return {"free": torch.cuda.mem_get_info()[0], "allocated": torch.cuda.memory_allocated()}
+        free, total = torch.cuda.mem_get_info()
+        return {"free": free, "total": total, "allocated": torch.cuda.memory_allocated()}
 
     @endpoint
     def shutdown(self) -> None:

@@ -1,0 +1,100 @@
+"""One GRPO step, phase by phase: runs ``relay train`` (the real stack: controller, agent,
+workers, engines, judge service + gateway + client, Megatron trainer) in colocate Split and
+Defer-swap on this machine's GPUs (or virtual CPU bundles), with random-weight Qwen3-shaped
+policy and judge, and prints one JSON line per mode: mean seconds per phase over the steps
+after the first, the share of the step spent on orchestration (not generating, judging,
+training, swapping or moving weights), and the memory in use per GPU per phase.
+
+    python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 2 --steps 3
+    python benchmarks/grpo_step_bench.py --device cpu --size tiny --gpus 2 --steps 2   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def build(cache: str, size: str, device: str) -> tuple[str, str, dict]:
+    from engines.model_builder import make_model
+    from launcher.demo_task import write_demo_data
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    init = "cuda" if device == "cuda" else "cpu"
+    paths = write_demo_data(os.path.join(cache, "data"))
+    policy, judge = os.path.join(cache, f"policy-{size}"), os.path.join(cache, f"judge-{size}")
+    for path, seed in ((policy, 1), (judge, 7)):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            make_model("qwen3", size, path, seed=seed, dtype=dtype, init_device=init)
+    return policy, judge, paths
+
+
+def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -> dict:
+    g = args.gpus
+    if mode == "split":
+        layout = ["--config", "tiny-cpu-split", "--resource", json.dumps({"actor": [1, g], "rollout": [1, g // 2], "genrm": [1, g - g // 2]}),
+                  "--sglang-mem-fraction-static", "0.5", "--genrm-engine-config", json.dumps({"mem_fraction_static": 0.3})]
+    else:
+        layout = ["--config", "tiny-cpu-defer", "--resource", json.dumps({"actor": [1, g], "rollout": [1, g], "genrm": [1, g]}),
+                  "--sglang-mem-fraction-static", "0.8", "--genrm-engine-config", json.dumps({"mem_fraction_static": 0.8})]
+    run_dir = os.path.join(cache, "runs", f"{mode}-{int(time.time())}")
+    cmd = [sys.executable, "-m", "launcher.cli", "train", *layout, "--device", args.device, "--gpus-per-node", str(g),
+           "--hf-checkpoint", policy, "--genrm-model-path", judge, "--prompt-data", data["train"], "--run-dir", run_dir,
+           "--num-rollout", str(args.steps), "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.n),
+           "--global-batch-size", str(args.prompts * args.n), "--rollout-max-response-len", str(args.response_len),
+           "--genrm-sampling-config", json.dumps({"temperature": 0.0, "max_response_len": 8}), "--genrm-parse", "loose",
+           "--genrm-gateway-port", "0", "--lr", "1e-6", "--kv-cache-tokens", "65536"]
+    t = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, RELAY_CACHE=cache))
+    wall = time.monotonic() - t
+    if p.returncode != 0:
+        return {"mode": mode, "error": (p.stdout[-2000:] + p.stderr[-3000:])}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [r for r in map(json.loads, f) if r.get("kind") == "train"]
+    steady = recs[1:] or recs
+    phases = ("rollout", "reward", "swap", "train", "sync", "orchestration")
+    out = {"mode": mode, "device": args.device, "size": args.size, "gpus": g, "steps": len(recs), "wall_s": round(wall, 1),
+           "samples_per_step": recs[0]["samples"], "response_len_mean": round(statistics.fmean(r["rollout/response_len"] for r in steady), 1)}
+    step = statistics.fmean(r["time/step"] for r in steady)
+    out["step_s"] = round(step, 3)
+    for ph in phases:
+        vals = [r.get(f"time/{ph}", 0.0) for r in steady]
+        out[f"{ph}_s"] = round(statistics.fmean(vals), 3)
+    out["orchestration_share"] = round(out["orchestration_s"] / step, 4)
+    out["rollout_tokens_per_s"] = round(statistics.fmean(r["rollout/tokens_per_s"] for r in steady), 1)
+    for key in ("mem/gpu_used_generating", "mem/gpu_used_training", "mem/gpu_used_synced"):
+        if key in steady[-1]:
+            out[key.split("/", 1)[1] + "_gib"] = [round(b / 2**30, 2) for b in steady[-1][key]]
+    out["engine_bytes_training"] = steady[-1].get("mem/engine_bytes_training")
+    out["judge_requests"] = steady[-1].get("judge/requests")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--size", default="0.6b")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--modes", default="split,defer")
+    ap.add_argument("--cache", default=os.environ.get("RELAY_CACHE", ".cache") + "/grpo-bench")
+    args = ap.parse_args()
+    cache = os.path.abspath(args.cache)
+    policy, judge, data = build(cache, args.size, args.device)
+    for mode in args.modes.split(","):
+        print(json.dumps(run_mode(mode, args, policy, judge, data, cache)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
