@@ -108,6 +108,7 @@ class JobConfig:
     tis_clip: float = _opt(2.0, help="TIS upper clamp", minimum=0.0)
     tis_clip_low: float = _opt(0.0, help="TIS lower clamp", minimum=0.0)
     entropy_coef: float = _opt(0.0, help="entropy bonus coefficient", minimum=0.0)
+    micro_batch_tokens: int = _opt(8192, help="trainer: padded tokens per forward/backward pass (gradients accumulate over micro-batches)", minimum=1)
     tensor_model_parallel_size: int = _opt(1, help="trainer tensor parallel size (the rest of the actor GPUs is data parallel)", minimum=1)
     # ---- optimizer
     optimizer: str = _opt("adam", help="optimizer", choices=("adam", "adamw"))

@@ -113,22 +113,31 @@ class GRPOJob:
             "trainer", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
             clip_grad=cfg.clip_grad, lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters,
             total_iters=max(1, cfg.num_rollout * max(1, cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.global_batch_size)),
-            seed=cfg.seed, loss=loss,
+            seed=cfg.seed, loss=loss, micro_batch_tokens=cfg.micro_batch_tokens,
         )
         self.reference = None
         if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
             ref_claim = next((c for c in self.plan.claims if c.role == "reference"), actor_claim)
             ref_procs = actor_procs if ref_claim is actor_claim else ProcMesh.attach(self._procs(self.plan.bundles_of(ref_claim)), name="reference", dims={"ranks": ref_claim.size})
             self.reference = ref_procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, seed=cfg.seed)
-        pending = [asyncio.ensure_future(self.trainer.initialized(900))]
-        if self.reference is not None:
-            pending.append(asyncio.ensure_future(self.reference.initialized(900)))
-        try:
-            self._spawn_engines(pending)
-            await asyncio.gather(*pending)
-        finally:
-            for f in pending:
-                f.cancel()
+        trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
+        if self.colocate:
+            # Colocated roles share GPU memory, so they start one after another: the trainer
+            # loads, restores and offloads; in Defer-swap the judge loads and goes to sleep
+            # (its weights kept in CPU memory); then the rollout engines (and co-resident
+            # judges) load, each sizing its KV cache from the memory left.
+            await self._init_all([m.initialized(900) for m in trainers])
+            if cfg.resume:
+                await self._load_checkpoint()
+            await self._init_all([m.offload.call().result(600) for m in trainers])
+            if self.defer:
+                await self._init_all(self._spawn_engines(("genrm",)))
+                await self._each(self.judges, "sleep", ["weights", "kv_cache"], "finish")
+            await self._init_all(self._spawn_engines(("rollout",) if self.defer else ("rollout", "genrm")))
+        else:
+            await self._init_all([m.initialized(900) for m in trainers] + self._spawn_engines(("rollout", "genrm")))
+            if cfg.resume:
+                await self._load_checkpoint()
         if self.judges:
             specs: dict = {}
             for name, inst in cfg.genrm.items():
@@ -148,21 +157,33 @@ class GRPOJob:
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
         self._prompt_ids: dict[int, list[int]] = {}
-        if cfg.resume:
-            await self._restore()
         if self.defer:
-            await self._judge_sleep()
-        if self.colocate:
-            await self.trainer.offload.call().result(600)
+            for name in cfg.genrm:
+                await self.judge.set_awake.call_one(name, False)
+        if self.version:  # resumed: the rollout engines get the checkpoint's weights
+            await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, cfg.update_weight_buffer_size).result(1800)
         print(f"started {len(self.rollout)} rollout engine(s), {len(self.judges)} judge engine(s) and a {self.dp}x{cfg.tensor_model_parallel_size} "
               f"(DP x TP) trainer in {time.monotonic() - t0:.1f} s ({self.mode})", file=self.out, flush=True)
 
-    def _spawn_engines(self, pending: list) -> None:
+    @staticmethod
+    async def _init_all(waits: list) -> None:
+        """Await every start-up step; on a failure, cancel (and retrieve) the others."""
+        futs = [asyncio.ensure_future(w) for w in waits]
+        try:
+            await asyncio.gather(*futs)
+        finally:
+            for f in futs:
+                f.cancel()
+            await asyncio.gather(*futs, return_exceptions=True)
+
+    def _spawn_engines(self, roles: tuple) -> list:
+        """Spawn the engines of these roles; returns their initialization awaitables."""
         from engines.actor import EngineActor
 
         cfg = self.cfg
+        pending = []
         for claim in self.plan.claims:
-            if claim.role not in ("rollout", "genrm"):
+            if claim.role not in roles:
                 continue
             for i, bundles in enumerate(self.plan.engines_of(claim)):
                 proc = ProcMesh.attach(self._procs(bundles[:1]), name=f"{claim.label()}-e{i}")
@@ -172,7 +193,8 @@ class GRPOJob:
                 name = f"engine-{claim.role}-{claim.instance or 'policy'}-{i}".replace("_", "")
                 mesh = proc.spawn(name, EngineActor, path, cfg.engine, **self._engine_kwargs(claim, mode))
                 (self.rollout if rollout else self.judges).append(Engine(claim.role, claim.instance, mesh))
-                pending.append(asyncio.ensure_future(mesh.initialized(900)))
+                pending.append(mesh.initialized(900))
+        return pending
 
     async def close(self, graceful: bool = True) -> None:
         """Write the engines' sleep/wake/sync logs to ``RUN_DIR/engine_events.jsonl``, stop
@@ -337,7 +359,11 @@ class GRPOJob:
                 shards = [chunk] * self.dp  # fewer samples than DP ranks: every rank takes all
             ref = None
             if self.reference is not None:
+                if self.colocate:
+                    await self.reference.onload.call().result(600)
                 ref = await self._call_ranks(self.reference, "compute_logprobs", [([seqs[i] for i in sh],) for sh in shards], tp)
+                if self.colocate:
+                    await self.reference.offload.call().result(600)
             args = []
             for d, sh in enumerate(shards):
                 a = ([seqs[i] for i in sh], [masks[i] for i in sh], [advantages[i] for i in sh], [rollout_lp[i] for i in sh])
@@ -453,7 +479,9 @@ class GRPOJob:
         done = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, STATE_FILE)))
         return os.path.join(root, done[-1]) if done else None
 
-    async def _restore(self) -> None:
+    async def _load_checkpoint(self) -> None:
+        """``--resume``: the newest complete checkpoint into the trainer (the rollout engines
+        get its weights once they exist); sets the next step and the weight version."""
         path = self.latest_checkpoint()
         if path is None:
             print(f"--resume: no complete checkpoint under {self.run_dir}/{CHECKPOINT_DIR}; starting from step 0", file=self.out, flush=True)
@@ -463,7 +491,6 @@ class GRPOJob:
         await self.trainer.load_checkpoint.call(path).result(1800)
         self.start_step = state["next_step"]
         self.version = state["weight_version"]
-        await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, self.cfg.update_weight_buffer_size).result(1800)
         print(f"resumed from {path}: next step {self.start_step}, weight version {self.version}", file=self.out, flush=True)
 
     # ------------------------------------------------------------------ the loop

@@ -21,7 +21,8 @@ from .loss import LossConfig, policy_loss
 
 class TrainerActor(Actor):
     def __init__(self, model_path: str, tp: int = 1, lr: float = 1e-6, weight_decay: float = 0.0, clip_grad: float = 1.0,
-                 lr_decay_style: str = "constant", lr_warmup_iters: int = 0, total_iters: int = 1000, seed: int = 1234, loss: dict | None = None):
+                 lr_decay_style: str = "constant", lr_warmup_iters: int = 0, total_iters: int = 1000, seed: int = 1234, loss: dict | None = None,
+                 micro_batch_tokens: int = 8192):
         self.model_path = model_path
         self.tp = tp
         self.opt_args = dict(lr=lr, weight_decay=weight_decay)
@@ -29,6 +30,7 @@ class TrainerActor(Actor):
         self.schedule = (lr_decay_style, lr_warmup_iters, total_iters)
         self.seed = seed
         self.loss_cfg = LossConfig(**(loss or {}))
+        self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward/backward
         self.step = 0
         self._offloaded: dict | None = None
 
@@ -100,6 +102,29 @@ class TrainerActor(Actor):
         """Clip the gradient norm to ``clip_grad`` (0: no clipping); returns the norm before."""
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf")))
 
+    def _micro_batches(self, seqs: list) -> list[list[int]]:
+        """Consecutive index groups whose padded size (count x longest) stays within
+        ``micro_batch_tokens`` (a longer single sequence is a micro-batch of its own)."""
+        out, cur, width = [], [], 0
+        for i, s in enumerate(seqs):
+            w = max(width, len(s))
+            if cur and w * (len(cur) + 1) > self.micro_batch_tokens:
+                out.append(cur)
+                cur, w = [], len(s)
+            cur.append(i)
+            width = w
+        if cur:
+            out.append(cur)
+        return out
+
+    @staticmethod
+    def _aligned(base: torch.Tensor, rows: list) -> torch.Tensor:
+        """``base`` with each row's leading entries replaced by the given values."""
+        out = base.clone()
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r, device=base.device, dtype=base.dtype)
+        return out
+
     def _batch(self, seqs: list):
         from .megatron_model import causal_mask
 
@@ -131,9 +156,14 @@ class TrainerActor(Actor):
     def compute_logprobs(self, seqs: list, temperature: float = 1.0) -> list:
         """Per-token log-probs of each sequence's tokens 1..n (the engines' definition)."""
         self.model.eval()
+        out: list = [None] * len(seqs)
         with torch.no_grad():
-            lp = self._logprobs(seqs, temperature)
-        return [row[: len(s) - 1].tolist() for row, s in zip(lp.cpu(), seqs)]
+            for idx in self._micro_batches(seqs):
+                part = [seqs[i] for i in idx]
+                lp = self._logprobs(part, temperature).cpu()
+                for i, row, sq in zip(idx, lp, part):
+                    out[i] = row[: len(sq) - 1].tolist()
+        return out
 
     @endpoint
     def train_step(self, seqs: list, response_masks: list, advantages: list, rollout_logprobs: list | None = None,
@@ -144,26 +174,28 @@ class TrainerActor(Actor):
         if self._offloaded is not None:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         self.model.train()
-        mask = self._mask(seqs, response_masks)
-        with torch.no_grad():
-            old = self._logprobs(seqs, temperature)
-        rollout = None
-        if rollout_logprobs is not None:
-            rollout = old.clone()
-            for i, r in enumerate(rollout_logprobs):
-                rollout[i, : len(r)] = torch.tensor(r, device=self.device)
-        ref = None
-        if ref_logprobs is not None:
-            ref = old.clone()
-            for i, r in enumerate(ref_logprobs):
-                ref[i, : len(r)] = torch.tensor(r, device=self.device)
         for g in self.opt.param_groups:
             g["lr"] = self._lr()
-        logp = self._logprobs(seqs, temperature)
-        loss, stats = policy_loss(logp, old, torch.tensor(advantages, device=self.device, dtype=torch.float32), mask, self.loss_cfg,
-                                  ref_logp=ref, rollout_logp=rollout)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        token_level = self.loss_cfg.aggregation == "token"
+        total = sum(sum(m) for m in response_masks) if token_level else len(seqs)
+        stats: dict = {}
+        # Micro-batches under the token budget; each one's loss is weighted by its share of
+        # the batch (tokens or samples), so the summed gradient equals the whole batch's.
+        for idx in self._micro_batches(seqs):
+            part = [seqs[i] for i in idx]
+            mask = self._mask(part, [response_masks[i] for i in idx])
+            with torch.no_grad():
+                old = self._logprobs(part, temperature)
+            rollout = self._aligned(old, [rollout_logprobs[i] for i in idx]) if rollout_logprobs is not None else None
+            ref = self._aligned(old, [ref_logprobs[i] for i in idx]) if ref_logprobs is not None else None
+            logp = self._logprobs(part, temperature)
+            adv = torch.tensor([advantages[i] for i in idx], device=self.device, dtype=torch.float32)
+            loss, st = policy_loss(logp, old, adv, mask, self.loss_cfg, ref_logp=ref, rollout_logp=rollout)
+            weight = (float(mask.sum()) if token_level else len(idx)) / max(total, 1)
+            (loss * weight).backward()
+            for k, v in st.items():
+                stats[k] = stats.get(k, 0.0) + v * weight
         self._reduce_grads()
         stats["grad_norm"] = self._clip()
         stats["lr"] = self.opt.param_groups[0]["lr"]
@@ -178,35 +210,46 @@ class TrainerActor(Actor):
         if self._offloaded is not None:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         self.model.train()
-        mask = self._mask(seqs, response_masks)
         for g in self.opt.param_groups:
             g["lr"] = self._lr()
-        logp = self._logprobs(seqs)
-        loss = -(logp * mask).sum() / mask.sum().clamp_min(1)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = max(1, sum(sum(m) for m in response_masks))
+        loss_sum = 0.0
+        for idx in self._micro_batches(seqs):
+            part = [seqs[i] for i in idx]
+            mask = self._mask(part, [response_masks[i] for i in idx])
+            loss = -(self._logprobs(part) * mask).sum() / total
+            loss.backward()
+            loss_sum += float(loss.detach())
         self._reduce_grads()
         grad_norm = self._clip()
         self.opt.step()
         self.step += 1
-        return {"loss": float(loss.detach()), "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
 
     @endpoint
     def greedy_match(self, seqs: list, response_masks: list) -> list:
         """Per sequence: does the argmax prediction equal every response token (teacher
         forced)? For a one-token answer this is exactly greedy decoding's accuracy."""
         self.model.eval()
-        ids, pos, mask, tgt = self._batch(seqs)
-        with torch.no_grad():
-            logits = self.model(ids, pos, mask)
-            if self.tp > 1:
-                from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        out: list = [False] * len(seqs)
+        for idx in self._micro_batches(seqs):
+            part = [seqs[i] for i in idx]
+            ids, pos, mask, tgt = self._batch(part)
+            with torch.no_grad():
+                logits = self.model(ids, pos, mask)
+                if self.tp > 1:
+                    from megatron.core.tensor_parallel import (
+                        gather_from_tensor_model_parallel_region,
+                    )
 
-                logits = gather_from_tensor_model_parallel_region(logits)
-            pred = logits.argmax(-1)
-        rmask = self._mask(seqs, response_masks).bool()
-        ok = ((pred == tgt) | ~rmask).all(dim=1)
-        return [bool(x) for x in ok.cpu()]
+                    logits = gather_from_tensor_model_parallel_region(logits)
+                pred = logits.argmax(-1)
+            rmask = self._mask(part, [response_masks[i] for i in idx]).bool()
+            ok = ((pred == tgt) | ~rmask).all(dim=1)
+            for i, x in zip(idx, ok.cpu()):
+                out[i] = bool(x)
+        return out
 
     @endpoint
     def export_hf(self, bucket_bytes: int = 512 << 20) -> list:

@@ -110,3 +110,28 @@ def test_sft_steps_lower_the_loss_on_the_response_tokens(policy):
 
     losses = run(main(), 280)
     assert losses[-1] < losses[0] * 0.9, losses
+
+
+def test_micro_batching_matches_one_pass(policy):
+    """Gradients accumulated over micro-batches (each weighted by its share of the response
+    tokens) give the same step as one pass over the whole batch."""
+    seqs = SEQS + [s[:12] for s in SEQS]  # mixed lengths
+    masks = MASKS + [[0] * 5 + [1] * 6 for _ in SEQS]
+    adv = ADV + [-a for a in ADV]
+
+    async def main():
+        out = []
+        for budget in (8192, 40):  # one pass / micro-batches of at most 40 padded tokens
+            procs, t = await start(policy, micro_batch_tokens=budget)
+            st = await t.train_step.call_one(seqs, masks, adv).result(120)
+            sft = await t.sft_step.call_one(seqs, masks).result(120)
+            lp = await t.compute_logprobs.call_one(seqs)
+            out.append((st, sft, lp))
+            await stop(procs, t)
+        return out
+
+    (a, sa, lpa), (b, sb, lpb) = run(main(), 280)
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert sb["loss"] == pytest.approx(sa["loss"], rel=1e-5)
+    assert max(abs(x - y) for ra, rb in zip(lpa, lpb) for x, y in zip(ra, rb)) < 1e-4
