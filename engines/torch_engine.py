@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import os
 import queue
 import threading
@@ -24,6 +25,8 @@ import torch
 
 from .interface import Engine, GenerateResult, SamplingParams, check_tags
 from .model import Batch, CausalLM, ModelConfig, _inv_freq, load_weights
+
+log = logging.getLogger("relay.engine")
 
 
 @dataclass
@@ -59,6 +62,7 @@ class TorchEngine(Engine):
         max_running: int = 256,
         weights_mode: str = "discard",
         name: str = "engine",
+        max_gather_bytes: int | None = None,
     ):
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) or 'backup' (judge: kept in CPU memory)")
@@ -66,6 +70,11 @@ class TorchEngine(Engine):
 
         self.name = name
         self.device = torch.device(device)
+        # The attention gathers each token's whole context per layer ([tokens, ctx, kv
+        # heads, head dim] for keys and values): admission keeps that under this budget, so
+        # a burst of long prompts is prefilled over several steps instead of exhausting memory.
+        self.max_gather_bytes = max_gather_bytes or ((2 << 30) if self.device.type == "cuda" else (512 << 20))
+        self._failed: BaseException | None = None
         self.cfg = ModelConfig.from_dir(model_path)
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -182,6 +191,8 @@ class TorchEngine(Engine):
             raise RuntimeError(f"{self.name}: weights were discarded by sleep(); update_weights() before generating")
         if self._k is None:
             raise RuntimeError(f"{self.name}: the KV cache is asleep; wake(['kv_cache']) before generating")
+        if self._failed is not None:
+            raise RuntimeError(f"{self.name}: the engine failed and serves no more requests: {self._failed!r}")
         loop = asyncio.get_running_loop()
         gen = None
         if sp.seed is not None:
@@ -203,9 +214,29 @@ class TorchEngine(Engine):
                     continue
                 await self._wakeup.wait()
                 continue
-            done = await loop.run_in_executor(self._exec, self._step)
+            try:
+                done = await loop.run_in_executor(self._exec, self._step)
+            except Exception as e:  # noqa: BLE001 (every caller gets the error; nothing waits forever)
+                self._fail_all(e)
+                return
             for seq in done:
                 self._resolve(seq)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A step raised (e.g. out of memory): fail every pending request with the error,
+        release their KV blocks and refuse new requests; ``health()`` reports unhealthy."""
+        self._failed = exc
+        log.error("%s: engine step failed; failing %d pending request(s): %r", self.name,
+                  len(self._running) + len(self._waiting) + self._incoming.qsize(), exc)
+        while not self._incoming.empty():
+            self._waiting.append(self._incoming.get())
+        for seq in list(self._running) + list(self._waiting):
+            if seq.blocks:
+                self._free(seq)
+            if not seq.future.done():
+                seq.future.set_exception(RuntimeError(f"{self.name}: engine step failed: {exc!r}"))
+        self._running.clear()
+        self._waiting.clear()
 
     def _has_work(self) -> bool:
         return bool(self._running or self._waiting or not self._incoming.empty() or not self._abort_ids.empty())
@@ -246,22 +277,30 @@ class TorchEngine(Engine):
                     break
             if seq in self._running:
                 seq.blocks.append(self._free_blocks.pop())
-        # Then admit waiting requests whose tokens fit (FIFO: the head blocks the rest).
+        # Then admit waiting requests whose tokens fit (FIFO: the head blocks the rest), while
+        # the step's attention gather stays within max_gather_bytes (one request always goes).
         new: list[_Seq] = []
+        per_slot = 2 * self.cfg.num_kv_heads * self.cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        step_tokens = len(self._running)
+        ctx_blocks = max((len(s.blocks) for s in self._running), default=0)
         while self._waiting and len(self._running) + len(new) < self.max_running:
             seq = self._waiting[0]
             need = -(-len(seq.tokens) // bs) - len(seq.blocks)
             if need > len(self._free_blocks):
                 break
+            tokens = step_tokens + len(seq.tokens) - seq.cached
+            blocks = max(ctx_blocks, len(seq.blocks) + need)
+            if (new or self._running) and tokens * blocks * bs * per_slot > self.max_gather_bytes:
+                break
+            step_tokens, ctx_blocks = tokens, blocks
             self._waiting.popleft()
             seq.blocks += [self._free_blocks.pop() for _ in range(need)]
             new.append(seq)
         batch_seqs = self._running + new
         if not batch_seqs:
             return finished
+        self._running.extend(new)  # before the forward: a failing step still finds them
         logits = self.model(self._make_batch(batch_seqs), self._k, self._v)
-        for seq in new:
-            self._running.append(seq)
         toks, lps = self._sample_batch(logits, batch_seqs)
         for row, seq in enumerate(batch_seqs):
             seq.cached = len(seq.tokens)
@@ -408,7 +447,7 @@ class TorchEngine(Engine):
             await self.abort()
         elif drain != "finish":
             raise ValueError("drain must be 'abort' or 'finish'")
-        while self._has_work():
+        while self._has_work() and self._failed is None:
             if self._paused:
                 await self.resume()
             await asyncio.sleep(0.005)
@@ -492,8 +531,11 @@ class TorchEngine(Engine):
         self.weight_version = version
 
     async def health(self) -> dict:
-        ok = self._loop_task is None or not self._loop_task.done() or self._loop_task.exception() is None
-        return {"status": "healthy" if ok else "unhealthy", "name": self.name}
+        ok = self._failed is None and (self._loop_task is None or not self._loop_task.done() or self._loop_task.exception() is None)
+        out = {"status": "healthy" if ok else "unhealthy", "name": self.name}
+        if self._failed is not None:
+            out["error"] = repr(self._failed)
+        return out
 
     async def stats(self) -> dict:
         elapsed = max(time.monotonic() - self._t0, 1e-9)

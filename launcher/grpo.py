@@ -333,6 +333,14 @@ class GRPOJob:
         groups = await asyncio.gather(*(self._generate_group(r, n, self._sampling(), self._seed(step, k) * 64, score_inline) for k, r in enumerate(rows)))
         return [s for g in groups for s in g]
 
+    @staticmethod
+    def _check_judged(samples: list[dict], what: str) -> None:
+        """A batch whose every reward is a judge failure is not trained on: stop with why."""
+        infos = [s.get("reward_info") for s in samples]
+        if infos and all(isinstance(i, dict) and i.get("format_error") == "judge_error" for i in infos):
+            raise RuntimeError(f"{what}: the judge failed on all {len(samples)} samples (after retries); not training on this batch. "
+                               "Check the judge engines' health (GET /genrm/health) and the job log")
+
     def _advantages(self, samples: list[dict]) -> list[float]:
         import torch
 
@@ -533,6 +541,8 @@ class GRPOJob:
         t = time.monotonic()
         samples = await self._rollout(step, score_inline=not self.defer)
         phases["rollout"] = time.monotonic() - t
+        if not self.defer:
+            self._check_judged(samples, f"step {step}")
         mem = {"mem/rollout_bytes_generating": await self._engine_bytes(self.rollout)}
         await self._gpu_used("generating", mem)
         swap = 0.0
@@ -540,6 +550,7 @@ class GRPOJob:
             t = time.monotonic()
             swap += await self._score_deferred(samples)
             phases["reward"] = time.monotonic() - t - swap
+            self._check_judged(samples, f"step {step}")
         judge1 = await self._judge_counts()
         advantages = self._advantages(samples)
         t = time.monotonic()

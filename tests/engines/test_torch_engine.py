@@ -254,3 +254,48 @@ def test_sleep_and_abort_on_a_fresh_engine_return(models):
         return r
 
     assert run(main()).finish_reason == "length"
+
+
+def test_gather_budget_spreads_prefill_over_steps_without_changing_results(models):
+    """A tiny max_gather_bytes admits one prompt per step (prefill spread over steps); the
+    tokens and log-probs are those of an unconstrained engine."""
+
+    async def main():
+        out = []
+        for budget in (None, 1):
+            eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_gather_bytes=budget)
+            res = await asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()))
+            out.append([(r.token_ids, r.logprobs) for r in res])
+            await eng.close()
+        return out
+
+    free, tight = run(main(), 120)
+    assert [t for t, _ in tight] == [t for t, _ in free]
+    for (_, a), (_, b) in zip(free, tight):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_a_failing_step_fails_pending_requests_instead_of_hanging(models):
+    """If a step raises (say, out of device memory), every pending request gets the error,
+    sleep(drain="finish") returns, health says unhealthy and new requests are refused."""
+
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
+        await eng.generate(prompts()[0], GREEDY)
+
+        def boom(*a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        eng.model.forward = boom
+        res = await asyncio.wait_for(asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 30)
+        await asyncio.wait_for(eng.sleep(["kv_cache"], drain="finish"), 30)
+        health = await eng.health()
+        await eng.wake(["kv_cache"])
+        with pytest.raises(RuntimeError, match="failed and serves no more requests"):
+            await eng.generate(prompts()[0], GREEDY)
+        await eng.close()
+        return res, health
+
+    res, health = run(main(), 120)
+    assert all(isinstance(r, RuntimeError) and "engine step failed" in str(r) for r in res)
+    assert health["status"] == "unhealthy" and "out of memory" in health["error"]
