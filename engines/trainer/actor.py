@@ -50,7 +50,10 @@ class TrainerActor(Actor):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        if not parallel_state.model_parallel_is_initialized():  # a second trainer in this process (the reference) shares it
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        elif parallel_state.get_tensor_model_parallel_world_size() != self.tp:
+            raise ValueError(f"this process already runs tensor parallel size {parallel_state.get_tensor_model_parallel_world_size()}, not {self.tp}")
         model_parallel_cuda_manual_seed(self.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()

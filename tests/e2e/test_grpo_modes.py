@@ -178,3 +178,14 @@ def test_resume_after_kill_continues_with_the_same_loss(data, tmp_path):
     resumed = {r["step"]: r["train/loss"] for r in records(killed)}
     assert 2 in resumed
     assert resumed[2] == pytest.approx(reference[2], rel=1e-4, abs=1e-6), (resumed, reference)
+
+
+def test_kl_loss_runs_the_reference_role(data, tmp_path):
+    """With --use-kl-loss and a coefficient, a frozen reference trainer supplies reference
+    log-probs: the KL is logged, and it grows from 0 once the policy has moved."""
+    run_dir = str(tmp_path / "run")
+    run_train("tiny-cpu-split", data, run_dir, "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl")
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [0, 1]
+    assert recs[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert recs[1]["train/kl"] > 0
