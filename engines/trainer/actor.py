@@ -11,12 +11,18 @@ from __future__ import annotations
 import math
 import os
 import random
+import threading
 
 import torch
 
 from relay import Actor, endpoint
 
 from .loss import LossConfig, policy_loss
+
+#: torch.distributed and Megatron's parallel state are per process; two trainers in one
+#: process (policy and reference) must not create groups concurrently (group creation is a
+#: collective: the order must be the same on every rank).
+_PROCESS_SETUP = threading.Lock()
 
 
 class TrainerActor(Actor):
@@ -45,21 +51,8 @@ class TrainerActor(Actor):
 
         cpu_shim.install()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method="env://")
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        if not parallel_state.model_parallel_is_initialized():  # a second trainer in this process (the reference) shares it
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
-        elif parallel_state.get_tensor_model_parallel_world_size() != self.tp:
-            raise ValueError(f"this process already runs tensor parallel size {parallel_state.get_tensor_model_parallel_world_size()}, not {self.tp}")
-        model_parallel_cuda_manual_seed(self.seed)
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.rank = dist.get_rank()
+        with _PROCESS_SETUP:
+            self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)
         self.model = build_gpt(self.cfg, tp=self.tp).to(self.device)
         files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
@@ -72,6 +65,25 @@ class TrainerActor(Actor):
         if missing or unexpected:
             raise KeyError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.opt_args["lr"], weight_decay=self.opt_args["weight_decay"])
+
+    def _init_parallel(self, dist) -> None:
+        """torch.distributed and Megatron's model-parallel groups, once per process (a second
+        trainer in the process, the reference, shares them)."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method="env://")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        elif parallel_state.get_tensor_model_parallel_world_size() != self.tp:
+            raise ValueError(f"this process already runs tensor parallel size {parallel_state.get_tensor_model_parallel_world_size()}, not {self.tp}")
+        model_parallel_cuda_manual_seed(self.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.rank = dist.get_rank()
 
     # ------------------------------------------------------------------ helpers
 
