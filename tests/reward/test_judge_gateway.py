@@ -222,3 +222,53 @@ def test_relay_judge_serves_the_tiny_config_and_stops_on_sigint(tmp_path):
         if p.poll() is None:
             p.kill()
         p.communicate()
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["messages", "role", "content", "sampling_params", "route_key", "x"]), children, max_size=4),
+    max_leaves=12,
+)
+_SAMPLING = st.dictionaries(
+    st.sampled_from(["temperature", "top_p", "top_k", "max_new_tokens", "max_response_len", "stop", "seed", "bogus"]),
+    st.none() | st.integers(-5, 10**7) | st.floats(-2, 5, allow_nan=False) | st.text(max_size=5) | st.lists(st.text(max_size=3), max_size=2),
+    max_size=4,
+)
+_BODIES = st.one_of(
+    _JSON.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=64),
+    _SAMPLING.map(lambda sp: json.dumps({"messages": MSG, "sampling_params": sp}).encode()),
+)
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.lists(_BODIES, min_size=40, max_size=40))
+def test_fuzzed_http_requests_never_get_a_5xx_and_the_gateway_stays_healthy(judge_model, bodies):
+    """Arbitrary bytes, JSON values and sampling parameters POSTed to the live gateway:
+    every answer is 200 with a response or a 4xx with an error message; never a 5xx."""
+
+    async def main():
+        procs, engines, judge, runner, url = await start(judge_model)
+        seen = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for body in bodies:
+                    async with s.post(f"{url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                        payload = await r.json(content_type=None)
+                        seen.append((r.status, payload, body[:80]))
+                async with s.get(f"{url}/genrm/health") as r:
+                    health = await r.json()
+        finally:
+            await runner.cleanup()
+            await procs.stop()
+        return seen, health
+
+    seen, health = run(main(), 240)
+    for status, payload, body in seen:
+        assert status == 200 or 400 <= status < 500, (status, payload, body)
+        if status == 200:
+            assert isinstance(payload["response"], str)
+        else:
+            assert isinstance(payload.get("error"), str) and payload["error"], (status, payload, body)
+    assert health["status"] == "healthy"
