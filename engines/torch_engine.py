@@ -338,17 +338,26 @@ class TorchEngine(Engine):
 
     def _sample_batch(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
         """Sample one token per row on the device, with one host transfer for the batch.
-        Rows that truncate (top-k / top-p) or carry their own seed are handled row by row."""
+        Seeded rows use Gumbel-max over :func:`seeded_uniform` noise (batched); rows that
+        truncate (top-k / top-p) are handled row by row."""
         dev = logits.device
         temps = torch.tensor([s.sampling.temperature or 1.0 for s in seqs], device=dev, dtype=logits.dtype)
         greedy = torch.tensor([s.sampling.temperature == 0 for s in seqs], device=dev)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         tok = logits.argmax(dim=-1)
-        plain = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0 and s.generator is None and s.sampling.top_k < 0 and s.sampling.top_p >= 1.0]
+        untruncated = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0 and s.sampling.top_k < 0 and s.sampling.top_p >= 1.0]
+        plain = [i for i in untruncated if seqs[i].generator is None]
+        seeded = [i for i in untruncated if seqs[i].generator is not None]
         if plain:
             idx = torch.tensor(plain, device=dev)
             tok[idx] = torch.multinomial(logp[idx].exp(), 1)[:, 0]
-        batched = set(plain)
+        if seeded:  # Gumbel-max with noise from (seed, position): batched and batch-independent
+            idx = torch.tensor(seeded, device=dev)
+            seeds = torch.tensor([seqs[i].sampling.seed for i in seeded], device=dev, dtype=torch.int64)
+            pos = torch.tensor([len(seqs[i].output) for i in seeded], device=dev, dtype=torch.int64)
+            u = seeded_uniform(seeds, pos, logits.shape[-1])
+            tok[idx] = (logp[idx].double() - torch.log(-torch.log(u))).argmax(dim=-1)
+        batched = set(plain) | set(seeded)
         for i, s in enumerate(seqs):
             if s.sampling.temperature > 0 and i not in batched:
                 tok[i] = self._sample(logits[i], s.sampling, s.generator)[0]
@@ -566,6 +575,31 @@ class TorchEngine(Engine):
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._exec.shutdown(wait=False, cancel_futures=True)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_K_SEED, _K_POS, _K_TOK = _signed(0x9E3779B97F4A7C15), _signed(0xD1B54A32D192ED03), _signed(0xABC98388FB8FAC03)
+_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise ``[rows, vocab]`` (float64) that depends only on each row's
+    (seed, position) and the token index: a counter-based hash (splitmix64's finalizer).
+    Seeded sampling therefore gives the same tokens whatever else is in the batch."""
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    z = seeds[:, None] * _K_SEED + positions[:, None] * _K_POS + tokens[None, :] * _K_TOK
+    z = (z ^ _lsr(z, 30)) * _MIX1
+    z = (z ^ _lsr(z, 27)) * _MIX2
+    z = z ^ _lsr(z, 31)
+    return (_lsr(z, 11).double() + 0.5) / float(1 << 53)
 
 
 def _aborted(rid: int, aborts: set) -> bool:

@@ -299,3 +299,29 @@ def test_a_failing_step_fails_pending_requests_instead_of_hanging(models):
     res, health = run(main(), 120)
     assert all(isinstance(r, RuntimeError) and "engine step failed" in str(r) for r in res)
     assert health["status"] == "unhealthy" and "out of memory" in health["error"]
+
+
+def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(models):
+    """A seeded request yields the same tokens alone or amid other requests, and the seeded
+    sampler's frequencies match softmax probabilities."""
+    from engines.torch_engine import seeded_uniform
+
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=8192)
+        sp = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": 5}
+        alone = await eng.generate(prompts()[3], sp)
+        crowd = await asyncio.gather(*(eng.generate(p, {**sp, "seed": 100 + i}) for i, p in enumerate(prompts())), eng.generate(prompts()[3], sp))
+        await eng.close()
+        return alone, crowd[-1]
+
+    alone, crowded = run(main())
+    assert alone.token_ids == crowded.token_ids
+    assert max(abs(a - b) for a, b in zip(alone.logprobs, crowded.logprobs)) < 1e-4
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
+    probs = torch.softmax(logits, 0)
+    n = 20000
+    u = seeded_uniform(torch.arange(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), 5)
+    picks = (torch.log_softmax(logits, 0)[None] - torch.log(-torch.log(u))).argmax(1)
+    freq = torch.bincount(picks, minlength=5).double() / n
+    assert torch.allclose(freq, probs, atol=0.015), (freq, probs)
