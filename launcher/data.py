@@ -66,6 +66,16 @@ def question_text(prompt: str | list) -> str:
     return next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
 
 
+def prompt_ids(tokenizer, prompt: str | list, apply_chat_template: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a prompt as the policy sees it: through the chat template (a text prompt
+    becomes one user turn) with the generation prompt appended, or the raw text."""
+    if not apply_chat_template:
+        return list(tokenizer(question_text(prompt))["input_ids"])
+    msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class PromptOrder:
     """The endless, seeded sequence of rows (see the module docstring)."""
 

@@ -53,7 +53,8 @@ def _last_eval(run_dir: str, key: str = "eval/accuracy") -> float | None:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return None
-    vals = [r[key] for r in map(json.loads, open(path)) if key in r]
+    with open(path) as f:
+        vals = [r[key] for r in map(json.loads, f) if key in r]
     return vals[-1] if vals else None
 
 

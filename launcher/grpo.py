@@ -32,7 +32,7 @@ from relay import ProcMesh, this_proc
 from .agent import WorkerInfo
 from .allocator import Plan
 from .config import JobConfig
-from .data import PromptOrder, Row, load_rows, question_text
+from .data import PromptOrder, Row, load_rows, prompt_ids, question_text
 from .metrics import MetricsLog
 
 CHECKPOINT_DIR = "checkpoints"
@@ -159,9 +159,9 @@ class GRPOJob:
         self._prompt_ids: dict[int, list[int]] = {}
         if self.defer:
             for name in cfg.genrm:
-                await self.judge.set_awake.call_one(name, False)
+                await self.judge.set_awake.call_one(name, False).result(60)
         if self.version:  # resumed: the rollout engines get the checkpoint's weights
-            await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, cfg.update_weight_buffer_size).result(1800)
+            await self._push()
         print(f"started {len(self.rollout)} rollout engine(s), {len(self.judges)} judge engine(s) and a {self.dp}x{cfg.tensor_model_parallel_size} "
               f"(DP x TP) trainer in {time.monotonic() - t0:.1f} s ({self.mode})", file=self.out, flush=True)
 
@@ -210,8 +210,8 @@ class GRPOJob:
             return
         try:
             await self.trainer.shutdown.call().result(60)
-        except Exception:  # noqa: BLE001 (best effort: the workers are stopped next anyway)
-            pass
+        except Exception as e:  # noqa: BLE001 (best effort: the workers are stopped next anyway)
+            print(f"relay: trainer shutdown: {type(e).__name__}: {e}", file=self.out, flush=True)
 
     async def _dump_events(self) -> None:
         """One line per engine event: engine, role, instance, t (monotonic, host-wide), event, detail."""
@@ -233,7 +233,7 @@ class GRPOJob:
         if not self.judges:
             return
         for name in self.cfg.genrm:
-            await self.judge.set_awake.call_one(name, False)
+            await self.judge.set_awake.call_one(name, False).result(60)
         await self._each(self.judges, "sleep", ["weights", "kv_cache"], "finish")
 
     async def _judge_wake(self) -> None:
@@ -241,7 +241,7 @@ class GRPOJob:
             return
         await self._each(self.judges, "wake", ["weights", "kv_cache"])
         for name in self.cfg.genrm:
-            await self.judge.set_awake.call_one(name, True)
+            await self.judge.set_awake.call_one(name, True).result(60)
 
     async def _gpu_used(self, phase: str, into: dict) -> None:
         """Bytes in use on each actor GPU (every process on it), as the driver reports; on
@@ -257,13 +257,7 @@ class GRPOJob:
     def _prompt(self, row: Row) -> list[int]:
         ids = self._prompt_ids.get(row.index)
         if ids is None:
-            if self.cfg.apply_chat_template:
-                msgs = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
-                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **self.cfg.chat_template_kwargs)
-                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-            else:
-                ids = self.tokenizer(question_text(row.prompt))["input_ids"]
-            self._prompt_ids[row.index] = ids
+            ids = self._prompt_ids[row.index] = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
         return ids
 
     async def _generate_group(self, row: Row, n: int, sampling: dict, seed: int, score: bool) -> list[dict]:
@@ -396,12 +390,15 @@ class GRPOJob:
         check it: each engine reports the version, and a fixed greedy probe's log-prob
         (recorded per step) shows the weights really changed."""
         self.version += 1
-        engines = [e.mesh for e in self.rollout]
-        await self.trainer.push_weights.call(engines, self.version, self.cfg.update_weight_buffer_size).result(1800)
+        await self._push()
         versions = [s["weight_version"] for s in await self._each(self.rollout, "stats")]
         if versions != [self.version] * len(versions):
             raise RuntimeError(f"weight sync: engines report versions {versions}, expected {self.version}")
         return {"sync/engine_versions": versions}
+
+    async def _push(self) -> None:
+        """The trainer's weights, under ``self.version``, into every rollout engine."""
+        await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, self.cfg.update_weight_buffer_size).result(1800)
 
     async def _probe(self) -> dict:
         """Greedy one-token answers of every rollout engine to the first prompt: their
@@ -451,7 +448,7 @@ class GRPOJob:
         if self.defer:
             await self._score_deferred(samples)
             await self._each(self.rollout, "wake", ["weights", "kv_cache"])
-            await self.trainer.push_weights.call([e.mesh for e in self.rollout], self.version, self.cfg.update_weight_buffer_size).result(1800)
+            await self._push()
         correct = [s["reward"] > 0 for s in samples]
         exact = [final_answer(s["response"]).strip() == s["label"].strip() for s in samples]
         rec = {
@@ -556,9 +553,7 @@ class GRPOJob:
         t = time.monotonic()
         if self.colocate:
             if not self.defer:
-                for name in self.cfg.genrm:
-                    await self.judge.set_awake.call_one(name, False)
-                await self._each(self.judges, "sleep", ["weights", "kv_cache"], "finish")
+                await self._judge_sleep()
                 await self._each(self.rollout, "sleep", ["weights", "kv_cache"])
             # (defer-swap: rollout went to sleep before scoring and the judge after it)
             mem["mem/engine_bytes_training"] = await self._engine_bytes(self.rollout + self.judges)

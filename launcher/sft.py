@@ -22,7 +22,7 @@ from relay import ProcMesh
 from .agent import WorkerInfo
 from .allocator import Plan
 from .config import JobConfig
-from .data import PromptOrder, Row, load_rows
+from .data import PromptOrder, Row, load_rows, prompt_ids
 from .metrics import MetricsLog
 
 
@@ -61,9 +61,7 @@ class SFTJob:
         await self.trainer.initialized(900)
 
     def _encode(self, row: Row) -> tuple[list[int], list[int]]:
-        msgs = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
-        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **self.cfg.chat_template_kwargs)
-        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompt = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
         response = self.tokenizer(row.response, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         return prompt + response, [0] * (len(prompt) - 1) + [1] * len(response)
 
@@ -134,5 +132,5 @@ class SFTJob:
             return
         try:
             await self.trainer.shutdown.call().result(60)
-        except Exception:  # noqa: BLE001 (best effort)
-            pass
+        except Exception as e:  # noqa: BLE001 (best effort: the workers are stopped next anyway)
+            print(f"relay: trainer shutdown: {type(e).__name__}: {e}", file=self.out, flush=True)

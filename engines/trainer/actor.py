@@ -113,6 +113,22 @@ class TrainerActor(Actor):
             g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
 
+    def _begin_step(self) -> None:
+        if self._offloaded is not None:
+            raise RuntimeError("the trainer is offloaded; onload() before training")
+        self.model.train()
+        for g in self.opt.param_groups:
+            g["lr"] = self._lr()
+        self.opt.zero_grad(set_to_none=True)
+
+    def _finish_step(self) -> float:
+        """Average gradients over DP, clip, step the optimizer; returns the norm before clipping."""
+        self._reduce_grads()
+        norm = self._clip()
+        self.opt.step()
+        self.step += 1
+        return norm
+
     def _clip(self) -> float:
         """Clip the gradient norm to ``clip_grad`` (0: no clipping); returns the norm before."""
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf")))
@@ -186,12 +202,7 @@ class TrainerActor(Actor):
         """One optimizer step of GRPO on these sequences. ``response_masks[i][t]`` marks the
         response tokens among tokens 1..n of sequence i; ``rollout_logprobs`` / ``ref_logprobs``
         (aligned the same way) feed TIS / mismatch_kl and the KL loss."""
-        if self._offloaded is not None:
-            raise RuntimeError("the trainer is offloaded; onload() before training")
-        self.model.train()
-        for g in self.opt.param_groups:
-            g["lr"] = self._lr()
-        self.opt.zero_grad(set_to_none=True)
+        self._begin_step()
         token_level = self.loss_cfg.aggregation == "token"
         total = sum(sum(m) for m in response_masks) if token_level else len(seqs)
         stats: dict = {}
@@ -211,23 +222,15 @@ class TrainerActor(Actor):
             (loss * weight).backward()
             for k, v in st.items():
                 stats[k] = stats.get(k, 0.0) + v * weight
-        self._reduce_grads()
-        stats["grad_norm"] = self._clip()
+        stats["grad_norm"] = self._finish_step()
         stats["lr"] = self.opt.param_groups[0]["lr"]
-        self.opt.step()
-        self.step += 1
         return stats
 
     @endpoint
     def sft_step(self, seqs: list, response_masks: list) -> dict:
         """One optimizer step of supervised fine-tuning: cross-entropy on the response tokens
         (token-level mean). Used by ``relay sft`` and the demo's warm-up."""
-        if self._offloaded is not None:
-            raise RuntimeError("the trainer is offloaded; onload() before training")
-        self.model.train()
-        for g in self.opt.param_groups:
-            g["lr"] = self._lr()
-        self.opt.zero_grad(set_to_none=True)
+        self._begin_step()
         total = max(1, sum(sum(m) for m in response_masks))
         loss_sum = 0.0
         for idx in self._micro_batches(seqs):
@@ -236,10 +239,7 @@ class TrainerActor(Actor):
             loss = -(self._logprobs(part) * mask).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
-        self._reduce_grads()
-        grad_norm = self._clip()
-        self.opt.step()
-        self.step += 1
+        grad_norm = self._finish_step()
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
 
     @endpoint
