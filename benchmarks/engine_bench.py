@@ -35,22 +35,41 @@ def sync(device: str) -> None:
 async def builtin_tok_s(eng: TorchEngine, batch: int, prompt: int, new: int) -> float:
     prompts = [[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)]
     sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
-    await asyncio.gather(*(eng.generate(p, {**sp, "max_new_tokens": 2}) for p in prompts[: min(batch, 8)]))  # warm-up
+    await asyncio.gather(*(eng.generate(p, {**sp, "max_new_tokens": 2}) for p in prompts))  # warm-up (captures this batch's graph)
     t = time.perf_counter()
     res = await asyncio.gather(*(eng.generate(p, sp) for p in prompts))
     el = time.perf_counter() - t
     return sum(len(r.token_ids) for r in res) / el
 
 
-def hf_tok_s(model, batch: int, prompt: int, new: int, device: str) -> float:
+def hf_tok_s(model, batch: int, prompt: int, new: int, device: str, static_compile: bool = False) -> float:
+    """transformers ``generate`` tokens/s; ``static_compile``: static KV cache, which makes
+    transformers torch.compile the forward (warmed up at this exact shape first)."""
     ids = torch.tensor([[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)], device=device)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    model.generate(ids[: min(batch, 8)], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+    if static_compile:
+        kw["cache_implementation"] = "static"
+        model.generate(ids, **kw)
+    else:
+        model.generate(ids[: min(batch, 8)], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     sync(device)
     t = time.perf_counter()
     out = model.generate(ids, **kw)
     sync(device)
     return (out.shape[1] - prompt) * batch / (time.perf_counter() - t)
+
+
+def matmul_flops(device: str, n: int = 8192) -> float:
+    """bf16 matmul FLOP/s, measured now."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a @ b
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(device)
+    return 10 * 2 * n**3 / (time.perf_counter() - t)
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -104,6 +123,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--skip-hf-above", type=int, default=10**9, help="skip transformers at batch sizes above this")
     ap.add_argument("--swap-only", action="store_true", help="only the sleep/wake figures (e.g. for a 4b judge)")
+    ap.add_argument("--hf-compile-batches", default="", help="also measure transformers with a static cache + torch.compile at these batch sizes (GPU; slow: compiles per shape)")
+    ap.add_argument("--no-swap", action="store_true", help="skip the sleep/wake figures")
     a = ap.parse_args()
     dev = a.device
     prompt = a.prompt or (128 if dev == "cuda" else 16)
@@ -117,6 +138,7 @@ def main() -> None:
     if dev == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         result["copy_gb_s"] = round(copy_bandwidth(dev) / 1e9, 1)
+        result["matmul_tflops"] = round(matmul_flops(dev) / 1e12, 1)
     if a.swap_only:
         result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
         print(json.dumps(result))
@@ -129,26 +151,54 @@ def main() -> None:
         out = {}
         for b in batches:
             out[b] = await builtin_tok_s(eng, b, prompt, new)
+        if eng._graphs is not None:  # GPU time of one decode step alone (graph replay), per batch
+            for b in batches:
+                if b in eng._graphs.graphs:
+                    graph = eng._graphs.graphs[b][0]
+                    sync(dev)
+                    t = time.perf_counter()
+                    for _ in range(20):
+                        graph.replay()
+                    sync(dev)
+                    out[f"graph_ms_b{b}"] = (time.perf_counter() - t) / 20 * 1e3
         await eng.close()
         weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         return out, weights, eng.cfg
 
     builtin, weight_bytes, cfg = asyncio.run(run_builtin())
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(dev).eval()
+    for key in [k for k in builtin if isinstance(k, str)]:
+        result[key] = round(builtin.pop(key), 3)
     for b in batches:
         result[f"tok_s_b{b}_builtin"] = round(builtin[b], 1)
         result[f"tok_s_b{b}_hf"] = round(hf_tok_s(hf, b, prompt, new, dev), 1) if b <= a.skip_hf_above else None
         if result[f"tok_s_b{b}_hf"]:
             result[f"speedup_b{b}"] = round(result[f"tok_s_b{b}_builtin"] / result[f"tok_s_b{b}_hf"], 2)
+    for b in [int(x) for x in a.hf_compile_batches.split(",") if x]:
+        try:
+            result[f"tok_s_b{b}_hf_static_compile"] = round(hf_tok_s(hf, b, prompt, new, dev, static_compile=True), 1)
+        except Exception as e:  # noqa: BLE001 (a baseline that fails to compile is reported, not fatal)
+            result[f"hf_static_compile_error_b{b}"] = repr(e)[:300]
+            continue
+        if b in builtin:
+            result[f"speedup_b{b}_vs_static_compile"] = round(builtin[b] / result[f"tok_s_b{b}_hf_static_compile"], 2)
     del hf
     if dev == "cuda":
+        # Roofline of a decode step at the mean context: the bytes it must read (weights +
+        # KV) at the copy bandwidth's read half, and its FLOPs at the measured matmul rate.
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        params = weight_bytes / 2
         for b in (64, 256):
             if b in builtin:
                 step_s = b / builtin[b]
-                bytes_step = weight_bytes + b * (prompt + new / 2) * kv_per_token
+                ctx = prompt + new / 2
+                bytes_step = weight_bytes + b * ctx * kv_per_token
+                flops_step = 2 * params * b + 4 * b * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
+                result[f"step_ms_b{b}"] = round(step_s * 1e3, 2)
                 result[f"roofline_frac_b{b}"] = round(bytes_step / step_s / (result["copy_gb_s"] * 1e9 / 2), 3)
-    result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
+                result[f"flops_frac_b{b}"] = round(flops_step / step_s / (result["matmul_tflops"] * 1e12), 4)
+    if not a.no_swap:
+        result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
     print(json.dumps(result))
 
 

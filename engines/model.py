@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import norm_rope, paged_decode_attention, rms_norm, silu_mul, triton_usable
+
 
 @dataclass
 class ModelConfig:
@@ -148,25 +150,6 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-@dataclass
-class Batch:
-    """One forward pass over several sequences, flattened (no padding).
-
-    ``positions[i]`` is token i's position in its sequence; ``seq_ids[i]`` its sequence's
-    row in ``block_tables``; ``slots[i]`` the KV-cache slot it writes (block * block_size +
-    offset). ``context_lens[s]`` is sequence s's length after this pass; ``last[s]`` the
-    index of its last token in the flat batch (whose logits are returned).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    seq_ids: torch.Tensor
-    slots: torch.Tensor
-    block_tables: torch.Tensor  # [S, max_blocks] (padding: 0)
-    context_lens: torch.Tensor  # [S]
-    last: torch.Tensor  # [S]
-
-
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -183,53 +166,106 @@ class CausalLM(nn.Module):
             names.remove("lm_head.weight")
         return names
 
-    @torch.inference_mode()
-    def forward(self, b: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Run the batch, write its K/V into the cache, return the logits of each
-        sequence's last token ([S, vocab], float32)."""
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]  # broadcasts over heads
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _qkv(self, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [..., H, D], k and v [..., KVH, D] of ``x`` [..., hidden], normed and rotated."""
         cfg = self.cfg
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        n = b.input_ids.shape[0]
-        x = self.model.embed_tokens(b.input_ids)
-        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        block = k_cache.shape[2]
-        # Attention mask over each sequence's whole context (cache), causal within the pass.
-        s_count, max_blocks = b.block_tables.shape
-        ctx_max = max_blocks * block
-        ctx_pos = torch.arange(ctx_max, device=x.device)
-        mask = ctx_pos[None, :] <= b.positions[:, None]  # [n, ctx]: token sees positions <= its own
-        mask = mask & (ctx_pos[None, :] < b.context_lens[b.seq_ids][:, None])
+        lead = x.shape[:-1]
+        q = attn.q_proj(x).view(*lead, cfg.num_heads, cfg.head_dim)
+        k = attn.k_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = attn.v_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x)).float()
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Whole prompts, none of them in the cache yet: ``input_ids`` [S, L] right-padded,
+        ``lens`` [S] their lengths, ``slots`` [S, L] the cache slot (block * block_size +
+        offset) each token's K/V is written to (padding: a scratch slot). Causal attention
+        within each prompt; returns each prompt's last-token logits [S, vocab] (float32)."""
+        cfg = self.cfg
+        s_count, length = input_ids.shape
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(torch.arange(length, device=x.device), x.dtype)
+        groups = cfg.num_heads // cfg.num_kv_heads
+        flat_slots = slots.reshape(-1)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             r = x
-            x = layer.input_layernorm(x)
-            q = attn.q_proj(x).view(n, h, d)
-            k = attn.k_proj(x).view(n, kvh, d)
-            v = attn.v_proj(x).view(n, kvh, d)
-            if cfg.qk_norm:
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kc, vc = k_cache[i], v_cache[i]  # [blocks, block, kvh, d]
-            kc.view(-1, kvh, d).index_copy_(0, b.slots, k.to(kc.dtype))
-            vc.view(-1, kvh, d).index_copy_(0, b.slots, v.to(vc.dtype))
-            # Gather each token's sequence context: [n, ctx, kvh, d] via its block table.
-            keys = kc[b.block_tables].view(s_count, ctx_max, kvh, d)[b.seq_ids]
-            vals = vc[b.block_tables].view(s_count, ctx_max, kvh, d)[b.seq_ids]
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :],  # [n, h, 1, d]
-                keys.transpose(1, 2).to(q.dtype),  # [n, kvh, ctx, d]
-                vals.transpose(1, 2).to(q.dtype),
-                attn_mask=mask[:, None, None, :],
-                enable_gqa=True,
-            )
-            x = r + attn.o_proj(o.reshape(n, h * d))
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
+            self._write_kv(k_cache[i], v_cache[i], flat_slots, k, v)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if groups > 1:  # expanded so the fused (flash) SDPA kernels apply
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            # Right padding needs no mask: a real token never sees a later position.
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
+            x = r + attn.o_proj(o.transpose(1, 2).reshape(s_count, length, cfg.num_heads * cfg.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = self.model.norm(x[b.last])
-        return self.lm_head(x).float()
+        last = x[torch.arange(s_count, device=x.device), lens - 1]
+        return self._logits(last)
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence (``input_ids`` [B] at ``positions`` [B], K/V written
+        to ``slots`` [B]) attending over its cached context through ``block_tables`` [B, W]
+        (int32) and ``context_lens`` [B] (int32, including the new token). Static shapes
+        and no host synchronisation, so CUDA graphs can capture it. Returns [B, vocab]
+        float32 logits."""
+        cfg = self.cfg
+        x = self.model.embed_tokens(input_ids)
+        scale = cfg.head_dim ** -0.5
+        if triton_usable(x.device):
+            return self._decode_fused(x, positions, slots, block_tables, context_lens, k_cache, v_cache)
+        cos, sin = self._rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            r = x
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
+            self._write_kv(k_cache[i], v_cache[i], slots, k, v)
+            o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
+            x = r + attn.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x)
+
+    def _write_kv(self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kvh, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        kc.view(-1, kvh, d).index_copy_(0, slots, k.reshape(-1, kvh, d).to(kc.dtype))
+        vc.view(-1, kvh, d).index_copy_(0, slots, v.reshape(-1, kvh, d).to(vc.dtype))
+
+    def _decode_fused(self, x, positions, slots, block_tables, context_lens, k_cache, v_cache) -> torch.Tensor:
+        """``decode`` with the elementwise chains fused into Triton kernels (CUDA, or the
+        Triton interpreter): same maths, a third of the kernel launches."""
+        cfg = self.cfg
+        b, h, kvh, d, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        scale = d ** -0.5
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            if residual is None:
+                hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps), x
+            else:
+                hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual=residual)
+            q = norm_rope(attn.q_proj(hidden).view(b, h, d), attn.q_norm.weight if cfg.qk_norm else None, positions, self.inv_freq, eps)
+            k = norm_rope(attn.k_proj(hidden).view(b, kvh, d), attn.k_norm.weight if cfg.qk_norm else None, positions, self.inv_freq, eps)
+            v = attn.v_proj(hidden).view(b, kvh, d)
+            self._write_kv(k_cache[i], v_cache[i], slots, k, v)
+            o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
+            hidden, residual = rms_norm(attn.o_proj(o.view(b, h * d)), layer.post_attention_layernorm.weight, eps, residual=residual)
+            mlp = layer.mlp
+            x = mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+        hidden, _ = rms_norm(x, self.model.norm.weight, eps, residual=residual)
+        return self.lm_head(hidden).float()
 
 
 def load_weights(model: CausalLM, path: str) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .interface import Engine, GenerateResult, SamplingParams, check_tags
-from .model import Batch, CausalLM, ModelConfig, _inv_freq, load_weights
+from .model import CausalLM, ModelConfig, _inv_freq, load_weights
 
 log = logging.getLogger("relay.engine")
 
@@ -40,6 +40,7 @@ class _Seq:
     output: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     blocks: list = field(default_factory=list)
+    row: int = -1  # this request's row in the engine's host block table while it holds blocks
     cached: int = 0  # tokens whose K/V are in the cache
     finish: str | None = None
     text: str | None = None  # set when a stop string ended the request (text before it)
@@ -62,7 +63,8 @@ class TorchEngine(Engine):
         max_running: int = 256,
         weights_mode: str = "discard",
         name: str = "engine",
-        max_gather_bytes: int | None = None,
+        max_prefill_tokens: int | None = None,
+        cuda_graph: bool = True,
     ):
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) or 'backup' (judge: kept in CPU memory)")
@@ -70,10 +72,12 @@ class TorchEngine(Engine):
 
         self.name = name
         self.device = torch.device(device)
-        # The attention gathers each token's whole context per layer ([tokens, ctx, kv
-        # heads, head dim] for keys and values): admission keeps that under this budget, so
-        # a burst of long prompts is prefilled over several steps instead of exhausting memory.
-        self.max_gather_bytes = max_gather_bytes or ((2 << 30) if self.device.type == "cuda" else (512 << 20))
+        # Prompts admitted in one step are prefilled together, padded to the longest: this
+        # caps (prompts x longest prompt) so a burst of long prompts is prefilled over several
+        # steps instead of exhausting memory (a single prompt is always admitted).
+        self.max_prefill_tokens = max_prefill_tokens or (32768 if self.device.type == "cuda" else 8192)
+        self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
+        self._graphs: _DecodeGraphs | None = None
         self._failed: BaseException | None = None
         self.cfg = ModelConfig.from_dir(model_path)
         if dtype is None:
@@ -146,17 +150,30 @@ class TorchEngine(Engine):
         else:
             blocks = 4096 // self.block_size  # a configured capacity is expected on CPU
         c = self.cfg
-        shape = (c.num_layers, blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # One extra block, never handed out: padding rows of a batch write and read there.
+        shape = (c.num_layers, blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
         self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_blocks = blocks
+        self._scratch_block = blocks
         self._free_blocks = list(range(blocks - 1, -1, -1))
+        # Host-side block table: one row per running request (plus a scratch row for padding).
+        self.max_blocks_per_seq = -(-min(self.cfg.max_position_embeddings, blocks * self.block_size) // self.block_size)
+        self._host_tables = torch.full((self.max_running + 1, self.max_blocks_per_seq), blocks, dtype=torch.int32)
+        self._free_rows = list(range(self.max_running - 1, -1, -1))
+        self._drop_graphs()
 
     def _bytes(self) -> dict:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self._weights_present else 0
         kv = 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
         backup = 0 if self._backup is None else sum(t.numel() * t.element_size() for t in self._backup.values())
-        return {"weights": weights, "kv_cache": kv, "cuda_graph": 0, "cpu_backup": backup}
+        graphs = 0 if self._graphs is None else self._graphs.bytes
+        return {"weights": weights, "kv_cache": kv, "cuda_graph": graphs, "cpu_backup": backup}
+
+    def _drop_graphs(self) -> None:
+        """Forget captured decode graphs (they point at the weights' and the cache's memory:
+        any reallocation invalidates them; they are captured again on use)."""
+        self._graphs = None
 
     # ------------------------------------------------------------------ API
 
@@ -277,30 +294,35 @@ class TorchEngine(Engine):
                     break
             if seq in self._running:
                 seq.blocks.append(self._free_blocks.pop())
+                self._host_tables[seq.row, len(seq.blocks) - 1] = seq.blocks[-1]
         # Then admit waiting requests whose tokens fit (FIFO: the head blocks the rest), while
-        # the step's attention gather stays within max_gather_bytes (one request always goes).
+        # the padded prefill (prompts x longest) stays within max_prefill_tokens.
         new: list[_Seq] = []
-        per_slot = 2 * self.cfg.num_kv_heads * self.cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        step_tokens = len(self._running)
-        ctx_blocks = max((len(s.blocks) for s in self._running), default=0)
+        longest = 0
         while self._waiting and len(self._running) + len(new) < self.max_running:
             seq = self._waiting[0]
             need = -(-len(seq.tokens) // bs) - len(seq.blocks)
             if need > len(self._free_blocks):
                 break
-            tokens = step_tokens + len(seq.tokens) - seq.cached
-            blocks = max(ctx_blocks, len(seq.blocks) + need)
-            if (new or self._running) and tokens * blocks * bs * per_slot > self.max_gather_bytes:
+            if new and (len(new) + 1) * max(longest, len(seq.tokens)) > self.max_prefill_tokens:
                 break
-            step_tokens, ctx_blocks = tokens, blocks
+            longest = max(longest, len(seq.tokens))
             self._waiting.popleft()
             seq.blocks += [self._free_blocks.pop() for _ in range(need)]
+            seq.row = self._free_rows.pop()
+            self._host_tables[seq.row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
             new.append(seq)
-        batch_seqs = self._running + new
-        if not batch_seqs:
+        decoding = list(self._running)
+        if not decoding and not new:
             return finished
         self._running.extend(new)  # before the forward: a failing step still finds them
-        logits = self.model(self._make_batch(batch_seqs), self._k, self._v)
+        parts = []
+        if decoding:
+            parts.append(self._decode(decoding))
+        if new:
+            parts.append(self._prefill(new))
+        batch_seqs = decoding + new
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         toks, lps = self._sample_batch(logits, batch_seqs)
         for row, seq in enumerate(batch_seqs):
             seq.cached = len(seq.tokens)
@@ -313,28 +335,43 @@ class TorchEngine(Engine):
                 finished.append(self._release(seq))
         return finished
 
-    def _make_batch(self, seqs: list[_Seq]) -> Batch:
-        ids, pos, sid, slots, last = [], [], [], [], []
-        for s, seq in enumerate(seqs):
-            toks = seq.tokens
-            for p in range(seq.cached, len(toks)):
-                ids.append(toks[p])
-                pos.append(p)
-                sid.append(s)
-                slots.append(seq.blocks[p // self.block_size] * self.block_size + p % self.block_size)
-            last.append(len(ids) - 1)
-        width = max(len(seq.blocks) for seq in seqs)
-        tables = [seq.blocks + [0] * (width - len(seq.blocks)) for seq in seqs]
+    def _prefill(self, seqs: list[_Seq]) -> torch.Tensor:
+        """Logits of the next token of requests none of whose tokens are cached yet."""
+        bs = self.block_size
+        longest = max(len(s.tokens) for s in seqs)
+        ids = torch.zeros((len(seqs), longest), dtype=torch.int64)
+        slots = torch.full((len(seqs), longest), self._scratch_block * bs, dtype=torch.int64)
+        lens = torch.empty(len(seqs), dtype=torch.int64)
+        for r, seq in enumerate(seqs):
+            n = len(seq.tokens)
+            ids[r, :n] = torch.tensor(seq.tokens)
+            slots[r, :n] = (torch.tensor(seq.blocks).repeat_interleave(bs)[:n] * bs) + torch.arange(n) % bs
+            lens[r] = n
         dev = self.device
-        return Batch(
-            torch.tensor(ids, device=dev),
-            torch.tensor(pos, device=dev),
-            torch.tensor(sid, device=dev),
-            torch.tensor(slots, device=dev),
-            torch.tensor(tables, device=dev),
-            torch.tensor([len(seq.tokens) for seq in seqs], device=dev),
-            torch.tensor(last, device=dev),
-        )
+        return self.model.prefill(ids.to(dev), lens.to(dev), slots.to(dev), self._k, self._v)
+
+    def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
+        """Logits of the next token of running requests (each feeds its last token); on
+        CUDA through a captured graph of the padded batch size."""
+        bs = self.block_size
+        n = len(seqs)
+        padded = _bucket(n) if self.use_cuda_graph else n
+        scratch_slot = self._scratch_block * bs
+        ids = [s.tokens[-1] for s in seqs]
+        pos = [len(s.tokens) - 1 for s in seqs]
+        slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        pad = padded - n
+        meta = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad, [p + 1 for p in pos] + [1] * pad])
+        width = max(len(s.blocks) for s in seqs)
+        rows = torch.tensor([s.row for s in seqs] + [self.max_running] * pad)
+        tables = self._host_tables.index_select(0, rows)[:, :width]
+        if not self.use_cuda_graph:
+            dev = self.device
+            meta = meta.to(dev)
+            return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self._k, self._v)
+        if self._graphs is None:
+            self._graphs = _DecodeGraphs(self)
+        return self._graphs.run(meta, tables)[:n]
 
     def _sample_batch(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
         """Sample one token per row on the device, with one host transfer for the batch.
@@ -363,7 +400,8 @@ class TorchEngine(Engine):
                 tok[i] = self._sample(logits[i], s.sampling, s.generator)[0]
         tok = torch.where(greedy, logits.argmax(dim=-1), tok)
         lp = logp.gather(1, tok[:, None])[:, 0]
-        return tok.tolist(), lp.tolist()
+        toks, lps = torch.stack((tok.double(), lp.double())).tolist()  # one device->host transfer
+        return [int(t) for t in toks], lps
 
     def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
         if sp.temperature == 0:
@@ -404,6 +442,9 @@ class TorchEngine(Engine):
     def _free(self, seq: _Seq) -> None:
         self._free_blocks.extend(seq.blocks)
         seq.blocks = []
+        if seq.row >= 0:
+            self._free_rows.append(seq.row)
+            seq.row = -1
 
     def _release(self, seq: _Seq) -> _Seq:
         if seq in self._waiting:
@@ -469,6 +510,7 @@ class TorchEngine(Engine):
         self.events.append((time.monotonic(), "sleep", tags))
 
     def _sleep_sync(self, tags) -> None:
+        self._drop_graphs()  # "cuda_graph", and any release below, invalidates them
         if "kv_cache" in tags and self._k is not None:
             self._k = self._v = None
             self._free_blocks = []
@@ -493,6 +535,7 @@ class TorchEngine(Engine):
         self.events.append((time.monotonic(), "wake", tags))
 
     def _wake_sync(self, tags) -> None:
+        self._drop_graphs()
         if "weights" in tags and not self._weights_present:
             for n, p in self.model.named_parameters():
                 shape, dtype = self._shapes[n]
@@ -575,6 +618,66 @@ class TorchEngine(Engine):
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._exec.shutdown(wait=False, cancel_futures=True)
+
+
+#: Decode batch sizes captured as CUDA graphs (a batch runs padded to the next one).
+_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+
+
+def _bucket(n: int) -> int:
+    for b in _BUCKETS:
+        if b >= n:
+            return b
+    return -(-n // 64) * 64
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode step, one per padded batch size, captured on first use.
+    Inputs are copied into static buffers before a replay; padding rows write to and read
+    from the engine's scratch block. All graphs share one memory pool (they never run
+    concurrently; each output is consumed before the next replay)."""
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+        dev = engine.device
+        most = _bucket(engine.max_running)
+        scratch = engine._scratch_block
+        self.meta = torch.zeros((4, most), dtype=torch.int64, device=dev)  # ids, positions, slots, lens
+        self.meta[2] = scratch * engine.block_size
+        self.meta[3] = 1
+        self.tables = torch.full((most, engine.max_blocks_per_seq), scratch, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.bytes = 0
+
+    def _forward(self, b: int) -> torch.Tensor:
+        e = self.engine
+        lens = self.meta[3, :b].to(torch.int32)
+        return e.model.decode(self.meta[0, :b], self.meta[1, :b], self.meta[2, :b], self.tables[:b], lens, e._k, e._v)
+
+    def _capture(self, b: int) -> None:
+        dev = self.engine.device
+        before = torch.cuda.memory_reserved(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up (kernel selection, Triton compile) off the capture
+            self._forward(b)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._forward(b)
+        self.graphs[b] = (graph, out)
+        self.bytes += max(0, torch.cuda.memory_reserved(dev) - before)
+
+    def run(self, meta: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        b = meta.shape[1]
+        self.meta[:, :b].copy_(meta, non_blocking=True)
+        self.tables[:b, : tables.shape[1]].copy_(tables, non_blocking=True)
+        if b not in self.graphs:
+            self._capture(b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out
 
 
 def _signed(c: int) -> int:

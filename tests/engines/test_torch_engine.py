@@ -256,14 +256,14 @@ def test_sleep_and_abort_on_a_fresh_engine_return(models):
     assert run(main()).finish_reason == "length"
 
 
-def test_gather_budget_spreads_prefill_over_steps_without_changing_results(models):
-    """A tiny max_gather_bytes admits one prompt per step (prefill spread over steps); the
+def test_prefill_budget_spreads_prefill_over_steps_without_changing_results(models):
+    """A tiny max_prefill_tokens admits one prompt per step (prefill spread over steps); the
     tokens and log-probs are those of an unconstrained engine."""
 
     async def main():
         out = []
         for budget in (None, 1):
-            eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_gather_bytes=budget)
+            eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_prefill_tokens=budget)
             res = await asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()))
             out.append([(r.token_ids, r.logprobs) for r in res])
             await eng.close()
@@ -286,7 +286,7 @@ def test_a_failing_step_fails_pending_requests_instead_of_hanging(models):
         def boom(*a, **k):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-        eng.model.forward = boom
+        eng.model.prefill = eng.model.decode = boom
         res = await asyncio.wait_for(asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 30)
         await asyncio.wait_for(eng.sleep(["kv_cache"], drain="finish"), 30)
         health = await eng.health()

@@ -1,0 +1,224 @@
+"""Decode attention over the paged KV cache.
+
+``paged_decode_attention`` computes, for every sequence in a decode batch, the attention of
+its one new query token over its whole context, reading keys and values directly from the
+cache blocks its block table names (no gather into a contiguous copy). On CUDA with Triton
+it runs one fused kernel (flash-decoding style online softmax, one program per (sequence,
+KV head), all query heads of a GQA group together); elsewhere a torch reference with the
+same contract runs. The kernel can also run under Triton's interpreter
+(``TRITON_INTERPRET=1``, CPU tensors), which is how CPU CI checks it against the reference.
+
+Contract (both paths):
+    q             [B, H, D]                  query of each sequence's new token
+    k/v_cache     [N, P, KVH, D]             N blocks of P token slots
+    block_tables  [B, W] int32               block ids of each sequence (row-major context)
+    context_lens  [B] int32 (>= 1)           tokens of context, including the new one
+    returns       [B, H, D]                  in q's dtype; softmax scale ``scale``
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; on CPU it is optional (interpreter tests).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernel runs for tensors on ``device`` (CUDA, or the interpreter)."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, use_triton: bool | None = None):
+    if use_triton is None:
+        use_triton = triton_usable(q.device)
+    if use_triton:
+        return _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+    """Torch reference: gathers each sequence's blocks, masks past its length."""
+    b, h, d = q.shape
+    _, page, kvh, _ = k_cache.shape
+    width = block_tables.shape[1]
+    tables = block_tables.long()
+    keys = k_cache[tables].view(b, width * page, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
+    vals = v_cache[tables].view(b, width * page, kvh, d).transpose(1, 2)
+    mask = torch.arange(width * page, device=q.device)[None, :] < context_lens.long()[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :], keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        Q, K, V, BT, LENS, OUT, scale,
+        s_qb, s_qh, s_kn, s_kt, s_kh, s_btb, s_ob, s_oh,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+        PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        length = tl.load(LENS + seq)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, D_P)
+        gmask = g < GROUP
+        dmask = d < D
+        heads = kvh * GROUP + g
+        q = tl.load(Q + seq * s_qb + heads[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+        t = tl.arange(0, TILE)
+        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D_P], tl.float32)
+        for start in range(0, length, TILE):
+            pos = start + t
+            valid = pos < length
+            block = tl.load(BT + seq * s_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            off = block * s_kn + (pos % PAGE) * s_kt + kvh * s_kh
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(K + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(OUT + seq * s_ob + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+
+def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+    b, h, d = q.shape
+    _, page, kvh, _ = k_cache.shape
+    if h % kvh:
+        raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("paged_decode_attention: q and the caches must be contiguous in the head dimension, k and v alike")
+    group = h // kvh
+    out = torch.empty_like(q)
+    ieee = q.dtype == torch.float32
+    _decode_kernel[(b, kvh)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=max(16, triton.next_power_of_2(d)),
+        PAGE=page, TILE=64, IEEE=ieee,
+        num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------- fused decode-step ops
+#
+# On CUDA a decode step is dozens of tiny kernels per layer; these fuse the elementwise
+# chains (RMSNorm; residual add + RMSNorm; q/k RMSNorm + rotary embedding; SiLU-and-multiply)
+# into one kernel each. Numerics follow the torch/HF code: statistics in float32, the
+# normalised activations rounded to the model dtype before the weight multiply.
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Y, S, s_x, s_r, s_y, s_s, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(X + row * s_x + cols, mask=mask, other=0.0)
+        if HAS_RES:  # s = x + r (rounded to the model dtype, as torch adds), then normalise s
+            x = (x.to(tl.float32) + tl.load(R + row * s_r + cols, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(S + row * s_s + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n
+        normed = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(Y + row * s_y + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_rope_kernel(X, W, POS, INV, Y, s_xb, s_xh, s_yb, s_yh, eps,
+                          HEADS: tl.constexpr, D: tl.constexpr, HALF_P: tl.constexpr, NORM: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // HEADS
+        h = pid % HEADS
+        half: tl.constexpr = D // 2
+        i = tl.arange(0, HALF_P)
+        mask = i < half
+        base = X + b * s_xb + h * s_xh
+        x1 = tl.load(base + i, mask=mask, other=0.0)
+        x2 = tl.load(base + half + i, mask=mask, other=0.0)
+        if NORM:
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            r = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+            w1 = tl.load(W + i, mask=mask, other=0.0).to(tl.float32)
+            w2 = tl.load(W + half + i, mask=mask, other=0.0).to(tl.float32)
+            x1 = (w1 * (f1 * r).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
+            x2 = (w2 * (f2 * r).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
+        angle = tl.load(POS + b).to(tl.float32) * tl.load(INV + i, mask=mask, other=0.0)
+        c = tl.cos(angle)
+        s = tl.sin(angle)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        out = Y + b * s_yb + h * s_yh
+        tl.store(out + i, (f1 * c - f2 * s).to(Y.dtype.element_ty), mask=mask)
+        tl.store(out + half + i, (f2 * c + f1 * s).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(G, U, Y, s_g, s_u, s_y, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(G + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * s_u + cols, mask=mask, other=0.0)
+        silu = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)  # torch rounds silu(g), then multiplies
+        tl.store(Y + row * s_y + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``weight * normalise(x)`` over the last dim of ``x`` [N, D]; with ``residual``,
+    normalises ``x + residual`` and returns ``(normed, x + residual)``."""
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else y
+    r = residual if residual is not None else x
+    _rms_norm_kernel[(x.shape[0],)](x, r, weight, y, s, x.stride(0), r.stride(0), y.stride(0), s.stride(0), n, eps,
+                                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return (y, s) if residual is not None else y
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float):
+    """Per head of ``x`` [B, H, D]: RMSNorm with ``weight`` (skipped when None), then the
+    rotary embedding at ``positions`` [B] (rotate-half convention, ``inv_freq`` [D/2])."""
+    b, h, d = x.shape
+    y = torch.empty((b, h, d), dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(b * h,)](x, weight if weight is not None else x, positions, inv_freq, y,
+                                x.stride(0), x.stride(1), y.stride(0), y.stride(1), eps,
+                                HEADS=h, D=d, HALF_P=triton.next_power_of_2(d // 2), NORM=weight is not None, num_warps=1)
+    return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for [N, F] tensors."""
+    n = gate.shape[-1]
+    y = torch.empty_like(up)
+    block = 1024
+    _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n, BLOCK=block, num_warps=4)
+    return y
