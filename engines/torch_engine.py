@@ -29,7 +29,7 @@ from .model import CausalLM, ModelConfig, _inv_freq, load_weights
 log = logging.getLogger("relay.engine")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared in list scans every step
 class _Seq:
     rid: int
     prompt: list
@@ -48,6 +48,14 @@ class _Seq:
     @property
     def tokens(self) -> list:
         return self.prompt + self.output
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
 
 
 class TorchEngine(Engine):
@@ -282,17 +290,19 @@ class TorchEngine(Engine):
         # it; when no block is free, the newest running request is preempted (recomputed
         # later from its prompt and output so far).
         bs = self.block_size
+        preempted: set[int] = set()
         for seq in list(self._running):
-            if seq not in self._running or len(seq.tokens) <= len(seq.blocks) * bs:
+            if seq.rid in preempted or seq.n_tokens <= len(seq.blocks) * bs:
                 continue
             while not self._free_blocks:
                 victim = self._running.pop()
                 self._free(victim)
                 victim.cached = 0
                 self._waiting.appendleft(victim)
+                preempted.add(victim.rid)
                 if victim is seq:
                     break
-            if seq in self._running:
+            if seq.rid not in preempted:
                 seq.blocks.append(self._free_blocks.pop())
                 self._host_tables[seq.row, len(seq.blocks) - 1] = seq.blocks[-1]
         # Then admit waiting requests whose tokens fit (FIFO: the head blocks the rest), while
@@ -301,12 +311,12 @@ class TorchEngine(Engine):
         longest = 0
         while self._waiting and len(self._running) + len(new) < self.max_running:
             seq = self._waiting[0]
-            need = -(-len(seq.tokens) // bs) - len(seq.blocks)
+            need = -(-seq.n_tokens // bs) - len(seq.blocks)
             if need > len(self._free_blocks):
                 break
-            if new and (len(new) + 1) * max(longest, len(seq.tokens)) > self.max_prefill_tokens:
+            if new and (len(new) + 1) * max(longest, seq.n_tokens) > self.max_prefill_tokens:
                 break
-            longest = max(longest, len(seq.tokens))
+            longest = max(longest, seq.n_tokens)
             self._waiting.popleft()
             seq.blocks += [self._free_blocks.pop() for _ in range(need)]
             seq.row = self._free_rows.pop()
@@ -325,7 +335,7 @@ class TorchEngine(Engine):
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         toks, lps = self._sample_batch(logits, batch_seqs)
         for row, seq in enumerate(batch_seqs):
-            seq.cached = len(seq.tokens)
+            seq.cached = seq.n_tokens
             tok, lp = toks[row], lps[row]
             seq.output.append(tok)
             seq.logprobs.append(lp)
@@ -357,8 +367,8 @@ class TorchEngine(Engine):
         n = len(seqs)
         padded = _bucket(n) if self.use_cuda_graph else n
         scratch_slot = self._scratch_block * bs
-        ids = [s.tokens[-1] for s in seqs]
-        pos = [len(s.tokens) - 1 for s in seqs]
+        ids = [s.last_token for s in seqs]
+        pos = [s.n_tokens - 1 for s in seqs]
         slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
         pad = padded - n
         meta = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad, [p + 1 for p in pos] + [1] * pad])
@@ -602,6 +612,7 @@ class TorchEngine(Engine):
             "kv_blocks_free": len(self._free_blocks),
             "kv_blocks_total": self.num_blocks if self._k is not None else 0,
             "paused": self._paused,
+            "cuda_graphs": sorted(self._graphs.graphs) if self._graphs is not None else [],  # captured batch sizes
             "asleep": [t for t, present in (("weights", self._weights_present), ("kv_cache", self._k is not None)) if not present],
         }
 
@@ -657,7 +668,8 @@ class _DecodeGraphs:
 
     def _capture(self, b: int) -> None:
         dev = self.engine.device
-        before = torch.cuda.memory_reserved(dev)
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.mem_get_info(dev)[0]
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up (kernel selection, Triton compile) off the capture
@@ -667,7 +679,8 @@ class _DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._forward(b)
         self.graphs[b] = (graph, out)
-        self.bytes += max(0, torch.cuda.memory_reserved(dev) - before)
+        torch.cuda.synchronize(dev)
+        self.bytes += max(0, before - torch.cuda.mem_get_info(dev)[0])  # device memory the capture took
 
     def run(self, meta: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         b = meta.shape[1]
