@@ -438,12 +438,18 @@ class TorchEngine(Engine):
             seq.finish = "stop"
             return True
         if sp.stop:
-            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-            hits = [text.find(s) for s in sp.stop if s and s in text]
-            if hits:
-                seq.finish = "stop"
-                seq.text = text[: min(hits)]
-                return True
+            # A stop string completed by this token lies within the last few tokens (a token
+            # is at least one byte; a character at most 4): decode only that tail each step,
+            # and the whole output once one matches (to cut at its first occurrence).
+            window = 4 * max(len(s) for s in sp.stop) + 4
+            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=True)
+            if any(s and s in tail for s in sp.stop):
+                text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+                hits = [text.find(s) for s in sp.stop if s and s in text]
+                if hits:
+                    seq.finish = "stop"
+                    seq.text = text[: min(hits)]
+                    return True
         if len(seq.output) >= sp.max_new_tokens:
             seq.finish = "length"
             return True

@@ -115,6 +115,26 @@ def test_stops_and_limits(models):
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == 5
 
 
+def test_stop_string_late_in_a_long_output(models):
+    """A stop string completed 150 tokens in (far past the tail the engine decodes each
+    step) ends the request there, cut at the string's first occurrence."""
+    path = models["qwen3"]
+
+    async def main():
+        eng = TorchEngine(path, kv_cache_tokens=4096)
+        p = prompts()[1]
+        free = await eng.generate(p, {**GREEDY, "max_new_tokens": 200})
+        stop_text = eng.tokenizer.decode(free.token_ids[150:153])
+        stopped = await eng.generate(p, {**GREEDY, "max_new_tokens": 200, "stop": [stop_text]})
+        await eng.close()
+        return free, stopped, stop_text
+
+    free, stopped, stop_text = run(main())
+    assert stop_text and stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop_text)]
+    assert len(stopped.token_ids) <= 153 and stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+
+
 def test_abort_finishes_requests_with_reason_abort(models):
     async def main():
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
