@@ -222,3 +222,83 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n, BLOCK=block, num_warps=4)
     return y
+
+
+# ---------------------------------------------------------------------- seeded sampling
+#
+# Gumbel-max with counter-based noise: the token of a seeded row is
+#   argmax_t  logits[t] / T - log(-log(u(seed, position, t)))
+# with u from splitmix64's finalizer over (seed, position, token) — the same bits as
+# ``seeded_uniform`` (the torch version, used off CUDA). The kernel hashes, adds and reduces in one pass
+# over the vocabulary instead of materialising [rows, vocab] int64 and float64 tensors.
+
+_K_SEED, _K_POS, _K_TOK = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xABC98388FB8FAC03
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_S_SEED, _S_POS, _S_TOK, _S_MIX1, _S_MIX2 = (_signed(c) for c in (_K_SEED, _K_POS, _K_TOK, _MIX1, _MIX2))  # as torch int64
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise ``[rows, vocab]`` (float64) that depends only on each row's
+    (seed, position) and the token index: a counter-based hash (splitmix64's finalizer).
+    Seeded sampling therefore gives the same tokens whatever else is in the batch."""
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    z = seeds[:, None] * _S_SEED + positions[:, None] * _S_POS + tokens[None, :] * _S_TOK
+    z = (z ^ _lsr(z, 30)) * _S_MIX1
+    z = (z ^ _lsr(z, 27)) * _S_MIX2
+    z = z ^ _lsr(z, 31)
+    return (_lsr(z, 11).double() + 0.5) / float(1 << 53)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _seeded_gumbel_kernel(LOGITS, s_l, TEMP, SEED, POS, OUT, vocab,
+                              K_SEED: tl.constexpr, K_POS: tl.constexpr, K_TOK: tl.constexpr,
+                              MIX1: tl.constexpr, MIX2: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        seed = tl.load(SEED + row).to(tl.uint64)
+        pos = tl.load(POS + row).to(tl.uint64)
+        temp = tl.load(TEMP + row)
+        base = seed * K_SEED + pos * K_POS
+        best = tl.full([1], float("-inf"), tl.float64)
+        best_idx = tl.zeros([1], tl.int64)
+        for start in range(0, vocab, BLOCK):
+            tok = start + tl.arange(0, BLOCK)
+            mask = tok < vocab
+            z = base + tok.to(tl.uint64) * K_TOK
+            z = (z ^ (z >> 30)) * MIX1
+            z = (z ^ (z >> 27)) * MIX2
+            z = z ^ (z >> 31)
+            u = ((z >> 11).to(tl.float64) + 0.5) / 9007199254740992.0  # 2**53
+            x = tl.load(LOGITS + row * s_l + tok, mask=mask, other=0.0)
+            score = (x / temp).to(tl.float64) - tl.log(-tl.log(u))
+            score = tl.where(mask, score, float("-inf"))
+            m = tl.max(score, axis=0)
+            i = tl.argmax(score, axis=0).to(tl.int64) + start
+            better = m > best
+            best_idx = tl.where(better, i, best_idx)
+            best = tl.where(better, m, best)
+        tl.store(OUT + row + tl.arange(0, 1), best_idx)
+
+
+def seeded_gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Token ids [R] (int64) sampled from softmax(logits / temps) with the noise of each
+    row's (seed, position): float32 ``logits`` [R, V], ``temps`` [R], int64 ``seeds`` and
+    ``positions`` [R]."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _seeded_gumbel_kernel[(rows,)](logits, logits.stride(0), temps, seeds, positions, out, vocab,
+                                   K_SEED=_K_SEED, K_POS=_K_POS, K_TOK=_K_TOK, MIX1=_MIX1, MIX2=_MIX2,
+                                   BLOCK=1024, num_warps=4)
+    return out

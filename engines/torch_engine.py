@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .interface import Engine, GenerateResult, SamplingParams, check_tags
+from .kernels import seeded_gumbel_argmax, seeded_uniform, triton_usable
 from .model import CausalLM, ModelConfig, _inv_freq, load_weights
 
 log = logging.getLogger("relay.engine")
@@ -402,8 +403,12 @@ class TorchEngine(Engine):
             idx = torch.tensor(seeded, device=dev)
             seeds = torch.tensor([seqs[i].sampling.seed for i in seeded], device=dev, dtype=torch.int64)
             pos = torch.tensor([len(seqs[i].output) for i in seeded], device=dev, dtype=torch.int64)
-            u = seeded_uniform(seeds, pos, logits.shape[-1])
-            tok[idx] = (logp[idx].double() - torch.log(-torch.log(u))).argmax(dim=-1)
+            rows, row_temps = logits[idx], temps[idx]
+            if triton_usable(dev):  # one fused pass over the vocabulary per row
+                tok[idx] = seeded_gumbel_argmax(rows, row_temps, seeds, pos)
+            else:
+                u = seeded_uniform(seeds, pos, logits.shape[-1])
+                tok[idx] = ((rows / row_temps[:, None]).double() - torch.log(-torch.log(u))).argmax(dim=-1)
         batched = set(plain) | set(seeded)
         for i, s in enumerate(seqs):
             if s.sampling.temperature > 0 and i not in batched:
@@ -697,31 +702,6 @@ class _DecodeGraphs:
         graph, out = self.graphs[b]
         graph.replay()
         return out
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_K_SEED, _K_POS, _K_TOK = _signed(0x9E3779B97F4A7C15), _signed(0xD1B54A32D192ED03), _signed(0xABC98388FB8FAC03)
-_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch shifts arithmetically)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) noise ``[rows, vocab]`` (float64) that depends only on each row's
-    (seed, position) and the token index: a counter-based hash (splitmix64's finalizer).
-    Seeded sampling therefore gives the same tokens whatever else is in the batch."""
-    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    z = seeds[:, None] * _K_SEED + positions[:, None] * _K_POS + tokens[None, :] * _K_TOK
-    z = (z ^ _lsr(z, 30)) * _MIX1
-    z = (z ^ _lsr(z, 27)) * _MIX2
-    z = z ^ _lsr(z, 31)
-    return (_lsr(z, 11).double() + 0.5) / float(1 << 53)
 
 
 def _aborted(rid: int, aborts: set) -> bool:

@@ -80,20 +80,53 @@ def test_engine_decoding_through_the_kernel_equals_transformers(tmp_path):
         async def main():
             eng = TorchEngine(path, kv_cache_tokens=1024)
             res = await asyncio.gather(*(eng.generate(p, {{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}) for p in prompts))
+            seeded = await asyncio.gather(*(eng.generate(p, {{"temperature": 0.8, "seed": 11 + i, "max_new_tokens": 12, "ignore_eos": True}}) for i, p in enumerate(prompts)))
             await eng.close()
-            return [r.token_ids for r in res]
-        ours = asyncio.run(main())
+            return [r.token_ids for r in res], [r.token_ids for r in seeded]
+        ours, seeded = asyncio.run(main())
         hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
         ref = []
         for p in prompts:
             o = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
             ref.append(o[0, len(p):].tolist())
-        print(json.dumps([ours, ref]))
+        print(json.dumps([ours, ref, seeded]))
     """)
+    import asyncio
     import json
 
-    ours, ref = json.loads(out.strip().splitlines()[-1])
+    from engines.torch_engine import TorchEngine
+
+    ours, ref, seeded = json.loads(out.strip().splitlines()[-1])
     assert ours == ref
+
+    async def torch_path():  # this process: no interpreter, so seeded rows use the torch hash path
+        eng = TorchEngine(str(tmp_path / "m"), kv_cache_tokens=1024)
+        res = [await eng.generate(p, {"temperature": 0.8, "seed": 11 + i, "max_new_tokens": 12, "ignore_eos": True})
+               for i, p in enumerate([[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)])]
+        await eng.close()
+        return [r.token_ids for r in res]
+
+    assert asyncio.run(torch_path()) == seeded  # the fused seeded-sampling kernel draws the same tokens
+
+
+def test_seeded_gumbel_kernel_matches_the_torch_hash():
+    """The fused seeded Gumbel-max kernel picks the torch path's tokens (same 64-bit hash,
+    same float64 scores), for large seeds and positions and a vocabulary not a multiple
+    of the tile."""
+    out = _interpret("""
+        import torch
+        from engines.kernels import seeded_gumbel_argmax, seeded_uniform
+        torch.manual_seed(0)
+        r, v = 8, 3001
+        logits = torch.randn(r, v) * 3
+        temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5, 1.0, 0.9])
+        seeds = torch.tensor([1, 2, 3, 1 << 40, 5, 12345678901, 0, (1 << 62) + 7], dtype=torch.int64)
+        pos = torch.tensor([0, 1, 7, 100, 2, 9, 40000, 3], dtype=torch.int64)
+        u = seeded_uniform(seeds, pos, v)
+        ref = ((logits / temps[:, None]).double() - torch.log(-torch.log(u))).argmax(-1)
+        print(int((seeded_gumbel_argmax(logits, temps, seeds, pos) == ref).all()))
+    """)
+    assert out.split()[-1] == "1"
 
 
 def test_fused_ops_match_the_torch_modules():

@@ -324,7 +324,7 @@ def test_a_failing_step_fails_pending_requests_instead_of_hanging(models):
 def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(models):
     """A seeded request yields the same tokens alone or amid other requests, and the seeded
     sampler's frequencies match softmax probabilities."""
-    from engines.torch_engine import seeded_uniform
+    from engines.kernels import seeded_uniform
 
     async def main():
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=8192)
