@@ -74,6 +74,7 @@ class TorchEngine(Engine):
         name: str = "engine",
         max_prefill_tokens: int | None = None,
         cuda_graph: bool = True,
+        share_prefix: bool = True,
     ):
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) or 'backup' (judge: kept in CPU memory)")
@@ -86,6 +87,11 @@ class TorchEngine(Engine):
         # steps instead of exhausting memory (a single prompt is always admitted).
         self.max_prefill_tokens = max_prefill_tokens or (32768 if self.device.type == "cuda" else 8192)
         self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
+        # Requests admitted together with identical tokens (the n samples of one prompt) are
+        # prefilled once and share its full KV blocks (reference-counted); each gets its own
+        # copy of the last, partial block, which its samples then write.
+        self.share_prefix = share_prefix
+        self._prefill_tokens = 0  # prompt tokens actually run through prefill
         self._graphs: _DecodeGraphs | None = None
         self._failed: BaseException | None = None
         self.cfg = ModelConfig.from_dir(model_path)
@@ -166,6 +172,7 @@ class TorchEngine(Engine):
         self.num_blocks = blocks
         self._scratch_block = blocks
         self._free_blocks = list(range(blocks - 1, -1, -1))
+        self._refs = [0] * blocks  # requests holding each block
         # Host-side block table: one row per running request (plus a scratch row for padding).
         self.max_blocks_per_seq = -(-min(self.cfg.max_position_embeddings, blocks * self.block_size) // self.block_size)
         self._host_tables = torch.full((self.max_running + 1, self.max_blocks_per_seq), blocks, dtype=torch.int32)
@@ -304,22 +311,41 @@ class TorchEngine(Engine):
                 if victim is seq:
                     break
             if seq.rid not in preempted:
-                seq.blocks.append(self._free_blocks.pop())
+                seq.blocks.append(self._take_block())
                 self._host_tables[seq.row, len(seq.blocks) - 1] = seq.blocks[-1]
         # Then admit waiting requests whose tokens fit (FIFO: the head blocks the rest), while
-        # the padded prefill (prompts x longest) stays within max_prefill_tokens.
+        # the padded prefill (prompts x longest) stays within max_prefill_tokens. A request
+        # whose tokens equal one admitted this step follows it: no prefill of its own.
         new: list[_Seq] = []
+        prefill: list[_Seq] = []
+        leader_of: dict[int, int] = {}  # follower rid -> index of its leader in `prefill`
+        leaders: dict[tuple, int] = {}
         longest = 0
         while self._waiting and len(self._running) + len(new) < self.max_running:
             seq = self._waiting[0]
-            need = -(-seq.n_tokens // bs) - len(seq.blocks)
-            if need > len(self._free_blocks):
-                break
-            if new and (len(new) + 1) * max(longest, seq.n_tokens) > self.max_prefill_tokens:
-                break
-            longest = max(longest, seq.n_tokens)
-            self._waiting.popleft()
-            seq.blocks += [self._free_blocks.pop() for _ in range(need)]
+            key = tuple(seq.tokens) if self.share_prefix and not seq.blocks else None
+            lead = leaders.get(key) if key is not None else None
+            if lead is not None:
+                full = seq.n_tokens // bs
+                if seq.n_tokens % bs and not self._free_blocks:
+                    break
+                self._waiting.popleft()
+                seq.blocks = [self._share_block(b) for b in prefill[lead].blocks[:full]]
+                if seq.n_tokens % bs:
+                    seq.blocks.append(self._take_block())
+                leader_of[seq.rid] = lead
+            else:
+                need = -(-seq.n_tokens // bs) - len(seq.blocks)
+                if need > len(self._free_blocks):
+                    break
+                if prefill and (len(prefill) + 1) * max(longest, seq.n_tokens) > self.max_prefill_tokens:
+                    break
+                longest = max(longest, seq.n_tokens)
+                self._waiting.popleft()
+                seq.blocks += [self._take_block() for _ in range(need)]
+                if key is not None:
+                    leaders[key] = len(prefill)
+                prefill.append(seq)
             seq.row = self._free_rows.pop()
             self._host_tables[seq.row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
             new.append(seq)
@@ -331,7 +357,7 @@ class TorchEngine(Engine):
         if decoding:
             parts.append(self._decode(decoding))
         if new:
-            parts.append(self._prefill(new))
+            parts.append(self._prefill(prefill, new, leader_of))
         batch_seqs = decoding + new
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         toks, lps = self._sample_batch(logits, batch_seqs)
@@ -346,9 +372,26 @@ class TorchEngine(Engine):
                 finished.append(self._release(seq))
         return finished
 
-    def _prefill(self, seqs: list[_Seq]) -> torch.Tensor:
-        """Logits of the next token of requests none of whose tokens are cached yet."""
+    def _prefill(self, seqs: list[_Seq], admitted: list[_Seq], leader_of: dict[int, int]) -> torch.Tensor:
+        """Logits of the next token of each ``admitted`` request: ``seqs`` (none of whose
+        tokens are cached yet) run through the model; a follower takes its leader's row and
+        a copy of the leader's partial last block."""
+        logits = self._prefill_rows(seqs)
+        if not leader_of:
+            return logits
+        copies = [(seqs[leader_of[s.rid]].blocks[-1], s.blocks[-1]) for s in admitted if s.rid in leader_of and s.n_tokens % self.block_size]
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self._k[:, dst] = self._k[:, src]
+            self._v[:, dst] = self._v[:, src]
+        index = {id(s): i for i, s in enumerate(seqs)}
+        rows = [leader_of[s.rid] if s.rid in leader_of else index[id(s)] for s in admitted]
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def _prefill_rows(self, seqs: list[_Seq]) -> torch.Tensor:
         bs = self.block_size
+        self._prefill_tokens += sum(s.n_tokens for s in seqs)
         longest = max(len(s.tokens) for s in seqs)
         ids = torch.zeros((len(seqs), longest), dtype=torch.int64)
         slots = torch.full((len(seqs), longest), self._scratch_block * bs, dtype=torch.int64)
@@ -460,8 +503,20 @@ class TorchEngine(Engine):
             return True
         return False
 
+    def _take_block(self) -> int:
+        block = self._free_blocks.pop()
+        self._refs[block] = 1
+        return block
+
+    def _share_block(self, block: int) -> int:
+        self._refs[block] += 1
+        return block
+
     def _free(self, seq: _Seq) -> None:
-        self._free_blocks.extend(seq.blocks)
+        for block in seq.blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free_blocks.append(block)
         seq.blocks = []
         if seq.row >= 0:
             self._free_rows.append(seq.row)
@@ -621,6 +676,7 @@ class TorchEngine(Engine):
             "requests_finished": self._requests_done,
             "weight_version": self.weight_version,
             "kv_blocks_free": len(self._free_blocks),
+            "prefill_tokens": self._prefill_tokens,
             "kv_blocks_total": self.num_blocks if self._k is not None else 0,
             "paused": self._paused,
             "cuda_graphs": sorted(self._graphs.graphs) if self._graphs is not None else [],  # captured batch sizes

@@ -295,6 +295,51 @@ def test_prefill_budget_spreads_prefill_over_steps_without_changing_results(mode
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+@pytest.mark.parametrize("prompt_len", [37, 32])  # a partial last block, and none
+def test_samples_of_one_prompt_share_its_kv(models, prompt_len):
+    """Eight samples of one prompt (seeded, and greedy) are prefilled once and share the
+    prompt's full KV blocks: same tokens and log-probs as without sharing, 1/8 of the
+    prefill work."""
+    prompt = [5 + (i * 7) % 90 for i in range(prompt_len)]
+
+    async def main(share):
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, share_prefix=share)
+        seeded = await asyncio.gather(*(eng.generate(prompt, {"temperature": 1.0, "seed": 100 + j, "max_new_tokens": 20}) for j in range(8)))
+        greedy = await asyncio.gather(*(eng.generate(prompt, GREEDY) for _ in range(8)))
+        stats = await eng.stats()
+        await eng.close()
+        return seeded + greedy, stats
+
+    plain, plain_stats = run(main(False))
+    shared, shared_stats = run(main(True))
+    assert [r.token_ids for r in shared] == [r.token_ids for r in plain]
+    for a, b in zip(shared, plain):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert len({tuple(r.token_ids) for r in shared[:8]}) > 1  # the seeded samples differ
+    assert plain_stats["prefill_tokens"] == 16 * prompt_len
+    assert shared_stats["prefill_tokens"] == 2 * prompt_len
+    assert shared_stats["kv_blocks_free"] == plain_stats["kv_blocks_free"]  # every block came back
+
+
+def test_shared_blocks_survive_preemption(models):
+    """With too little KV cache for eight samples of one prompt, followers and leaders are
+    preempted and recomputed; shared blocks are freed only by their last holder, and the
+    results equal an unconstrained engine's."""
+    prompt = [5 + (i * 3) % 90 for i in range(40)]
+
+    async def main(tokens):
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=tokens)
+        res = await asyncio.gather(*(eng.generate(prompt, {"temperature": 1.0, "seed": 7 + j, "max_new_tokens": 40, "ignore_eos": True}) for j in range(8)))
+        stats = await eng.stats()
+        await eng.close()
+        return res, stats
+
+    free, _ = run(main(4096))
+    tight, stats = run(main(16 * 12))  # 12 blocks: the prompt's 3 (2 shared) + growth for a few
+    assert [r.token_ids for r in tight] == [r.token_ids for r in free]
+    assert stats["kv_blocks_free"] == 12
+
+
 def test_a_failing_step_fails_pending_requests_instead_of_hanging(models):
     """If a step raises (say, out of device memory), every pending request gets the error,
     sleep(drain="finish") returns, health says unhealthy and new requests are refused."""
