@@ -113,7 +113,7 @@ class GRPOJob:
             "trainer", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
             clip_grad=cfg.clip_grad, lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters,
             total_iters=max(1, cfg.num_rollout * max(1, cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.global_batch_size)),
-            seed=cfg.seed, loss=loss, micro_batch_tokens=cfg.micro_batch_tokens,
+            seed=cfg.seed, loss=loss, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16, optimizer=cfg.optimizer_impl,
         )
         self.reference = None
         if cfg.use_kl_loss and cfg.kl_loss_coef > 0:

@@ -28,7 +28,7 @@ _PROCESS_SETUP = threading.Lock()
 class TrainerActor(Actor):
     def __init__(self, model_path: str, tp: int = 1, lr: float = 1e-6, weight_decay: float = 0.0, clip_grad: float = 1.0,
                  lr_decay_style: str = "constant", lr_warmup_iters: int = 0, total_iters: int = 1000, seed: int = 1234, loss: dict | None = None,
-                 micro_batch_tokens: int = 8192):
+                 micro_batch_tokens: int = 8192, bf16: bool = False, optimizer: str = "auto"):
         self.model_path = model_path
         self.tp = tp
         self.opt_args = dict(lr=lr, weight_decay=weight_decay)
@@ -37,8 +37,14 @@ class TrainerActor(Actor):
         self.seed = seed
         self.loss_cfg = LossConfig(**(loss or {}))
         self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward/backward
+        if optimizer not in ("auto", "torch", "megatron"):
+            raise ValueError(f"optimizer must be 'auto', 'torch' or 'megatron', not {optimizer!r}")
+        if bf16 and optimizer == "torch":
+            raise ValueError("bf16 params need fp32 master weights: use optimizer 'megatron' (or 'auto')")
+        self.bf16 = bf16
+        self.optimizer_kind = optimizer
         self.step = 0
-        self._offloaded: dict | None = None
+        self.offloaded = False
 
     def setup(self) -> None:
         import torch.distributed as dist
@@ -54,7 +60,7 @@ class TrainerActor(Actor):
         with _PROCESS_SETUP:
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)
-        self.model = build_gpt(self.cfg, tp=self.tp).to(self.device)
+        self.model = build_gpt(self.cfg, tp=self.tp, dtype=torch.bfloat16 if self.bf16 else torch.float32).to(self.device)
         files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
         hf = {}
         for f in files:
@@ -64,7 +70,17 @@ class TrainerActor(Actor):
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
             raise KeyError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.opt_args["lr"], weight_decay=self.opt_args["weight_decay"])
+        from .optim import MegatronAdamW, TorchAdamW
+
+        # auto: Megatron's distributed optimizer where it helps (DP > 1: optimizer state
+        # sharded over DP) or is needed (bf16 params: fp32 master weights); else torch AdamW.
+        kind = self.optimizer_kind
+        if kind == "auto":
+            kind = "megatron" if (self.dp_size > 1 or self.bf16) else "torch"
+        if kind == "megatron":
+            self.opt = MegatronAdamW(self.model, clip_grad=self.clip_grad, bf16=self.bf16, device=self.device, **self.opt_args)
+        else:
+            self.opt = TorchAdamW(self.model, clip_grad=self.clip_grad, dp_group=self.dp_group, dp_size=self.dp_size, device=self.device, **self.opt_args)
 
     def _init_parallel(self, dist) -> None:
         """torch.distributed and Megatron's model-parallel groups, once per process (a second
@@ -97,41 +113,17 @@ class TrainerActor(Actor):
             return base * 0.5 * (1 + math.cos(math.pi * progress))
         return base
 
-    def _reduce_grads(self) -> None:
-        """Data parallel: average gradients over the DP group (each rank's loss is the mean
-        over its own shard of the batch, so ranks should get equal shares)."""
-        if self.dp_size == 1:
-            return
-        import torch.distributed as dist
-
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        off = 0
-        for g in grads:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
-
     def _begin_step(self) -> None:
-        if self._offloaded is not None:
+        if self.offloaded:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         self.model.train()
-        for g in self.opt.param_groups:
-            g["lr"] = self._lr()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(self._lr())
 
     def _finish_step(self) -> float:
         """Average gradients over DP, clip, step the optimizer; returns the norm before clipping."""
-        self._reduce_grads()
-        norm = self._clip()
-        self.opt.step()
+        norm = self.opt.step()
         self.step += 1
         return norm
-
-    def _clip(self) -> float:
-        """Clip the gradient norm to ``clip_grad`` (0: no clipping); returns the norm before."""
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf")))
 
     def _micro_batches(self, seqs: list) -> list[list[int]]:
         """Consecutive index groups whose padded size (count x longest) stays within
@@ -223,7 +215,7 @@ class TrainerActor(Actor):
             for k, v in st.items():
                 stats[k] = stats.get(k, 0.0) + v * weight
         stats["grad_norm"] = self._finish_step()
-        stats["lr"] = self.opt.param_groups[0]["lr"]
+        stats["lr"] = self.opt.lr
         return stats
 
     @endpoint
@@ -240,7 +232,7 @@ class TrainerActor(Actor):
             loss.backward()
             loss_sum += float(loss.detach())
         grad_norm = self._finish_step()
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.opt.lr}
 
     @endpoint
     def greedy_match(self, seqs: list, response_masks: list) -> list:
@@ -266,23 +258,19 @@ class TrainerActor(Actor):
                 out[i] = bool(x)
         return out
 
-    @endpoint
-    def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
-        """The full weights under HF names (TP shards gathered), in buckets of about
-        ``bucket_bytes``, as CPU tensors (the relay path; GPU paths are issue #5's next step).
-        Works while offloaded (the parameters come back for the gather and leave again)."""
+    def _hf_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights under HF names (TP shards gathered; a collective over TP), on the
+        trainer's device. Works while offloaded (the params come back for the gather only)."""
         from .megatron_model import gather_full, megatron_to_hf
 
-        params = list(self.model.parameters())
-        if self._offloaded is not None:  # export reads the parameters only: bring those back for the gather
-            for p, host in zip(params, self._offloaded["params"]):
-                p.data = host.to(self.device)
-        try:
-            full = megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None))
-        finally:
-            if self._offloaded is not None:
-                for p in params:
-                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        with self.opt.params_present():
+            return megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None))
+
+    @endpoint
+    def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
+        """The full weights under HF names, in buckets of about ``bucket_bytes``, as CPU
+        tensors (what the relay path sends)."""
+        full = self._hf_weights()
         buckets, cur, size = [], {}, 0
         for name in sorted(full):
             t = full[name].detach().cpu().contiguous()
@@ -310,70 +298,41 @@ class TrainerActor(Actor):
 
     @endpoint
     def offload(self) -> int:
-        """Move params, grads and optimizer state to CPU buffers (allocated once, pinned on
-        GPU) and free the device memory. Returns the bytes moved."""
-        if self._offloaded is not None:
+        """Move params, optimizer state (and, torch path, grads) to host buffers (allocated
+        once, pinned on GPU) and free the device memory. Returns the bytes moved."""
+        if self.offloaded:
             return 0
-        pin = self.device.type == "cuda"
-        bufs, moved = {"params": [], "grads": [], "opt": []}, 0
-        params = list(self.model.parameters())
-        cache = getattr(self, "_host", None)
-        if cache is None:
-            cache = self._host = {}
-        for i, p in enumerate(params):
-            host = cache.setdefault(("p", i), torch.empty(p.shape, dtype=p.dtype, pin_memory=pin))
-            host.copy_(p.data)
-            bufs["params"].append(host)
-            moved += p.numel() * p.element_size()
-            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-            if p.grad is not None:
-                g = cache.setdefault(("g", i), torch.empty(p.grad.shape, dtype=p.grad.dtype, pin_memory=pin))
-                g.copy_(p.grad)
-                bufs["grads"].append((i, g))
-                p.grad = None
-        for i, p in enumerate(params):
-            st = self.opt.state.get(p, {})
-            for k, v in list(st.items()):
-                if torch.is_tensor(v) and v.device.type == self.device.type and v.numel() > 1:
-                    h = cache.setdefault(("o", i, k), torch.empty(v.shape, dtype=v.dtype, pin_memory=pin))
-                    h.copy_(v)
-                    bufs["opt"].append((i, k, h))
-                    moved += v.numel() * v.element_size()
-                    st[k] = torch.empty(0, dtype=v.dtype, device=self.device)
-        self._offloaded = bufs
+        moved = self.opt.offload()
+        self.offloaded = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return moved
 
     @endpoint
     def onload(self) -> None:
-        if self._offloaded is None:
+        if not self.offloaded:
             return
-        params = list(self.model.parameters())
-        bufs = self._offloaded
-        for p, host in zip(params, bufs["params"]):
-            p.data = host.to(self.device, non_blocking=True).clone() if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
-        for i, g in bufs["grads"]:
-            params[i].grad = g.to(self.device).clone()
-        for i, k, h in bufs["opt"]:
-            self.opt.state[params[i]][k] = h.to(self.device).clone() if self.device.type == "cpu" else h.to(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self._offloaded = None
+        self.opt.onload()
+        self.offloaded = False
 
     @endpoint
     def save_checkpoint(self, path: str) -> None:
         """Weights (this rank's shard), optimizer, step and RNG states; written to a temporary
         name and renamed, so a crash never leaves a half-written checkpoint. Data-parallel
-        replicas hold the same state: only DP rank 0 of each TP rank writes."""
+        replicas hold the same weights: only DP rank 0 of each TP rank writes (the
+        distributed optimizer's shards are gathered there first: every rank must call)."""
         from megatron.core import parallel_state
 
+        if self.offloaded:
+            raise RuntimeError("the trainer is offloaded; onload() before saving a checkpoint")
+        opt_state = self.opt.state_dict()
         if parallel_state.get_data_parallel_rank() != 0:
             return
         os.makedirs(path, exist_ok=True)
         state = {
             "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
-            "opt": self.opt.state_dict(),
+            "opt": opt_state,
+            "optimizer": self.opt.kind,
             "step": self.step,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
@@ -384,13 +343,27 @@ class TrainerActor(Actor):
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
+        """Every rank reads its TP rank's file (a collective over DP with the distributed
+        optimizer)."""
+        if self.offloaded:
+            raise RuntimeError("the trainer is offloaded; onload() before loading a checkpoint")
         state = torch.load(os.path.join(path, f"trainer-tp{self.tp_rank}.pt"), weights_only=False)
+        if state.get("optimizer", "torch") != self.opt.kind:
+            raise ValueError(f"checkpoint holds {state.get('optimizer', 'torch')!r} optimizer state; this trainer runs {self.opt.kind!r} (set optimizer= to match)")
         self.model.load_state_dict(state["model"], strict=False)
         self.opt.load_state_dict(state["opt"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         return self.step
+
+    @endpoint
+    def optimizer_info(self) -> dict:
+        """Which optimizer path runs (``torch`` / ``megatron``), whether its state is sharded
+        over DP, the DP size, the params' dtype and the dtype the optimizer updates in."""
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        return {"kind": self.opt.kind, "distributed": self.opt.kind == "megatron", "dp": self.dp_size,
+                "params_dtype": name(next(self.model.parameters()).dtype), "master_dtype": name(self.opt.master_dtype)}
 
     @endpoint
     def gpu_memory(self) -> dict:
