@@ -8,6 +8,7 @@ data parallel. CPU (gloo) and CUDA (NCCL).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -15,6 +16,7 @@ import threading
 
 import torch
 
+from engines import weight_sync
 from relay import Actor, endpoint
 
 from .loss import LossConfig, policy_loss
@@ -258,43 +260,139 @@ class TrainerActor(Actor):
                 out[i] = bool(x)
         return out
 
-    def _hf_weights(self) -> dict[str, torch.Tensor]:
+    @contextlib.contextmanager
+    def _hf_weights(self, copy: bool = True):
         """The full weights under HF names (TP shards gathered; a collective over TP), on the
-        trainer's device. Works while offloaded (the params come back for the gather only)."""
+        trainer's device. Works while offloaded: the params come back for the body only, so
+        with ``copy=False`` (views of the params where TP = 1) use them inside the body."""
         from .megatron_model import gather_full, megatron_to_hf
 
         with self.opt.params_present():
-            return megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None))
+            yield megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None, copy=copy))
 
     @endpoint
     def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
         """The full weights under HF names, in buckets of about ``bucket_bytes``, as CPU
         tensors (what the relay path sends)."""
-        full = self._hf_weights()
-        buckets, cur, size = [], {}, 0
-        for name in sorted(full):
-            t = full[name].detach().cpu().contiguous()
-            if cur and size + t.numel() * t.element_size() > bucket_bytes:
-                buckets.append(cur)
-                cur, size = {}, 0
-            cur[name] = t
-            size += t.numel() * t.element_size()
-        if cur:
-            buckets.append(cur)
-        return buckets
+        with self._hf_weights() as full:
+            return [{n: t.detach().cpu().contiguous() for n, t in b} for b in weight_sync.buckets(full, bucket_bytes)]
+
+    def _transports(self, engines: list, transport: str, timeout: float) -> list[tuple[str, int, dict]]:
+        """Per engine: (transport, the trainer rank that serves it, its weight_sync_info). ``auto``: CUDA IPC from
+        the rank on the engine's GPU; a broadcast group from rank 0 when no trainer rank is
+        on that GPU; the relay path on CPU and for non-torch (SGLang) engines."""
+        import torch.distributed as dist
+
+        uuids: list = [None] * dist.get_world_size()
+        dist.all_gather_object(uuids, weight_sync.device_uuid(self.device))
+        out = []
+        for e in engines:
+            info = e.weight_sync_info.call().get(timeout).values()[0]
+            colocated = next((r for r, u in enumerate(uuids) if u is not None and u == info["uuid"]), None)
+            t = transport
+            if t == "auto":
+                if self.device.type != "cuda" or info["device_type"] != "cuda" or info["backend"] != "torch":
+                    t = "relay"
+                else:
+                    t = "ipc" if colocated is not None else "distributed"
+            if t == "ipc" and colocated is None:
+                raise ValueError(f"weight sync by CUDA IPC needs the engine on a trainer GPU; engine GPU {info['uuid']} is not one of {uuids}")
+            out.append((t, colocated if t == "ipc" else 0, info))
+        return out
 
     @endpoint
-    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0) -> int:
-        """Weight sync: every rank joins the TP gather; rank 0 sends the HF-named buckets
-        with ``version`` to each engine (an EngineActor mesh) and waits until all applied
-        them (so no buffer is reused while a receiver still reads it). Returns bytes sent."""
-        buckets = self.export_hf(bucket_bytes)
-        if self.rank != 0:
-            return 0
-        futures = [e.update_weights.call(buckets, version) for e in engines]
-        for f in futures:
-            f.get(timeout)
-        return sum(t.numel() * t.element_size() for b in buckets for t in b.values()) * len(engines)
+    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0, transport: str = "auto") -> int:
+        """Weight sync of ``version`` into each engine (an EngineActor mesh of one engine).
+        Every trainer rank must call (the TP gather). ``transport``: ``auto`` (see
+        :meth:`_transports`), ``ipc``, ``distributed`` or ``relay``. Returns once every engine
+        applied every bucket (no bucket buffer is reused or freed before its receiver
+        acknowledged it); the bytes this rank sent."""
+        if transport not in ("auto", "ipc", "distributed", "relay"):
+            raise ValueError(f"transport must be 'auto', 'ipc', 'distributed' or 'relay', not {transport!r}")
+        plan = self._transports(engines, transport, timeout)
+        mine = {t: [e for e, (tt, r, _) in zip(engines, plan) if tt == t and r == self.rank] for t in ("ipc", "distributed", "relay")}
+        cross_process = any(i.get("pid") != os.getpid() for tt, r, i in plan if tt == "ipc" and r == self.rank)
+        sent = 0
+        with self._hf_weights(copy=False) as full:
+            bks = weight_sync.buckets(full, bucket_bytes)
+            if mine["ipc"]:
+                sent += self._push_ipc(mine["ipc"], bks, version, timeout, cross_process)
+            if mine["distributed"]:
+                sent += self._push_broadcast(mine["distributed"], bks, version, timeout)
+            if mine["relay"]:
+                # copies: the relay may move what it sends into shared memory (never the params)
+                cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in b} for b in bks]
+                for f in [e.update_weights.call(cpu, version) for e in mine["relay"]]:
+                    f.get(timeout)
+                sent += sum(t.numel() * t.element_size() for b in cpu for t in b.values()) * len(mine["relay"])
+        return sent
+
+    def _push_ipc(self, engines: list, bks: list, version: int, timeout: float, cross_process: bool) -> int:
+        """CUDA IPC, double-buffered: bucket i+1 is packed into the other buffer while the
+        engines copy bucket i; a buffer is repacked only after its bucket was acknowledged.
+        An engine in this very process (colocated actors share the worker) reads the buffer
+        directly (see weight_sync.open_ipc)."""
+        bufs: list = [None, None]
+        pending: list = []
+        prev = None
+        sent = 0
+        try:
+            for i, bucket in enumerate(bks):
+                buf, metas = weight_sync.flatten(bucket, self.device, out=bufs[i % 2])
+                bufs[i % 2] = buf
+                torch.cuda.current_stream(self.device).synchronize()  # packed before anyone reads it
+                handle = weight_sync.ipc_handle(buf, cross_process)
+                for f in pending:  # bucket i-1 acknowledged: its buffer may be reused next round
+                    f.get(timeout)
+                if prev is not None:
+                    weight_sync.release(prev)
+                pending = [e.update_weights_from_ipc.call(handle, metas, version, i == len(bks) - 1) for e in engines]
+                prev = handle
+                sent += buf.numel() * len(engines)
+            for f in pending:
+                f.get(timeout)
+        finally:
+            if prev is not None:
+                weight_sync.release(prev)
+        del bufs
+        torch.cuda.ipc_collect()
+        return sent
+
+    def _push_broadcast(self, engines: list, bks: list, version: int, timeout: float) -> int:
+        """A broadcast group of this rank (rank 0) and the engines (1..n), one flat buffer per
+        bucket; made for this push and torn down after it."""
+        import socket
+        import uuid
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        name = f"weights-{uuid.uuid4().hex[:12]}"
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        n = len(engines) + 1
+        joins = [e.init_weights_update_group.call(addr, port, i + 1, n, name, backend, timeout) for i, e in enumerate(engines)]
+        group = weight_sync.BroadcastGroup(addr, port, 0, n, backend, timeout, name)
+        sent = 0
+        try:
+            for f in joins:
+                f.get(timeout)
+            for i, bucket in enumerate(bks):
+                buf, metas = weight_sync.flatten(bucket, self.device)
+                names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
+                recvs = [e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, i == len(bks) - 1) for e in engines]
+                group.broadcast(buf)
+                for f in recvs:
+                    f.get(timeout)
+                sent += buf.numel() * len(engines)
+        finally:
+            for f in [e.destroy_weights_update_group.call(name) for e in engines]:
+                try:
+                    f.get(min(timeout, 30.0))
+                except Exception:  # noqa: BLE001 (the push's own error, if any, is the one to report)
+                    pass
+            group.close()
+        return sent
 
     @endpoint
     def offload(self) -> int:
