@@ -164,6 +164,13 @@ class BroadcastGroup:
             raise TimeoutError(f"weight-sync group {name!r}: rank {rank} could not reach the store at {master_address}:{master_port} within {timeout_s}s: {e}") from e
         store = dist.PrefixStore(name, store)
         self._store = store
+        # Everyone present before any backend connects (NCCL's communicator set-up has no
+        # timeout of its own): a peer that never comes is a TimeoutError here.
+        store.set(f"joined/{rank}", "1")
+        try:
+            store.wait([f"joined/{r}" for r in range(world_size)], self.timeout)
+        except Exception as e:  # noqa: BLE001 (DistStoreError / RuntimeError, re-raised with context)
+            raise TimeoutError(f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet its peers within {timeout_s}s: {e}") from e
         try:
             if backend == "gloo":
                 self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
@@ -178,23 +185,32 @@ class BroadcastGroup:
         self.backend = backend
 
     def broadcast(self, buf: torch.Tensor) -> None:
-        """Rank 0 sends ``buf``; the others receive into theirs (same size). Raises on timeout."""
+        """Rank 0 sends ``buf``; the others receive into theirs (same size). Polls the work
+        against the timeout (an NCCL wait alone would not return), then raises
+        ``TimeoutError`` and shuts the group down."""
+        import time
+
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         work = self.pg.broadcast([buf], opts)
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise TimeoutError(f"weight-sync group {self.name!r}: broadcast of {buf.numel()} bytes did not finish within {self.timeout.total_seconds()}s (rank {self.rank}): {e}") from e
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"weight-sync group {self.name!r}: broadcast of {buf.numel()} bytes did not finish within {self.timeout.total_seconds()}s (rank {self.rank})")
+            time.sleep(0.0005)
+        work.wait()  # raises the backend's error, if any
         if buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
-        if pg is not None and hasattr(pg, "shutdown"):
-            try:
-                pg.shutdown()
-            except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
-                pass
+        for how in ("abort", "shutdown") if self.backend == "nccl" else ("shutdown",):
+            if pg is not None and hasattr(pg, how):
+                try:
+                    getattr(pg, how)()
+                    return
+                except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
+                    pass

@@ -92,7 +92,7 @@ def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(p
 
 def test_broadcast_group_times_out_instead_of_hanging(policy):
     """An engine whose trainer never comes, a trainer whose engine never comes, and a
-    broadcast nobody receives: each raises within its timeout."""
+    receiver whose sender never sends: each raises within its timeout."""
 
     async def main():
         eng = TorchEngine(policy, kv_cache_tokens=256)
@@ -107,3 +107,12 @@ def test_broadcast_group_times_out_instead_of_hanging(policy):
     run(main(), 120)  # (the module's pytest timeout catches a hang)
     with pytest.raises(TimeoutError, match="did not meet its peers"):
         weight_sync.BroadcastGroup("127.0.0.1", free_port(), 0, 2, "gloo", 2.0, "lonely")
+    # Both ranks joined, but the sender never broadcasts: the receiver gives up.
+    import concurrent.futures
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(lambda r: weight_sync.BroadcastGroup("127.0.0.1", port, r, 2, "gloo", 2.0, "silent"), [0, 1]))
+    with pytest.raises(TimeoutError, match="did not finish"):
+        groups[1].broadcast(torch.empty(16, dtype=torch.uint8))
+    groups[0].close()
