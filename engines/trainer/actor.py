@@ -333,6 +333,7 @@ class TrainerActor(Actor):
         An engine in this very process (colocated actors share the worker) reads the buffer
         directly (see weight_sync.open_ipc)."""
         bufs: list = [None, None]
+        buf = None
         pending: list = []
         prev = None
         sent = 0
@@ -354,7 +355,7 @@ class TrainerActor(Actor):
         finally:
             if prev is not None:
                 weight_sync.release(prev)
-        del bufs
+        bufs = buf = None  # noqa: F841 (freed before collecting the IPC limbo)
         torch.cuda.ipc_collect()
         return sent
 
