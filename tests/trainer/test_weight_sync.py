@@ -53,6 +53,21 @@ def test_flatten_packs_mixed_dtypes_aligned_and_unflatten_views_them():
         weight_sync.unflatten(buf, [["x", [1], "float99", 0]])
 
 
+@pytest.mark.unit
+def test_a_receiver_in_the_senders_process_reads_the_bucket_until_it_is_released():
+    """Colocated actors share a worker process, where CUDA cannot open its own IPC handle:
+    the handle then names the sender's buffer, valid until the sender releases it."""
+    buf, metas = weight_sync.flatten([("w", torch.arange(6.0))], "cpu")
+    h = weight_sync.ipc_handle(buf, cross_process=False)
+    assert "handle" not in h  # nothing exported to CUDA
+    (name, view), = weight_sync.unflatten(weight_sync.open_ipc(h, "cpu"), metas)
+    assert name == "w" and torch.equal(view, torch.arange(6.0))
+    assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # no copy
+    weight_sync.release(h)
+    with pytest.raises(RuntimeError, match="released before the receiver opened it"):
+        weight_sync.open_ipc(h, "cpu")
+
+
 def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(policy):
     async def main():
         tprocs = this_host().spawn_procs(per_host={"gpus": 1})
