@@ -125,6 +125,8 @@ class TorchEngine(Engine):
         self._weights_present = True
         self._weights_valid = True
         self._backup: dict[str, torch.Tensor] | None = None
+        self._sync_seen: set[str] = set()  # names updated since the last completed version
+        self._sync_groups: dict = {}  # group name -> weight_sync.BroadcastGroup
         self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
         self._next_rid = 0  # request ids, in arrival order
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
@@ -622,6 +624,7 @@ class TorchEngine(Engine):
                 torch.cuda.synchronize(self.device)
             self._weights_present = True
             self._weights_valid = self.weights_mode == "backup"
+            self._sync_seen = set()  # fresh (discarded) weights: an update must cover them all
             if self.cfg.tie_word_embeddings:
                 self.model.lm_head.weight = self.model.model.embed_tokens.weight
         if "kv_cache" in tags and self._k is None:
@@ -636,27 +639,102 @@ class TorchEngine(Engine):
     def _update_sync(self, buckets, version: int) -> None:
         if not self._weights_present:
             raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
-        params = dict(self.model.named_parameters())
-        seen = set()
         for bucket in buckets:
-            items = bucket.items() if isinstance(bucket, dict) else bucket
-            for name, tensor in items:
-                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                    continue
-                p = params.get(name)
-                if p is None:
-                    raise KeyError(f"update_weights: unknown tensor {name!r}")
-                if tuple(p.shape) != tuple(tensor.shape):
-                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-                with torch.no_grad():
-                    p.copy_(tensor.to(device=self.device, dtype=p.dtype))
-                seen.add(name)
+            self._copy_in(bucket.items() if isinstance(bucket, dict) else bucket)
+        self._finish_version(version)
+
+    def _copy_in(self, items) -> None:
+        """Copy HF-named tensors into the parameters (any device/dtype; converted)."""
+        if not self._weights_present:
+            raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
+        params = dict(self.model.named_parameters())
+        for name, tensor in items:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"update_weights: unknown tensor {name!r}")
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor.to(device=self.device, dtype=p.dtype))
+            self._sync_seen.add(name)
+
+    def _finish_version(self, version: int) -> None:
+        """The update of ``version`` is complete (over one or several calls)."""
+        seen, self._sync_seen = self._sync_seen, set()
         if not self._weights_valid:
             missing = set(self.model.hf_names()) - seen
             if missing:
                 raise ValueError(f"update_weights after a discarding sleep must cover every tensor; missing {sorted(missing)[:5]}")
             self._weights_valid = True
         self.weight_version = version
+
+    def weight_sync_info(self) -> dict:
+        """What a trainer needs to pick the transport: CUDA IPC needs the same physical GPU."""
+        from .weight_sync import device_uuid
+
+        return {"backend": "torch", "device_type": self.device.type, "uuid": device_uuid(self.device), "pid": os.getpid()}
+
+    async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
+        """Colocated weight sync, one flat bucket: map the trainer's buffer by its CUDA IPC
+        ``handle`` (see engines.weight_sync), copy each ``(name, shape, dtype, offset)``
+        tensor device to device, synchronize and unmap before returning (the trainer frees
+        the buffer only after that). ``last`` completes ``version``."""
+        await asyncio.get_running_loop().run_in_executor(self._exec, self._ipc_sync, handle, metas, version, last)
+        if last:
+            self.events.append((time.monotonic(), "update_weights", version))
+
+    def _ipc_sync(self, handle: dict, metas: list, version: int, last: bool) -> None:
+        from .weight_sync import open_ipc, unflatten
+
+        if self.device.type != "cuda":
+            raise RuntimeError(f"{self.name}: CUDA IPC weight sync needs a CUDA engine; this one runs on {self.device}")
+        buf = open_ipc(handle, self.device)
+        try:
+            self._copy_in(unflatten(buf, metas))
+            torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            del buf
+        if last:
+            self._finish_version(version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "nccl", timeout_s: float = 600.0) -> None:
+        """Join the trainer's broadcast group as rank ``rank_offset`` (the trainer is rank 0);
+        returns once every member joined, raises after ``timeout_s`` otherwise."""
+        from .weight_sync import BroadcastGroup
+
+        if group_name in self._sync_groups:
+            raise ValueError(f"{self.name}: weight-update group {group_name!r} exists; destroy it first")
+        group = await asyncio.to_thread(BroadcastGroup, master_address, master_port, rank_offset, world_size, backend, timeout_s, group_name)
+        self._sync_groups[group_name] = group
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
+                                              group_name: str = "weight_update_group", last: bool = True) -> None:
+        """Receive one bucket (the trainer broadcasts it as one flat buffer laid out by
+        ``weight_sync.metas_for``) and copy it in. ``last`` completes ``version``."""
+        group = self._sync_groups.get(group_name)
+        if group is None:
+            raise RuntimeError(f"{self.name}: no weight-update group {group_name!r}; init_weights_update_group() first")
+        await asyncio.get_running_loop().run_in_executor(self._exec, self._distributed_sync, group, names, dtypes, shapes, version, last)
+        if last:
+            self.events.append((time.monotonic(), "update_weights", version))
+
+    def _distributed_sync(self, group, names, dtypes, shapes, version, last) -> None:
+        from .weight_sync import metas_for, unflatten
+
+        metas, total = metas_for(names, dtypes, shapes)
+        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        group.broadcast(buf)
+        self._copy_in(unflatten(buf, metas))
+        if last:
+            self._finish_version(version)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        group = self._sync_groups.pop(group_name, None)
+        if group is not None:
+            group.close()
 
     async def health(self) -> dict:
         ok = self._failed is None and (self._loop_task is None or not self._loop_task.done() or self._loop_task.exception() is None)

@@ -117,6 +117,8 @@ class JobConfig:
     lr_warmup_iters: int = _opt(0, help="warm-up steps", minimum=0)
     weight_decay: float = _opt(0.0, help="weight decay", minimum=0.0)
     clip_grad: float = _opt(1.0, help="gradient-norm clip", minimum=0.0)
+    bf16: bool = _opt(False, help="trainer: bf16 params with fp32 master weights (Megatron's optimizer); default fp32")
+    optimizer_impl: str = _opt("auto", help="trainer optimizer: auto = Megatron's distributed optimizer when DP > 1 or --bf16, else torch AdamW", choices=("auto", "torch", "megatron"))
     # ---- data and model
     prompt_data: str | None = _opt(None, help="training prompts (JSONL)")
     eval_prompt_data: str | None = _opt(None, help="evaluation prompts (JSONL)")

@@ -113,13 +113,15 @@ class GRPOJob:
             "trainer", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
             clip_grad=cfg.clip_grad, lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters,
             total_iters=max(1, cfg.num_rollout * max(1, cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.global_batch_size)),
-            seed=cfg.seed, loss=loss, micro_batch_tokens=cfg.micro_batch_tokens,
+            seed=cfg.seed, loss=loss, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16, optimizer=cfg.optimizer_impl,
         )
         self.reference = None
         if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
             ref_claim = next((c for c in self.plan.claims if c.role == "reference"), actor_claim)
             ref_procs = actor_procs if ref_claim is actor_claim else ProcMesh.attach(self._procs(self.plan.bundles_of(ref_claim)), name="reference", dims={"ranks": ref_claim.size})
-            self.reference = ref_procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, seed=cfg.seed)
+            # never steps: torch AdamW allocates no state until a step (Megatron's optimizer would
+            # allocate grad buffers and master weights up front)
+            self.reference = ref_procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, tp=cfg.tensor_model_parallel_size, seed=cfg.seed, optimizer="torch")
         trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
         if self.colocate:
             # Colocated roles share GPU memory, so they start one after another: the trainer

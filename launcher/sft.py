@@ -56,7 +56,8 @@ class SFTJob:
         self.dp = claim.size // self.tp
         self.trainer = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, tp=self.tp, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    clip_grad=cfg.clip_grad, lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters,
-                                   total_iters=self.steps, seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens)
+                                   total_iters=self.steps, seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens,
+                                   bf16=cfg.bf16, optimizer=cfg.optimizer_impl)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
         await self.trainer.initialized(900)
 

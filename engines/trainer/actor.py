@@ -8,6 +8,7 @@ data parallel. CPU (gloo) and CUDA (NCCL).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -15,6 +16,7 @@ import threading
 
 import torch
 
+from engines import weight_sync
 from relay import Actor, endpoint
 
 from .loss import LossConfig, policy_loss
@@ -28,7 +30,7 @@ _PROCESS_SETUP = threading.Lock()
 class TrainerActor(Actor):
     def __init__(self, model_path: str, tp: int = 1, lr: float = 1e-6, weight_decay: float = 0.0, clip_grad: float = 1.0,
                  lr_decay_style: str = "constant", lr_warmup_iters: int = 0, total_iters: int = 1000, seed: int = 1234, loss: dict | None = None,
-                 micro_batch_tokens: int = 8192):
+                 micro_batch_tokens: int = 8192, bf16: bool = False, optimizer: str = "auto"):
         self.model_path = model_path
         self.tp = tp
         self.opt_args = dict(lr=lr, weight_decay=weight_decay)
@@ -37,8 +39,14 @@ class TrainerActor(Actor):
         self.seed = seed
         self.loss_cfg = LossConfig(**(loss or {}))
         self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward/backward
+        if optimizer not in ("auto", "torch", "megatron"):
+            raise ValueError(f"optimizer must be 'auto', 'torch' or 'megatron', not {optimizer!r}")
+        if bf16 and optimizer == "torch":
+            raise ValueError("bf16 params need fp32 master weights: use optimizer 'megatron' (or 'auto')")
+        self.bf16 = bf16
+        self.optimizer_kind = optimizer
         self.step = 0
-        self._offloaded: dict | None = None
+        self.offloaded = False
 
     def setup(self) -> None:
         import torch.distributed as dist
@@ -54,7 +62,7 @@ class TrainerActor(Actor):
         with _PROCESS_SETUP:
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)
-        self.model = build_gpt(self.cfg, tp=self.tp).to(self.device)
+        self.model = build_gpt(self.cfg, tp=self.tp, dtype=torch.bfloat16 if self.bf16 else torch.float32).to(self.device)
         files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
         hf = {}
         for f in files:
@@ -64,7 +72,17 @@ class TrainerActor(Actor):
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
             raise KeyError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.opt_args["lr"], weight_decay=self.opt_args["weight_decay"])
+        from .optim import MegatronAdamW, TorchAdamW
+
+        # auto: Megatron's distributed optimizer where it helps (DP > 1: optimizer state
+        # sharded over DP) or is needed (bf16 params: fp32 master weights); else torch AdamW.
+        kind = self.optimizer_kind
+        if kind == "auto":
+            kind = "megatron" if (self.dp_size > 1 or self.bf16) else "torch"
+        if kind == "megatron":
+            self.opt = MegatronAdamW(self.model, clip_grad=self.clip_grad, bf16=self.bf16, device=self.device, **self.opt_args)
+        else:
+            self.opt = TorchAdamW(self.model, clip_grad=self.clip_grad, dp_group=self.dp_group, dp_size=self.dp_size, device=self.device, **self.opt_args)
 
     def _init_parallel(self, dist) -> None:
         """torch.distributed and Megatron's model-parallel groups, once per process (a second
@@ -97,41 +115,17 @@ class TrainerActor(Actor):
             return base * 0.5 * (1 + math.cos(math.pi * progress))
         return base
 
-    def _reduce_grads(self) -> None:
-        """Data parallel: average gradients over the DP group (each rank's loss is the mean
-        over its own shard of the batch, so ranks should get equal shares)."""
-        if self.dp_size == 1:
-            return
-        import torch.distributed as dist
-
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        off = 0
-        for g in grads:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
-
     def _begin_step(self) -> None:
-        if self._offloaded is not None:
+        if self.offloaded:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         self.model.train()
-        for g in self.opt.param_groups:
-            g["lr"] = self._lr()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(self._lr())
 
     def _finish_step(self) -> float:
         """Average gradients over DP, clip, step the optimizer; returns the norm before clipping."""
-        self._reduce_grads()
-        norm = self._clip()
-        self.opt.step()
+        norm = self.opt.step()
         self.step += 1
         return norm
-
-    def _clip(self) -> float:
-        """Clip the gradient norm to ``clip_grad`` (0: no clipping); returns the norm before."""
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf")))
 
     def _micro_batches(self, seqs: list) -> list[list[int]]:
         """Consecutive index groups whose padded size (count x longest) stays within
@@ -223,7 +217,7 @@ class TrainerActor(Actor):
             for k, v in st.items():
                 stats[k] = stats.get(k, 0.0) + v * weight
         stats["grad_norm"] = self._finish_step()
-        stats["lr"] = self.opt.param_groups[0]["lr"]
+        stats["lr"] = self.opt.lr
         return stats
 
     @endpoint
@@ -240,7 +234,7 @@ class TrainerActor(Actor):
             loss.backward()
             loss_sum += float(loss.detach())
         grad_norm = self._finish_step()
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.opt.param_groups[0]["lr"]}
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.opt.lr}
 
     @endpoint
     def greedy_match(self, seqs: list, response_masks: list) -> list:
@@ -266,114 +260,178 @@ class TrainerActor(Actor):
                 out[i] = bool(x)
         return out
 
-    @endpoint
-    def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
-        """The full weights under HF names (TP shards gathered), in buckets of about
-        ``bucket_bytes``, as CPU tensors (the relay path; GPU paths are issue #5's next step).
-        Works while offloaded (the parameters come back for the gather and leave again)."""
+    @contextlib.contextmanager
+    def _hf_weights(self, copy: bool = True):
+        """The full weights under HF names (TP shards gathered; a collective over TP), on the
+        trainer's device. Works while offloaded: the params come back for the body only, so
+        with ``copy=False`` (views of the params where TP = 1) use them inside the body."""
         from .megatron_model import gather_full, megatron_to_hf
 
-        params = list(self.model.parameters())
-        if self._offloaded is not None:  # export reads the parameters only: bring those back for the gather
-            for p, host in zip(params, self._offloaded["params"]):
-                p.data = host.to(self.device)
-        try:
-            full = megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None))
-        finally:
-            if self._offloaded is not None:
-                for p in params:
-                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        buckets, cur, size = [], {}, 0
-        for name in sorted(full):
-            t = full[name].detach().cpu().contiguous()
-            if cur and size + t.numel() * t.element_size() > bucket_bytes:
-                buckets.append(cur)
-                cur, size = {}, 0
-            cur[name] = t
-            size += t.numel() * t.element_size()
-        if cur:
-            buckets.append(cur)
-        return buckets
+        with self.opt.params_present():
+            yield megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None, copy=copy))
 
     @endpoint
-    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0) -> int:
-        """Weight sync: every rank joins the TP gather; rank 0 sends the HF-named buckets
-        with ``version`` to each engine (an EngineActor mesh) and waits until all applied
-        them (so no buffer is reused while a receiver still reads it). Returns bytes sent."""
-        buckets = self.export_hf(bucket_bytes)
-        if self.rank != 0:
-            return 0
-        futures = [e.update_weights.call(buckets, version) for e in engines]
-        for f in futures:
-            f.get(timeout)
-        return sum(t.numel() * t.element_size() for b in buckets for t in b.values()) * len(engines)
+    def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
+        """The full weights under HF names, in buckets of about ``bucket_bytes``, as CPU
+        tensors (what the relay path sends)."""
+        with self._hf_weights() as full:
+            return [{n: t.detach().cpu().contiguous() for n, t in b} for b in weight_sync.buckets(full, bucket_bytes)]
+
+    def _transports(self, engines: list, transport: str, timeout: float) -> list[tuple[str, int, dict]]:
+        """Per engine: (transport, the trainer rank that serves it, its weight_sync_info). ``auto``: CUDA IPC from
+        the rank on the engine's GPU; a broadcast group from rank 0 when no trainer rank is
+        on that GPU; the relay path on CPU and for non-torch (SGLang) engines."""
+        import torch.distributed as dist
+
+        uuids: list = [None] * dist.get_world_size()
+        dist.all_gather_object(uuids, weight_sync.device_uuid(self.device))
+        out = []
+        for e in engines:
+            info = e.weight_sync_info.call().get(timeout).values()[0]
+            colocated = next((r for r, u in enumerate(uuids) if u is not None and u == info["uuid"]), None)
+            t = transport
+            if t == "auto":
+                if self.device.type != "cuda" or info["device_type"] != "cuda" or info["backend"] != "torch":
+                    t = "relay"
+                else:
+                    t = "ipc" if colocated is not None else "distributed"
+            if t == "ipc" and colocated is None:
+                raise ValueError(f"weight sync by CUDA IPC needs the engine on a trainer GPU; engine GPU {info['uuid']} is not one of {uuids}")
+            out.append((t, colocated if t == "ipc" else 0, info))
+        return out
+
+    @endpoint
+    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0, transport: str = "auto") -> int:
+        """Weight sync of ``version`` into each engine (an EngineActor mesh of one engine).
+        Every trainer rank must call (the TP gather). ``transport``: ``auto`` (see
+        :meth:`_transports`), ``ipc``, ``distributed`` or ``relay``. Returns once every engine
+        applied every bucket (no bucket buffer is reused or freed before its receiver
+        acknowledged it); the bytes this rank sent."""
+        if transport not in ("auto", "ipc", "distributed", "relay"):
+            raise ValueError(f"transport must be 'auto', 'ipc', 'distributed' or 'relay', not {transport!r}")
+        plan = self._transports(engines, transport, timeout)
+        mine = {t: [e for e, (tt, r, _) in zip(engines, plan) if tt == t and r == self.rank] for t in ("ipc", "distributed", "relay")}
+        cross_process = any(i.get("pid") != os.getpid() for tt, r, i in plan if tt == "ipc" and r == self.rank)
+        sent = 0
+        with self._hf_weights(copy=False) as full:
+            bks = weight_sync.buckets(full, bucket_bytes)
+            if mine["ipc"]:
+                sent += self._push_ipc(mine["ipc"], bks, version, timeout, cross_process)
+            if mine["distributed"]:
+                sent += self._push_broadcast(mine["distributed"], bks, version, timeout)
+            if mine["relay"]:
+                # copies: the relay may move what it sends into shared memory (never the params)
+                cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in b} for b in bks]
+                for f in [e.update_weights.call(cpu, version) for e in mine["relay"]]:
+                    f.get(timeout)
+                sent += sum(t.numel() * t.element_size() for b in cpu for t in b.values()) * len(mine["relay"])
+        return sent
+
+    def _push_ipc(self, engines: list, bks: list, version: int, timeout: float, cross_process: bool) -> int:
+        """CUDA IPC, double-buffered: bucket i+1 is packed into the other buffer while the
+        engines copy bucket i; a buffer is repacked only after its bucket was acknowledged.
+        An engine in this very process (colocated actors share the worker) reads the buffer
+        directly (see weight_sync.open_ipc)."""
+        bufs: list = [None, None]
+        buf = None
+        pending: list = []
+        prev = None
+        sent = 0
+        try:
+            for i, bucket in enumerate(bks):
+                buf, metas = weight_sync.flatten(bucket, self.device, out=bufs[i % 2])
+                bufs[i % 2] = buf
+                torch.cuda.current_stream(self.device).synchronize()  # packed before anyone reads it
+                handle = weight_sync.ipc_handle(buf, cross_process)
+                for f in pending:  # bucket i-1 acknowledged: its buffer may be reused next round
+                    f.get(timeout)
+                if prev is not None:
+                    weight_sync.release(prev)
+                pending = [e.update_weights_from_ipc.call(handle, metas, version, i == len(bks) - 1) for e in engines]
+                prev = handle
+                sent += buf.numel() * len(engines)
+            for f in pending:
+                f.get(timeout)
+        finally:
+            if prev is not None:
+                weight_sync.release(prev)
+        bufs = buf = None  # noqa: F841 (freed before collecting the IPC limbo)
+        torch.cuda.ipc_collect()
+        return sent
+
+    def _push_broadcast(self, engines: list, bks: list, version: int, timeout: float) -> int:
+        """A broadcast group of this rank (rank 0) and the engines (1..n), one flat buffer per
+        bucket; made for this push and torn down after it."""
+        import socket
+        import uuid
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        name = f"weights-{uuid.uuid4().hex[:12]}"
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        n = len(engines) + 1
+        joins = [e.init_weights_update_group.call(addr, port, i + 1, n, name, backend, timeout) for i, e in enumerate(engines)]
+        group = weight_sync.BroadcastGroup(addr, port, 0, n, backend, timeout, name)
+        sent = 0
+        try:
+            for f in joins:
+                f.get(timeout)
+            for i, bucket in enumerate(bks):
+                buf, metas = weight_sync.flatten(bucket, self.device)
+                names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
+                recvs = [e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, i == len(bks) - 1) for e in engines]
+                group.broadcast(buf)
+                for f in recvs:
+                    f.get(timeout)
+                sent += buf.numel() * len(engines)
+        finally:
+            for f in [e.destroy_weights_update_group.call(name) for e in engines]:
+                try:
+                    f.get(min(timeout, 30.0))
+                except Exception:  # noqa: BLE001 (the push's own error, if any, is the one to report)
+                    pass
+            group.close()
+        return sent
 
     @endpoint
     def offload(self) -> int:
-        """Move params, grads and optimizer state to CPU buffers (allocated once, pinned on
-        GPU) and free the device memory. Returns the bytes moved."""
-        if self._offloaded is not None:
+        """Move params, optimizer state (and, torch path, grads) to host buffers (allocated
+        once, pinned on GPU) and free the device memory. Returns the bytes moved."""
+        if self.offloaded:
             return 0
-        pin = self.device.type == "cuda"
-        bufs, moved = {"params": [], "grads": [], "opt": []}, 0
-        params = list(self.model.parameters())
-        cache = getattr(self, "_host", None)
-        if cache is None:
-            cache = self._host = {}
-        for i, p in enumerate(params):
-            host = cache.setdefault(("p", i), torch.empty(p.shape, dtype=p.dtype, pin_memory=pin))
-            host.copy_(p.data)
-            bufs["params"].append(host)
-            moved += p.numel() * p.element_size()
-            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-            if p.grad is not None:
-                g = cache.setdefault(("g", i), torch.empty(p.grad.shape, dtype=p.grad.dtype, pin_memory=pin))
-                g.copy_(p.grad)
-                bufs["grads"].append((i, g))
-                p.grad = None
-        for i, p in enumerate(params):
-            st = self.opt.state.get(p, {})
-            for k, v in list(st.items()):
-                if torch.is_tensor(v) and v.device.type == self.device.type and v.numel() > 1:
-                    h = cache.setdefault(("o", i, k), torch.empty(v.shape, dtype=v.dtype, pin_memory=pin))
-                    h.copy_(v)
-                    bufs["opt"].append((i, k, h))
-                    moved += v.numel() * v.element_size()
-                    st[k] = torch.empty(0, dtype=v.dtype, device=self.device)
-        self._offloaded = bufs
+        moved = self.opt.offload()
+        self.offloaded = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return moved
 
     @endpoint
     def onload(self) -> None:
-        if self._offloaded is None:
+        if not self.offloaded:
             return
-        params = list(self.model.parameters())
-        bufs = self._offloaded
-        for p, host in zip(params, bufs["params"]):
-            p.data = host.to(self.device, non_blocking=True).clone() if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
-        for i, g in bufs["grads"]:
-            params[i].grad = g.to(self.device).clone()
-        for i, k, h in bufs["opt"]:
-            self.opt.state[params[i]][k] = h.to(self.device).clone() if self.device.type == "cpu" else h.to(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self._offloaded = None
+        self.opt.onload()
+        self.offloaded = False
 
     @endpoint
     def save_checkpoint(self, path: str) -> None:
         """Weights (this rank's shard), optimizer, step and RNG states; written to a temporary
         name and renamed, so a crash never leaves a half-written checkpoint. Data-parallel
-        replicas hold the same state: only DP rank 0 of each TP rank writes."""
+        replicas hold the same weights: only DP rank 0 of each TP rank writes (the
+        distributed optimizer's shards are gathered there first: every rank must call)."""
         from megatron.core import parallel_state
 
+        if self.offloaded:
+            raise RuntimeError("the trainer is offloaded; onload() before saving a checkpoint")
+        opt_state = self.opt.state_dict()
         if parallel_state.get_data_parallel_rank() != 0:
             return
         os.makedirs(path, exist_ok=True)
         state = {
             "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
-            "opt": self.opt.state_dict(),
+            "opt": opt_state,
+            "optimizer": self.opt.kind,
             "step": self.step,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
@@ -384,13 +442,27 @@ class TrainerActor(Actor):
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
+        """Every rank reads its TP rank's file (a collective over DP with the distributed
+        optimizer)."""
+        if self.offloaded:
+            raise RuntimeError("the trainer is offloaded; onload() before loading a checkpoint")
         state = torch.load(os.path.join(path, f"trainer-tp{self.tp_rank}.pt"), weights_only=False)
+        if state.get("optimizer", "torch") != self.opt.kind:
+            raise ValueError(f"checkpoint holds {state.get('optimizer', 'torch')!r} optimizer state; this trainer runs {self.opt.kind!r} (set optimizer= to match)")
         self.model.load_state_dict(state["model"], strict=False)
         self.opt.load_state_dict(state["opt"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         return self.step
+
+    @endpoint
+    def optimizer_info(self) -> dict:
+        """Which optimizer path runs (``torch`` / ``megatron``), whether its state is sharded
+        over DP, the DP size, the params' dtype and the dtype the optimizer updates in."""
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        return {"kind": self.opt.kind, "distributed": self.opt.kind == "megatron", "dp": self.dp_size,
+                "params_dtype": name(next(self.model.parameters()).dtype), "master_dtype": name(self.opt.master_dtype)}
 
     @endpoint
     def gpu_memory(self) -> dict:

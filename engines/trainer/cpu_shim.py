@@ -3,8 +3,9 @@
 ``install()`` is a no-op when CUDA is available. On CPU it makes
 ``torch.cuda.current_device()`` return the CPU device (Megatron calls it in ~175 places)
 and points Megatron's model-parallel RNG tracker at the CPU generator, so the seeding and
-the dropout RNG forks work. Optimizer-specific ``device='cuda'`` literals are handled where
-the optimizer is built (later), not here.
+the dropout RNG forks work. Megatron's optimizer and DDP wrapper also hard-code
+``device='cuda'``; calls into them run under :func:`megatron_cuda_calls` (a
+``TorchFunctionMode`` on CPU, nothing on CUDA).
 """
 
 from __future__ import annotations
@@ -39,3 +40,30 @@ def install() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     _installed = True
+
+
+class CudaToCpuMode(torch.overrides.TorchFunctionMode):
+    """Megatron's optimizer and DDP code create tensors with literal ``device='cuda'`` (53
+    sites), call ``.cuda()`` and check ``.type() == 'torch.cuda.FloatTensor'``. On CPU, run
+    them inside this mode: ``device='cuda'`` becomes cpu, ``.cuda()`` is the identity and
+    ``.type()`` reports the CUDA name. A no-op context on CUDA (see :func:`megatron_cuda_calls`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and "cuda" in str(dev):
+            kwargs["device"] = "cpu"
+        name = getattr(func, "__name__", "")
+        if name == "cuda" and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        if name == "type" and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def megatron_cuda_calls():
+    """Context for calls into Megatron's optimizer/DDP: :class:`CudaToCpuMode` on CPU,
+    nothing on CUDA."""
+    import contextlib
+
+    return contextlib.nullcontext() if torch.cuda.is_available() else CudaToCpuMode()

@@ -155,8 +155,9 @@ def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str,
     return out
 
 
-def gather_full(model, tp_group) -> dict[str, torch.Tensor]:
-    """Gather this rank's shards into the TP=1 state dict (every rank gets it)."""
+def gather_full(model, tp_group, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Gather this rank's shards into the TP=1 state dict (every rank gets it). With
+    ``copy=False`` unsharded tensors are the parameters themselves (read only)."""
     import torch.distributed as dist
 
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -165,7 +166,7 @@ def gather_full(model, tp_group) -> dict[str, torch.Tensor]:
         if name.endswith("_extra_state"):
             continue
         if tp == 1 or not (name.endswith(_COLUMN) or name.endswith(_ROW) or name.endswith("mlp.linear_fc1.weight")):
-            out[name] = p.detach().clone()
+            out[name] = p.detach().clone() if copy else p.detach()
             continue
         parts = [torch.empty_like(p) for _ in range(tp)]
         dist.all_gather(parts, p.detach().contiguous(), group=tp_group)

@@ -115,3 +115,11 @@ def test_instances_flag_as_json_string():
 def test_missing_config_file_points_at_the_shipped_ones():
     with pytest.raises(ConfigError, match="torchrun_configs/"):
         load_config("no-such-config.yaml")
+
+
+def test_trainer_precision_and_optimizer_flags():
+    assert (cfg().bf16, cfg().optimizer_impl) == (False, "auto")  # fp32, torch AdamW at DP = 1
+    c = load_config(None, {**BASE, **parse_overrides(["--bf16", "--optimizer-impl", "megatron"])})
+    assert c.bf16 is True and c.optimizer_impl == "megatron"
+    with pytest.raises(ConfigError, match="--optimizer-impl must be one of"):
+        load_config(None, {**BASE, "optimizer_impl": "sgd"})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -43,3 +45,79 @@ def test_train_offload_frees_memory_and_onload_resumes(tmp_path):
     freed = after["free"] - mem["free"]
     assert freed >= 0.95 * held, (freed, held, mem, after)
     assert s2["loss"] == s2["loss"] and s1["grad_norm"] > 0  # finite, trained
+
+
+def test_bf16_training_with_fp32_master_weights_and_offload(tmp_path):
+    """Qwen3-0.6B-shaped model, bf16 params, Megatron's optimizer with fp32 master weights:
+    SFT lowers the loss, params stay bf16, offload frees >= 95% of what the trainer held
+    and training resumes after onload."""
+    path = make_model("qwen3", "0.6b", str(tmp_path / "q06"), seed=0, dtype="bfloat16", init_device="cuda")
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        await setup_torch_distributed(procs)
+        t = procs.spawn("trainer", TrainerActor, path, lr=1e-4, bf16=True)
+        await t.initialized(600)
+        info = await t.optimizer_info.call_one().result(60)
+        losses = [(await t.sft_step.call_one(SEQS, MASKS).result(600))["loss"] for _ in range(4)]
+        mem = await t.gpu_memory.call_one()
+        await t.offload.call_one().result(600)
+        after = await t.gpu_memory.call_one()
+        await t.onload.call_one().result(600)
+        losses.append((await t.sft_step.call_one(SEQS, MASKS).result(600))["loss"])
+        info_after = await t.optimizer_info.call_one().result(60)
+        await t.shutdown.call().result(60)
+        await procs.stop()
+        return info, info_after, losses, mem, after
+
+    info, info_after, losses, mem, after = run(main(), 880)
+    assert info == info_after and info["params_dtype"] == "bfloat16" and info["master_dtype"] == "float32", info
+    assert all(x == x and abs(x) < float("inf") for x in losses), losses
+    assert losses[3] < losses[0] and losses[4] < losses[0], losses
+    assert after["free"] - mem["free"] >= 0.95 * mem["allocated"], (mem, after)
+
+
+def test_cuda_ipc_export_into_engines_on_the_same_gpu(tmp_path):
+    """push_weights picks CUDA IPC for built-in engines on the trainer's GPU: one in another
+    process (a real IPC mapping) and one in the trainer's own worker process (colocated
+    actors share it). Both then generate exactly what an engine given the same weights
+    over the relay path generates, and differ from before the sync."""
+    from engines.actor import EngineActor
+
+    path = make_model("qwen3", "0.6b", str(tmp_path / "q06"), seed=0, dtype="bfloat16", init_device="cuda")
+    greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    ekw = dict(device="cuda", kv_cache_tokens=4096, weights_mode="discard")
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        await setup_torch_distributed(procs)
+        t = procs.spawn("trainer", TrainerActor, path, lr=1e-3, bf16=True)
+        await t.initialized(600)
+        local = procs.spawn("local", EngineActor, path, "torch", **ekw)  # in the trainer's process
+        eprocs = this_host().spawn_procs(per_host={"gpus": 2})
+        others = eprocs.spawn("others", EngineActor, path, "torch", **ekw)
+        await asyncio.gather(local.initialized(600), others.initialized(600))
+        remote, relay_ref = others.slice(gpus=0), others.slice(gpus=1)
+        before = (await remote.generate.call_one(SEQS[0][:32], greedy).result(300))
+        await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        await t.offload.call_one().result(600)
+        for e in (local, others):
+            await e.sleep.call(["weights", "kv_cache"]).result(300)
+            await e.wake.call(["weights"]).result(300)
+        ipc_bytes = await t.push_weights.call_one([remote, local], 1, 64 << 20, 600.0, "auto").result(600)
+        await t.push_weights.call_one([relay_ref], 1, 64 << 20, 600.0, "relay").result(600)
+        for e in (local, others):
+            await e.wake.call(["kv_cache"]).result(300)
+        outs = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (remote, local, relay_ref)]
+        mem = await t.gpu_memory.call_one()
+        await t.shutdown.call().result(60)
+        await procs.stop()
+        await eprocs.stop()
+        return before, outs, ipc_bytes, mem
+
+    before, (remote, local, ref), ipc_bytes, mem = run(main(), 880)
+    assert ipc_bytes > 2 * 1.0e9  # 0.6B bf16 params (~1.2 GB with tied embeddings), to two engines
+    assert remote.token_ids == local.token_ids == ref.token_ids
+    assert remote.logprobs == local.logprobs == ref.logprobs
+    assert remote.weight_version == local.weight_version == ref.weight_version == 1
+    assert remote.logprobs != before.logprobs  # the weights really changed

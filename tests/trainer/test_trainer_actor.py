@@ -3,6 +3,8 @@ into a built-in engine (the engine then reproduces the trainer's log-probs)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engines.model_builder import make_model
@@ -23,12 +25,25 @@ def policy(tmp_path_factory):
     return make_model("qwen3", "tiny", str(tmp_path_factory.mktemp("p") / "policy"), seed=6)
 
 
-async def start(policy, **kw):
-    procs = this_host().spawn_procs(per_host={"gpus": 1})
+async def start(policy, gpus: int = 1, **kw):
+    procs = this_host().spawn_procs(per_host={"gpus": gpus})
     await setup_torch_distributed(procs)
     t = procs.spawn("trainer", TrainerActor, policy, lr=1e-2, **kw)
     await t.initialized(240)
     return procs, t
+
+
+async def each_rank(t, method: str, per_rank: list) -> list:
+    """Call ``method`` on DP rank r with ``per_rank[r]`` (its own shard of the batch)."""
+    import asyncio
+
+    calls = [getattr(t.slice(gpus=r), method).call_one(*args).result(120) for r, args in enumerate(per_rank)]
+    return list(await asyncio.gather(*calls))
+
+
+def dp2_batches():
+    """Two DP ranks, different data on each (so the gradients really are averaged)."""
+    return [(SEQS[:2], MASKS[:2], ADV[:2]), (SEQS[2:], MASKS[2:], ADV[2:])]
 
 
 async def stop(procs, t):
@@ -135,3 +150,98 @@ def test_micro_batching_matches_one_pass(policy):
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert sb["loss"] == pytest.approx(sa["loss"], rel=1e-5)
     assert max(abs(x - y) for ra, rb in zip(lpa, lpb) for x, y in zip(ra, rb)) < 1e-4
+
+
+def test_dp2_distributed_optimizer_offload_onload_is_exact(policy):
+    """DP = 2 with Megatron's distributed optimizer (sharded fp32 state, reduce-scatter and
+    all-gather over gloo): an offload/onload cycle between steps changes nothing."""
+
+    async def main():
+        out = []
+        for cycle in (True, False):
+            procs, t = await start(policy, gpus=2)
+            kinds = (await t.optimizer_info.call().result(60)).values()
+            await each_rank(t, "train_step", dp2_batches())
+            moved = 0
+            if cycle:
+                moved = sum((await t.offload.call().result(60)).values())
+                await t.onload.call().result(60)
+            stats = await each_rank(t, "train_step", dp2_batches())
+            lp = (await t.compute_logprobs.call(SEQS).result(60)).values()
+            await stop(procs, t)
+            out.append((kinds, moved, stats, lp))
+        return out
+
+    (kinds, moved, s_a, lp_a), (_, _, s_b, lp_b) = run(main(), 280)
+    assert all(k["kind"] == "megatron" and k["distributed"] and k["dp"] == 2 for k in kinds), kinds
+    assert moved > 0
+    assert s_a == s_b
+    assert lp_a[0] == lp_a[1] == lp_b[0]  # replicas agree, bit-identical to no offload
+
+
+def test_dp2_distributed_optimizer_matches_torch_adamw(policy):
+    """The sharded optimizer computes the same update as the replicated torch AdamW path
+    (both average the DP gradients; float rounding differs with the reduction order)."""
+
+    async def main():
+        out = []
+        for opt in ("megatron", "torch"):
+            procs, t = await start(policy, gpus=2, optimizer=opt)
+            for _ in range(2):
+                stats = await each_rank(t, "train_step", dp2_batches())
+            lp = (await t.compute_logprobs.call(SEQS).result(60)).values()[0]
+            await stop(procs, t)
+            out.append((stats, lp))
+        return out
+
+    (s_m, lp_m), (s_t, lp_t) = run(main(), 280)
+    assert s_m[0]["grad_norm"] == pytest.approx(s_t[0]["grad_norm"], rel=1e-4)
+    assert max(abs(a - b) for ra, rb in zip(lp_m, lp_t) for a, b in zip(ra, rb)) < 1e-4
+
+
+def test_dp2_distributed_optimizer_checkpoint_resume_is_exact(policy, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+
+    async def main():
+        procs, a = await start(policy, gpus=2)
+        await each_rank(a, "train_step", dp2_batches())
+        await a.save_checkpoint.call(ckpt).result(60)
+        next_a = await each_rank(a, "train_step", dp2_batches())
+        lp_a = (await a.compute_logprobs.call(SEQS).result(60)).values()[0]
+        await stop(procs, a)
+        procs, b = await start(policy, gpus=2)
+        steps = (await b.load_checkpoint.call(ckpt).result(60)).values()
+        next_b = await each_rank(b, "train_step", dp2_batches())
+        lp_b = (await b.compute_logprobs.call(SEQS).result(60)).values()[0]
+        await stop(procs, b)
+        return steps, next_a, next_b, lp_a, lp_b
+
+    steps, next_a, next_b, lp_a, lp_b = run(main(), 280)
+    assert list(steps) == [1, 1]
+    assert next_a == next_b and lp_a == lp_b
+
+
+def test_bf16_params_train_with_fp32_master_weights(policy):
+    """--bf16: the model's params are bf16, the (Megatron) optimizer updates fp32 master
+    weights; SFT steps lower the loss, and an offload/onload cycle keeps the params."""
+
+    async def main():
+        procs, t = await start(policy, bf16=True)
+        info = await t.optimizer_info.call_one().result(60)
+        losses = [(await t.sft_step.call_one(SEQS, MASKS).result(120))["loss"] for _ in range(5)]
+        lp = await t.compute_logprobs.call_one(SEQS).result(60)
+        await t.offload.call_one().result(60)
+        await t.onload.call_one().result(60)
+        lp_after = await t.compute_logprobs.call_one(SEQS).result(60)
+        await stop(procs, t)
+        return info, losses, lp, lp_after
+
+    info, losses, lp, lp_after = run(main(), 280)
+    assert info["kind"] == "megatron" and info["params_dtype"] == "bfloat16" and info["master_dtype"] == "float32", info
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] * 0.9, losses
+    assert lp == lp_after
+
+
+def test_bf16_needs_the_megatron_optimizer(policy):
+    with pytest.raises(ValueError, match="fp32 master weights"):
+        TrainerActor(policy, bf16=True, optimizer="torch")

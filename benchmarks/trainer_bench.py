@@ -1,0 +1,151 @@
+"""The Megatron trainer, measured through relay as the GRPO loop drives it. Prints one JSON
+line:
+
+- ``step_s`` / ``tokens_per_s``: one GRPO ``train_step`` (forward for the old log-probs,
+  forward + backward, optimizer) on ``--batch`` sequences of ``--seq`` tokens, median over
+  ``--steps`` after a warm-up step;
+- ``offload_s_per_gb`` / ``onload_s_per_gb`` against ``pinned_d2h_s_per_gb`` /
+  ``pinned_h2d_s_per_gb``, the pinned host<->device copy measured in the same run (on CPU:
+  a host memcpy), and their ratios (the target is <= 1.5);
+- ``export_s_per_gb``: ``push_weights`` of the whole model into one built-in engine on the
+  same device; on GPU by CUDA IPC both to an engine in the trainer's own worker process
+  (``export_ipc_inproc_*``, the colocated layout) and in another process
+  (``export_ipc_xproc_*``); on CPU by the relay path.
+
+    python benchmarks/trainer_bench.py                                   # CPU: tiny Qwen3, fp32
+    python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16
+    python benchmarks/trainer_bench.py --device cuda --size 4b --bf16 --batch 4 --seq 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+GB = 1 << 30
+
+
+def pinned_copy_s_per_gb(device: str, nbytes: int) -> tuple[float, float]:
+    """(device->host, host->device) seconds per GiB with a pinned host buffer; on CPU a
+    host-to-host copy both ways."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    out = []
+    for dst, src in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) / 3 / (nbytes / GB))
+    return out[0], out[1]
+
+
+async def bench(args, path: str) -> dict:
+    from engines.actor import EngineActor
+    from engines.trainer.actor import TrainerActor
+    from relay import setup_torch_distributed, this_host
+
+    seqs = [[5 + (i * 7 + j * 3) % 90 for j in range(args.seq)] for i in range(args.batch)]
+    prompt = args.seq // 4
+    masks = [[0] * (prompt - 1) + [1] * (args.seq - prompt) for _ in seqs]
+    adv = [1.0 if i % 2 else -1.0 for i in range(args.batch)]
+    ekw = dict(device=args.device, kv_cache_tokens=4096, weights_mode="discard")
+    if args.device == "cuda":
+        ekw["dtype"] = "bfloat16" if args.bf16 else "float32"
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    await setup_torch_distributed(procs)
+    t = procs.spawn("trainer", TrainerActor, path, lr=1e-6, bf16=args.bf16, micro_batch_tokens=args.batch * args.seq)
+    await t.initialized(1200)
+    out: dict = {"size": args.size, "device": args.device, "bf16": args.bf16, "batch": args.batch, "seq": args.seq}
+    out["optimizer"] = (await t.optimizer_info.call_one().result(60))["kind"]
+
+    await t.train_step.call_one(seqs, masks, adv).result(1200)  # warm-up (allocates the optimizer state)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        await t.train_step.call_one(seqs, masks, adv).result(1200)
+        times.append(time.perf_counter() - t0)
+    out["step_s"] = statistics.median(times)
+    out["tokens_per_s"] = args.batch * args.seq / out["step_s"]
+
+    await t.offload.call_one().result(1200)  # first cycle allocates the host buffers
+    await t.onload.call_one().result(1200)
+    t0 = time.perf_counter()
+    moved = await t.offload.call_one().result(1200)
+    off_s = time.perf_counter() - t0
+    # The weight export runs while the trainer is offloaded, as in the colocated loop.
+    engines = {"inproc": procs.spawn("engine_local", EngineActor, path, "torch", **ekw)}
+    eprocs = None
+    if args.device == "cuda":
+        eprocs = this_host().spawn_procs(per_host={"gpus": 1})
+        engines["xproc"] = eprocs.spawn("engine_remote", EngineActor, path, "torch", **ekw)
+    await asyncio.gather(*(e.initialized(1200) for e in engines.values()))
+    for name, e in engines.items():
+        await e.sleep.call(["weights", "kv_cache"]).result(600)
+        await e.wake.call(["weights"]).result(600)
+        transport = "ipc" if args.device == "cuda" else "relay"
+        await t.push_weights.call_one([e], 1, args.bucket_mb << 20, 600.0, transport).result(1200)  # warm-up
+        t0 = time.perf_counter()
+        sent = await t.push_weights.call_one([e], 2, args.bucket_mb << 20, 600.0, transport).result(1200)
+        el = time.perf_counter() - t0
+        key = f"export_{transport}_{name}" if args.device == "cuda" else "export_relay"
+        out[f"{key}_s"] = el
+        out[f"{key}_s_per_gb"] = el / (sent / GB)
+        out["export_gb"] = sent / GB
+        if args.device != "cuda":
+            break
+    t0 = time.perf_counter()
+    await t.onload.call_one().result(1200)
+    on_s = time.perf_counter() - t0
+    out["offload_gb"] = moved / GB
+    out["offload_s_per_gb"] = off_s / (moved / GB)
+    out["onload_s_per_gb"] = on_s / (moved / GB)
+    await t.shutdown.call().result(60)
+    await procs.stop()
+    if eprocs is not None:
+        await eprocs.stop()
+    d2h, h2d = pinned_copy_s_per_gb(args.device, min(moved, 2 * GB))
+    out["pinned_d2h_s_per_gb"], out["pinned_h2d_s_per_gb"] = d2h, h2d
+    out["offload_vs_pinned"] = out["offload_s_per_gb"] / d2h
+    out["onload_vs_pinned"] = out["onload_s_per_gb"] / h2d
+    out["export_s_per_gb"] = out.get("export_ipc_inproc_s_per_gb", out.get("export_relay_s_per_gb"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="tiny", choices=("tiny", "small", "0.6b", "4b"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--bf16", action="store_true", help="bf16 params, fp32 master weights (Megatron optimizer)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "relay-trainer-bench"))
+    args = ap.parse_args()
+    from engines.model_builder import make_model
+
+    dtype = "bfloat16" if args.bf16 else "float32"
+    path = os.path.join(args.cache, f"qwen3-{args.size}-{dtype}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_model("qwen3", args.size, path, seed=0, dtype=dtype, init_device=args.device)
+    print(json.dumps(asyncio.run(bench(args, path))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The trainer's two optimizer paths, behind one small interface (``zero_grad``, ``step``,
+``offload`` / ``onload``, ``params_present``, ``state_dict`` / ``load_state_dict``):
+
+- :class:`TorchAdamW`: ``torch.optim.AdamW`` on the model's own (fp32) parameters; data
+  parallel replicas average their gradients with one all-reduce. Every rank holds the whole
+  optimizer state. The default for fp32 with DP = 1.
+- :class:`MegatronAdamW`: Megatron-core's ``DistributedDataParallel`` (contiguous grad and
+  param buffers) and ``DistributedOptimizer`` (ZeRO-1: gradients are reduce-scattered, each
+  DP rank updates its 1/DP shard of fp32 master weights and Adam moments, the updated
+  params are all-gathered). Used when DP > 1 or with bf16 params (fp32 master weights).
+  On CPU its ``device='cuda'`` literals go through :func:`cpu_shim.megatron_cuda_calls`.
+
+Offload frees device memory by shrinking the tensors' storages to zero bytes after copying
+them into host buffers that are allocated once (pinned on CUDA) and reused; the tensors
+(and every view of them, such as Megatron's params inside its param buffer) stay the same
+Python objects, so onload restores them bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import cpu_shim
+
+
+class _StorageOffloader:
+    """Moves whole tensor storages to host buffers and back (see the module docstring).
+    ``zero_only`` storages (gradient buffers: every step starts by zeroing them) are freed
+    without a copy and come back zeroed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host: dict[int, torch.Tensor] = {}  # storage index -> host buffer, reused
+
+    def offload(self, storages: list, zero_only: list) -> int:
+        moved = 0
+        pin = self.device.type == "cuda"
+        self._sizes = []
+        for i, st in enumerate(storages):
+            n = st.nbytes()
+            host = self._host.get(i)
+            if host is None or host.numel() != n:
+                host = self._host[i] = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+            host.untyped_storage().copy_(st, non_blocking=pin)
+            moved += n
+            self._sizes.append(n)
+        if pin:
+            torch.cuda.synchronize(self.device)
+        for st in storages:
+            st.resize_(0)
+        self._zero_sizes = [st.nbytes() for st in zero_only]
+        for st in zero_only:
+            st.resize_(0)
+        return moved
+
+    def onload(self, storages: list, zero_only: list) -> None:
+        pin = self.device.type == "cuda"
+        for i, (st, n) in enumerate(zip(storages, self._sizes)):
+            st.resize_(n)
+            st.copy_(self._host[i].untyped_storage(), non_blocking=pin)
+        for st, n in zip(zero_only, self._zero_sizes):
+            st.resize_(n)
+            torch.empty(0, dtype=torch.uint8, device=self.device).set_(st).zero_()
+        if pin:
+            torch.cuda.synchronize(self.device)
+
+
+def _unique_storages(tensors) -> list:
+    seen, out = set(), []
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out.append(st)
+    return out
+
+
+class TorchAdamW:
+    """``torch.optim.AdamW`` on the model's parameters; DP gradients averaged by all-reduce."""
+
+    kind = "torch"
+
+    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, dp_group, dp_size: int, device):
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.clip_grad = clip_grad
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.device = device
+        self._offloader = _StorageOffloader(device)
+        self._held: tuple | None = None
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.opt.param_groups[0]["params"][0].dtype
+
+    def zero_grad(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+
+    def _reduce_grads(self) -> None:
+        """Data parallel: average gradients over the DP group (each rank's loss is the mean
+        over its own shard of the batch, so ranks should get equal shares)."""
+        if self.dp_size == 1:
+            return
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def step(self) -> float:
+        """Average gradients over DP, clip to ``clip_grad`` (0: no clipping), step; returns
+        the gradient norm before clipping."""
+        self._reduce_grads()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf")))
+        self.opt.step()
+        return norm
+
+    def _storages(self) -> tuple[list, list]:
+        params = list(self.model.parameters())
+        state = [v for p in params for v in self.opt.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1]
+        grads = [p.grad for p in params if p.grad is not None]
+        return _unique_storages(params), _unique_storages(state) + _unique_storages(grads)
+
+    def offload(self) -> int:
+        params, rest = self._storages()
+        self._held = (params, rest)
+        return self._offloader.offload(params + rest, [])
+
+    def onload(self) -> None:
+        params, rest = self._held
+        self._offloader.onload(params + rest, [])
+        self._held = None
+
+    @contextlib.contextmanager
+    def params_present(self):
+        """While offloaded: the parameters back on the device for the body (read only)."""
+        if self._held is None:
+            yield
+            return
+        params, _ = self._held
+        sizes = self._offloader._sizes[: len(params)]
+        for i, (st, n) in enumerate(zip(params, sizes)):
+            st.resize_(n)
+            st.copy_(self._offloader._host[i].untyped_storage())
+        try:
+            yield
+        finally:
+            for st in params:
+                st.resize_(0)
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.opt.load_state_dict(sd)
+
+
+class MegatronAdamW:
+    """Megatron DDP + DistributedOptimizer (AdamW, fp32 master weights and moments sharded
+    over DP). ``self.ddp`` wraps the model; params live inside the DDP param buffers."""
+
+    kind = "megatron"
+
+    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, bf16: bool, device):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.model = model
+        self.device = device
+        model.config.bf16 = bf16
+        with cpu_shim.megatron_cuda_calls():
+            self.ddp = DistributedDataParallel(
+                model.config,
+                DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False),
+                model,
+            )
+            config = OptimizerConfig(
+                optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                clip_grad=clip_grad if clip_grad > 0 else float("inf"), use_distributed_optimizer=True,
+            )
+            self.opt = get_megatron_optimizer(config, [self.ddp])
+        self._parts = getattr(self.opt, "chained_optimizers", [self.opt])
+        self._offloader = _StorageOffloader(device)
+        self._held: tuple | None = None
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype the optimizer updates in (fp32 master shards under bf16 params)."""
+        return self.opt.param_groups[0]["params"][0].dtype
+
+    def zero_grad(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def step(self) -> float:
+        """Reduce-scatter the gradients (averaged over DP), clip, update this rank's shard,
+        all-gather the params; returns the gradient norm before clipping."""
+        with cpu_shim.megatron_cuda_calls():
+            self.ddp.finish_grad_sync()
+            ok, norm, _ = self.opt.step()
+        if not ok:
+            raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")
+        return float(norm)
+
+    def _storages(self) -> tuple[list, list, list]:
+        """(param buffers, optimizer state + fp32 master shards, grad buffers)."""
+        buffers = list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
+        params = _unique_storages(b.param_data for b in buffers if b.param_data is not None)
+        owned = {st.data_ptr() for st in params}
+        state = []
+        for part in self._parts:
+            for g in getattr(part, "shard_fp32_from_float16_groups", []):
+                state.extend(g)
+            for s in part.optimizer.state.values():
+                state.extend(v for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
+        state = [st for st in _unique_storages(state) if st.data_ptr() not in owned]
+        grads = _unique_storages(b.grad_data for b in buffers)
+        return params, state, grads
+
+    def offload(self) -> int:
+        params, state, grads = self._storages()
+        self._held = (params, state, grads)
+        return self._offloader.offload(params + state, grads)
+
+    def onload(self) -> None:
+        params, state, grads = self._held
+        self._offloader.onload(params + state, grads)
+        self._held = None
+
+    @contextlib.contextmanager
+    def params_present(self):
+        if self._held is None:
+            yield
+            return
+        params = self._held[0]
+        for i, st in enumerate(params):
+            st.resize_(self._offloader._sizes[i])
+            st.copy_(self._offloader._host[i].untyped_storage())
+        try:
+            yield
+        finally:
+            for st in params:
+                st.resize_(0)
+
+    def state_dict(self) -> dict:
+        """Collective over DP: param groups and step, plus the sharded master weights and
+        moments gathered on DP rank 0 (``None`` elsewhere)."""
+        with cpu_shim.megatron_cuda_calls():
+            return {"groups": self.opt.state_dict(), "shards": [p.get_parameter_state_dp_zero() for p in self._parts]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Collective over DP: DP rank 0's ``sd`` is scattered to the shards (no_grad: with
+        fp32 params the master shards are views of the params)."""
+        with cpu_shim.megatron_cuda_calls(), torch.no_grad():
+            self.opt.load_state_dict(sd["groups"])
+            for part, shard in zip(self._parts, sd["shards"]):
+                # torch AdamW keeps 'step' per param. Megatron (written for fused Adam: step
+                # per group) restores it above as ONE tensor shared by all params, which
+                # AdamW would then increment once per param; and its shard loader expects
+                # 'step' in the shard file. Set it aside and give each param its own copy.
+                steps = {p: st.pop("step") for p, st in part.optimizer.state.items() if "step" in st}
+                part.load_parameter_state_from_dp_zero(shard)
+                for p, step in steps.items():
+                    part.optimizer.state[p]["step"] = step.clone()

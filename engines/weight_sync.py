@@ -1,0 +1,216 @@
+"""How trainer weights reach the engines, the parts both sides share:
+
+- **Flattened buckets**: HF-named tensors of mixed dtypes packed into one contiguous
+  ``uint8`` buffer; ``metas`` = ``[(name, shape, dtype, offset), ...]`` (plain lists and
+  strings, so they travel over relay) let the receiver view each tensor in place.
+- **CUDA IPC** (trainer and engine on the same GPU): the sender shares the bucket buffer's
+  storage (:func:`ipc_handle`, plain bytes/ints); the receiver opens it on its own device
+  (:func:`open_ipc`), copies device to device and drops it; the sender frees the buffer
+  only after the receiver acknowledged the bucket.
+- **Broadcast group** (different GPUs or hosts): a standalone process group of trainer
+  rank 0 (rank 0) and the engines (ranks 1..n), built on its own TCPStore so it never
+  touches either side's default group; every wait has a timeout, so neither side can hang.
+
+The relay path (CPU tensors sent as relay frames) needs nothing here.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+ALIGN = 256  # bytes: every tensor starts aligned in the flat buffer (any dtype view is legal)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in weight-sync metadata")
+    return dt
+
+
+def layout(named: list) -> tuple[list, int]:
+    """``[(name, tensor)]`` -> (metas, total bytes) of the flat buffer."""
+    metas, off = [], 0
+    for name, t in named:
+        metas.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), off])
+        off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return metas, off
+
+
+def flatten(named: list, device, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+    """Pack ``[(name, tensor)]`` into one ``uint8`` buffer on ``device`` (``out`` reused when
+    large enough); returns (buffer, metas)."""
+    metas, total = layout(named)
+    buf = out[:total] if out is not None and out.numel() >= total else torch.empty(total, dtype=torch.uint8, device=device)
+    for (_, t), (_, _, _, off) in zip(named, metas):
+        n = t.numel() * t.element_size()
+        buf[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+    return buf, metas
+
+
+def unflatten(buf: torch.Tensor, metas: list) -> list:
+    """Views of each tensor inside ``buf`` (no copy): ``[(name, tensor)]``."""
+    out = []
+    for name, shape, dtype, off in metas:
+        dt = _dtype(dtype)
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        out.append((name, buf[off : off + n].view(dt).view(shape)))
+    return out
+
+
+def metas_for(names: list, dtypes: list, shapes: list) -> tuple[list, int]:
+    """The flat layout of a bucket announced as names/dtypes/shapes (SGLang's
+    ``update_weights_from_distributed`` shape): (metas, total bytes), as :func:`layout`."""
+    return layout([(n, torch.empty(s, dtype=_dtype(d), device="meta")) for n, d, s in zip(names, dtypes, shapes)])
+
+
+def buckets(named: dict, bucket_bytes: int) -> list[list]:
+    """Split ``{name: tensor}`` (sorted by name) into lists of about ``bucket_bytes``."""
+    out, cur, size = [], [], 0
+    for name in sorted(named):
+        t = named[name]
+        n = t.numel() * t.element_size()
+        if cur and size + n > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((name, t))
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+# ---------------------------------------------------------------- CUDA IPC
+
+
+def device_uuid(device) -> str | None:
+    """The physical GPU's UUID (same across processes whatever CUDA_VISIBLE_DEVICES says);
+    ``None`` on CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device()).uuid)
+
+
+#: Buffers shared with receivers in this same process (a colocated trainer and engine are
+#: actors of one worker process; CUDA cannot open an IPC handle in the process that made
+#: it). Token -> buffer, from :func:`ipc_handle` until :func:`release`.
+_LOCAL: dict[str, torch.Tensor] = {}
+
+
+def ipc_handle(buf: torch.Tensor, cross_process: bool = True) -> dict:
+    """What the receiver needs to map ``buf``'s storage (bytes, ints and strings only).
+    The caller keeps ``buf`` alive until the receiver acknowledged, then calls :func:`release`.
+    ``cross_process=False`` (every receiver is in this process) skips the CUDA export."""
+    import os
+    import uuid
+
+    token = uuid.uuid4().hex
+    _LOCAL[token] = buf
+    h = {"nbytes": buf.numel(), "pid": os.getpid(), "token": token}
+    if cross_process:
+        dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = buf.untyped_storage()._share_cuda_()
+        h.update(handle=handle, size=size, offset=offset, ref_counter_handle=rc_handle, ref_counter_offset=rc_offset,
+                 event_handle=ev_handle, event_sync_required=bool(ev_sync))
+    return h
+
+
+def release(h: dict) -> None:
+    """The sender is done with a shared buffer (every receiver acknowledged)."""
+    _LOCAL.pop(h["token"], None)
+
+
+def open_ipc(h: dict, device) -> torch.Tensor:
+    """Map a peer's buffer on ``device`` (the same physical GPU: the sender's device index
+    may differ in this process). The mapping closes when the returned tensor is freed.
+    In the sender's own process this is the buffer itself."""
+    import os
+
+    if h.get("pid") == os.getpid():
+        buf = _LOCAL.get(h["token"])
+        if buf is None:
+            raise RuntimeError("weight sync: the shared bucket was released before the receiver opened it")
+        return buf[: h["nbytes"]]
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index, h["handle"], h["size"], h["offset"], h["ref_counter_handle"], h["ref_counter_offset"], h["event_handle"], h["event_sync_required"]
+    )
+    t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+    t.set_(storage, 0, (h["nbytes"],), (1,))
+    return t
+
+
+# ---------------------------------------------------------------- broadcast group
+
+
+class BroadcastGroup:
+    """A standalone process group (rank 0 = the trainer's sender, 1..n = engines) over its
+    own TCPStore: independent of any default group in either process. ``timeout`` bounds
+    the rendezvous and every collective: a missing peer is an error, not a hang."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float, name: str):
+        import torch.distributed as dist
+
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 (re-raised with context)
+            raise TimeoutError(f"weight-sync group {name!r}: rank {rank} could not reach the store at {master_address}:{master_port} within {timeout_s}s: {e}") from e
+        store = dist.PrefixStore(name, store)
+        self._store = store
+        # Everyone present before any backend connects (NCCL's communicator set-up has no
+        # timeout of its own): a peer that never comes is a TimeoutError here.
+        store.set(f"joined/{rank}", "1")
+        try:
+            store.wait([f"joined/{r}" for r in range(world_size)], self.timeout)
+        except Exception as e:  # noqa: BLE001 (DistStoreError / RuntimeError, re-raised with context)
+            raise TimeoutError(f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet its peers within {timeout_s}s: {e}") from e
+        try:
+            if backend == "gloo":
+                self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            elif backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            else:
+                raise ValueError(f"weight-sync backend must be 'nccl' or 'gloo', not {backend!r}")
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise TimeoutError(f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet its peers within {timeout_s}s: {e}") from e
+        self.backend = backend
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        """Rank 0 sends ``buf``; the others receive into theirs (same size). Polls the work
+        against the timeout (an NCCL wait alone would not return), then raises
+        ``TimeoutError`` and shuts the group down."""
+        import time
+
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        work = self.pg.broadcast([buf], opts)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"weight-sync group {self.name!r}: broadcast of {buf.numel()} bytes did not finish within {self.timeout.total_seconds()}s (rank {self.rank})")
+            time.sleep(0.0005)
+        work.wait()  # raises the backend's error, if any
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
+
+    def close(self) -> None:
+        pg, self.pg = self.pg, None
+        for how in ("abort", "shutdown") if self.backend == "nccl" else ("shutdown",):
+            if pg is not None and hasattr(pg, how):
+                try:
+                    getattr(pg, how)()
+                    return
+                except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
+                    pass

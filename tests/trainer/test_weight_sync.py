@@ -1,0 +1,133 @@
+"""Weight sync from the trainer into built-in engines on CPU: the relay path (auto on CPU)
+and the broadcast group (gloo), flattened buckets, and the group's timeouts (no hangs).
+CUDA IPC is covered by the gpu tests (tests/trainer/test_gpu.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+
+from engines import weight_sync
+from engines.actor import EngineActor
+from engines.model_builder import make_model
+from engines.torch_engine import TorchEngine
+from engines.trainer.actor import TrainerActor
+from relay import ActorError, setup_torch_distributed, this_host
+from tests.helpers import run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+SEQS = [[5 + (i * 11 + j * 5) % 90 for j in range(18)] for i in range(4)]
+MASKS = [[0] * 5 + [1] * 12 for _ in SEQS]
+ADV = [1.0, -1.0, 0.5, -0.5]
+GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return make_model("qwen3", "tiny", str(tmp_path_factory.mktemp("p") / "policy"), seed=6)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.unit
+def test_flatten_packs_mixed_dtypes_aligned_and_unflatten_views_them():
+    named = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.tensor([1, 2, 3], dtype=torch.bfloat16)),
+             ("c", torch.arange(5, dtype=torch.int64))]
+    buf, metas = weight_sync.flatten(named, "cpu")
+    assert buf.dtype == torch.uint8 and all(m[3] % weight_sync.ALIGN == 0 for m in metas)
+    assert metas == weight_sync.metas_for([m[0] for m in metas], [m[2] for m in metas], [m[1] for m in metas])[0]
+    back = weight_sync.unflatten(buf, metas)
+    assert [n for n, _ in back] == ["a", "b", "c"]
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(named, back))
+    reused, _ = weight_sync.flatten(named[:1], "cpu", out=buf)  # a smaller bucket packs into the same buffer
+    assert reused.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="unknown dtype"):
+        weight_sync.unflatten(buf, [["x", [1], "float99", 0]])
+
+
+@pytest.mark.unit
+def test_a_receiver_in_the_senders_process_reads_the_bucket_until_it_is_released():
+    """Colocated actors share a worker process, where CUDA cannot open its own IPC handle:
+    the handle then names the sender's buffer, valid until the sender releases it."""
+    buf, metas = weight_sync.flatten([("w", torch.arange(6.0))], "cpu")
+    h = weight_sync.ipc_handle(buf, cross_process=False)
+    assert "handle" not in h  # nothing exported to CUDA
+    (name, view), = weight_sync.unflatten(weight_sync.open_ipc(h, "cpu"), metas)
+    assert name == "w" and torch.equal(view, torch.arange(6.0))
+    assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # no copy
+    weight_sync.release(h)
+    with pytest.raises(RuntimeError, match="released before the receiver opened it"):
+        weight_sync.open_ipc(h, "cpu")
+
+
+def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(policy):
+    async def main():
+        tprocs = this_host().spawn_procs(per_host={"gpus": 1})
+        await setup_torch_distributed(tprocs)
+        t = tprocs.spawn("trainer", TrainerActor, policy, lr=1e-2)
+        eprocs = this_host().spawn_procs(per_host={"gpus": 2})
+        engines = eprocs.spawn("rollout", EngineActor, policy, "torch", kv_cache_tokens=1024, weights_mode="discard")
+        await asyncio.gather(t.initialized(240), engines.initialized(240))
+        await t.train_step.call_one(SEQS, MASKS, ADV).result(120)  # weights now differ from the checkpoint
+        await t.offload.call_one().result(60)  # colocated order: the trainer pushes while offloaded
+        await engines.sleep.call(["weights", "kv_cache"]).result(60)
+        await engines.wake.call(["weights"]).result(60)
+        e0, e1 = engines.slice(gpus=0), engines.slice(gpus=1)
+        relay_bytes = await t.push_weights.call_one([e0], 1, 4096).result(120)  # auto on CPU: relay
+        bcast_bytes = await t.push_weights.call_one([e1], 1, 4096, 60.0, "distributed").result(120)  # gloo group, many buckets
+        await engines.wake.call(["kv_cache"]).result(60)
+        outs = (await engines.generate.call(SEQS[0][:6], GREEDY).result(60)).values()
+        await t.onload.call_one().result(60)
+        seq = SEQS[0][:6] + outs[0].token_ids
+        trainer_lp = (await t.compute_logprobs.call_one([seq]).result(60))[0][5:]
+        events = (await engines.events.call().result(60)).values()
+        with pytest.raises(ActorError, match="CUDA IPC"):
+            await t.push_weights.call_one([e0], 2, 4096, 60.0, "ipc").result(60)
+        await t.shutdown.call().result(60)
+        await tprocs.stop()
+        await eprocs.stop()
+        return relay_bytes, bcast_bytes, outs, trainer_lp, events
+
+    relay_bytes, bcast_bytes, outs, trainer_lp, events = run(main(), 280)
+    assert relay_bytes > 0 and bcast_bytes >= relay_bytes  # the flat buffers are padded to ALIGN
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
+    assert all(r.weight_version == 1 for r in outs)
+    assert max(abs(a - b) for a, b in zip(outs[0].logprobs, trainer_lp)) < 1e-4
+    for ev in events:  # one update event per push, after its last bucket
+        assert [e[2] for e in ev if e[1] == "update_weights"] == [1]
+
+
+def test_broadcast_group_times_out_instead_of_hanging(policy):
+    """An engine whose trainer never comes, a trainer whose engine never comes, and a
+    receiver whose sender never sends: each raises within its timeout."""
+
+    async def main():
+        eng = TorchEngine(policy, kv_cache_tokens=256)
+        with pytest.raises(TimeoutError, match="weight-sync group"):
+            await eng.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", "gloo", timeout_s=2.0)
+        with pytest.raises(RuntimeError, match="no weight-update group"):
+            await eng.update_weights_from_distributed(["x"], ["float32"], [[1]], 1, "g")
+        with pytest.raises(RuntimeError, match="needs a CUDA engine"):
+            await eng.update_weights_from_ipc({}, [], 1)
+        await eng.close()
+
+    run(main(), 120)  # (the module's pytest timeout catches a hang)
+    with pytest.raises(TimeoutError, match="did not meet its peers"):
+        weight_sync.BroadcastGroup("127.0.0.1", free_port(), 0, 2, "gloo", 2.0, "lonely")
+    # Both ranks joined, but the sender never broadcasts: the receiver gives up.
+    import concurrent.futures
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(lambda r: weight_sync.BroadcastGroup("127.0.0.1", port, r, 2, "gloo", 2.0, "silent"), [0, 1]))
+    with pytest.raises(TimeoutError, match="did not finish"):
+        groups[1].broadcast(torch.empty(16, dtype=torch.uint8))
+    groups[0].close()
