@@ -51,7 +51,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
            "--num-rollout", str(args.steps), "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.n),
            "--global-batch-size", str(args.prompts * args.n), "--rollout-max-response-len", str(args.response_len),
            "--genrm-sampling-config", json.dumps({"temperature": 0.0, "max_response_len": 8}), "--genrm-parse", "loose",
-           "--genrm-gateway-port", "0", "--lr", "1e-6", "--kv-cache-tokens", "65536"]
+           "--genrm-gateway-port", "0", "--lr", "1e-6", "--kv-cache-tokens", "65536", *args.train_args.split()]
     t = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, RELAY_CACHE=cache))
     wall = time.monotonic() - t
@@ -61,7 +61,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
         recs = [r for r in map(json.loads, f) if r.get("kind") == "train"]
     steady = recs[1:] or recs
     phases = ("rollout", "reward", "swap", "train", "sync", "orchestration")
-    out = {"mode": mode, "device": args.device, "size": args.size, "gpus": g, "steps": len(recs), "wall_s": round(wall, 1),
+    out = {"mode": mode, "device": args.device, "size": args.size, "gpus": g, "train_args": args.train_args, "steps": len(recs), "wall_s": round(wall, 1),
            "samples_per_step": recs[0]["samples"], "response_len_mean": round(statistics.fmean(r["rollout/response_len"] for r in steady), 1)}
     step = statistics.fmean(r["time/step"] for r in steady)
     out["step_s"] = round(step, 3)
@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--response-len", type=int, default=256)
     ap.add_argument("--modes", default="split,defer")
+    ap.add_argument("--train-args", default="", help="extra `relay train` flags, e.g. '--bf16'")
     ap.add_argument("--cache", default=os.environ.get("RELAY_CACHE", ".cache") + "/grpo-bench")
     args = ap.parse_args()
     cache = os.path.abspath(args.cache)
