@@ -32,48 +32,48 @@ MAX_BATCH = 256  # judge requests per relay message to the service
 
 class JudgeBatcher:
     """Coalesces judge requests to one JudgeService mesh: the requests submitted during one
-    event-loop turn go out at its end as one ``generate_batch`` call (up to ``MAX_BATCH``).
+    event-loop turn with the same timeout go out at its end as one ``generate_batch`` call
+    (up to ``MAX_BATCH``), whose timeout is theirs.
 
     Each request's future gets its own outcome, as a lone ``generate.call_one`` would give
     it: the response text; :class:`ActorError` wrapping the exception the service raised for
     that request; or, when the relay call itself fails, that failure (SupervisionError,
-    CallTimeout) for every request of the call. ``call`` enforces the caller's own timeout.
+    CallTimeout) for every request of the call.
     """
 
     def __init__(self, mesh):
         self._mesh = mesh
-        self._queue: list = []
+        self._queues: dict[float, list] = {}  # timeout -> [(request, future)] of this loop turn
 
-    async def call(self, messages, sampling_params, route_key, timeout: float) -> str:
+    def call(self, messages, sampling_params, route_key, timeout: float) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        queue = self._queue
-        queue.append(([messages, sampling_params, route_key], fut, timeout))
-        if len(queue) == 1:
-            loop.call_soon(self._flush)
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise CallTimeout(f"genrm.generate did not answer within {timeout:g} s") from None
+        queue = self._queues.get(timeout)
+        if queue is None:
+            queue = self._queues[timeout] = []
+            if len(self._queues) == 1:
+                loop.call_soon(self._flush)
+        queue.append(([messages, sampling_params, route_key], fut))
+        return fut
 
     def _flush(self) -> None:
-        queue, self._queue = self._queue, []
+        queues, self._queues = self._queues, {}
         loop = asyncio.get_running_loop()
-        for k in range(0, len(queue), MAX_BATCH):
-            loop.create_task(self._send(queue[k : k + MAX_BATCH]))
+        for timeout, queue in queues.items():
+            for k in range(0, len(queue), MAX_BATCH):
+                loop.create_task(self._send(queue[k : k + MAX_BATCH], timeout))
 
-    async def _send(self, batch: list) -> None:
+    async def _send(self, batch: list, timeout: float) -> None:
         try:
-            fut = self._mesh.generate_batch.call_one([req for req, _, _ in batch])
-            results = await fut.result(max(t for _, _, t in batch))
+            results = await self._mesh.generate_batch.call_one([req for req, _ in batch]).result(timeout)
             if len(results) != len(batch):
                 raise ValueError(f"the judge answered {len(results)} results for {len(batch)} requests")
         except BaseException as e:  # noqa: BLE001 - handed to every waiting request
-            for _, f, _ in batch:
+            for _, f in batch:
                 if not f.done():
                     f.set_exception(e)
             return
-        for (_, f, _), r in zip(batch, results):
+        for (_, f), r in zip(batch, results):
             if f.done():
                 continue
             if isinstance(r, BaseException):

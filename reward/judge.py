@@ -1,4 +1,5 @@
-"""The judge (GenRM) service: a relay actor in front of each judge instance's engines.
+"""The judge (GenRM) service: a relay actor in front of each judge instance's engines,
+in a process of its own (:func:`start_judge_service`).
 
 - ``route_key``: omitted -> the only instance, or ``"__default__"``; unknown -> the error
   ``No GenRM instance registered for route_key='x'; available=[...]``.
@@ -68,6 +69,7 @@ class _Instance:
     awake: bool = True
     sem: list = field(default_factory=list)
     queue: list = field(default_factory=list)  # per engine: (ids, sampling, future) for the next batch
+    defaults: tuple | None = None  # what _admit gives a request without sampling_params (computed once)
 
 
 class Metrics:
@@ -143,19 +145,25 @@ class JudgeService(Actor):
         return merged, ctk
 
     def _admit(self, sampling_params: dict | None, route_key: str | None) -> tuple:
-        """(instance, merged sampling, SamplingParams, chat_template_kwargs) or the request's error."""
+        """(instance, merged sampling, SamplingParams, chat_template_kwargs, engine sampling
+        dict) or the request's error. Shared between requests: never mutate them."""
         inst = self._resolve(route_key)
         if not inst.awake:
             self.metrics.inc(inst.name, "rejected_asleep")
             raise JudgeAsleep(f"GenRM instance {inst.name!r} is asleep; retry after it wakes")
+        if not sampling_params and inst.defaults is not None:
+            return inst.defaults
         sampling, ctk = self._sampling(inst, sampling_params)
         sp = SamplingParams.from_dict(sampling)  # unknown keys / bad values: ValueError
-        return inst, sampling, sp, ctk
+        admitted = (inst, sampling, sp, ctk, _as_dict(sp))
+        if not sampling_params:
+            inst.defaults = admitted
+        return admitted
 
     @endpoint(concurrent=True)
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> str:
-        inst, sampling, sp, ctk = self._admit(sampling_params, route_key)
-        return await self._judge(inst, sampling, sp, _render(inst.tokenizer, [messages], ctk)[0])
+        inst, sampling, sp, ctk, engine_sp = self._admit(sampling_params, route_key)
+        return await self._judge(inst, sampling, sp, engine_sp, _render(inst.tokenizer, [messages], ctk)[0])
 
     @endpoint(concurrent=True)
     async def generate_batch(self, requests: list) -> list:
@@ -168,11 +176,11 @@ class JudgeService(Actor):
             try:
                 if not isinstance(req, (list, tuple)) or len(req) != 3:
                     raise TypeError("each request must be [messages, sampling_params, route_key]")
-                inst, sampling, sp, ctk = self._admit(req[1], req[2])
+                inst, sampling, sp, ctk, engine_sp = self._admit(req[1], req[2])
             except Exception as e:  # noqa: BLE001 - this request's error, returned in its place
                 out[j] = e
                 continue
-            groups.setdefault((inst.name, id(ctk)), []).append((j, req[0], inst, sampling, sp, ctk))
+            groups.setdefault((inst.name, id(ctk)), []).append((j, req[0], inst, sampling, sp, ctk, engine_sp))
         jobs, where = [], []
         for group in groups.values():
             inst, ctk = group[0][2], group[0][5]
@@ -185,17 +193,17 @@ class JudgeService(Actor):
                         rendered.append(_render(inst.tokenizer, [g[1]], ctk)[0])
                     except Exception as e:  # noqa: BLE001
                         rendered.append(e)
-            for (j, _, inst, sampling, sp, _), ids in zip(group, rendered):
+            for (j, _, inst, sampling, sp, _, engine_sp), ids in zip(group, rendered):
                 if isinstance(ids, Exception):
                     out[j] = ids
                 else:
-                    jobs.append(self._judge(inst, sampling, sp, ids))
+                    jobs.append(self._judge(inst, sampling, sp, engine_sp, ids))
                     where.append(j)
         for j, r in zip(where, await asyncio.gather(*jobs, return_exceptions=True)):
             out[j] = r
         return out
 
-    async def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, ids: list) -> str:
+    async def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, engine_sp: dict, ids: list) -> str:
         key = None
         if self.cache_mode == "always" or (self.cache_mode == "deterministic" and sp.temperature == 0):
             key = (inst.name, tuple(ids), tuple(sorted((k, str(v)) for k, v in sampling.items())))
@@ -208,7 +216,7 @@ class JudgeService(Actor):
         t0 = time.monotonic()
         self.metrics.inc(inst.name, "requests")
         self.metrics.inc(inst.name, "tokens_in", len(ids))
-        text = await self._call_engine(inst, ids, _as_dict(sp))
+        text = await self._call_engine(inst, ids, engine_sp)
         self.metrics.latency[inst.name].append(time.monotonic() - t0)
         if key is not None:
             self.cache[key] = text
@@ -322,6 +330,21 @@ class JudgeService(Actor):
             for name, inst in self.instances.items()
         }
         return info
+
+
+async def start_judge_service(specs: dict, timeout: float = 300.0, **kwargs) -> tuple:
+    """Start the JudgeService in a process of its own on this host; returns ``(judge,
+    procs)``: the one-actor mesh and its process mesh (``await procs.stop()`` at the end).
+    Reward code reaches it at ``procs.procs[0].addr`` (actor name "genrm").
+
+    Own process: its chat templating and tokenizing run beside the process that hosts the
+    HTTP gateway and the caller's loop (the controller's GRPO loop, the reward functions),
+    not on its event loop. If the process dies, the failure goes to the spawner's
+    supervision (at the root: the unhandled fault hook), like any owned process."""
+    procs = relay.this_host().spawn_procs(per_host={"procs": 1}, name="genrm")
+    judge = procs.spawn("genrm", JudgeService, specs, **kwargs)
+    await judge.initialized(timeout)
+    return judge, procs
 
 
 _frozen: list = []
