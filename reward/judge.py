@@ -70,6 +70,7 @@ class _Instance:
     sem: list = field(default_factory=list)
     queue: list = field(default_factory=list)  # per engine: (ids, sampling, future) for the next batch
     defaults: tuple | None = None  # what _admit gives a request without sampling_params (computed once)
+    template: tuple | None = None  # (compiled chat template, its variables) for chat_template_kwargs: see _render
 
 
 class Metrics:
@@ -118,6 +119,7 @@ class JudgeService(Actor):
             self.instances[name] = _Instance(
                 name, spec["model_path"], spec.get("num_gpus", len(engines)), engines, sampling, ctk, tok,
                 [0] * len(engines), True, [asyncio.Semaphore(self.cap) for _ in engines], [[] for _ in engines],
+                template=_compiled_template(tok, ctk),
             )
         freeze_startup_objects()
 
@@ -163,7 +165,7 @@ class JudgeService(Actor):
     @endpoint(concurrent=True)
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> str:
         inst, sampling, sp, ctk, engine_sp = self._admit(sampling_params, route_key)
-        return await self._judge(inst, sampling, sp, engine_sp, _render(inst.tokenizer, [messages], ctk)[0])
+        return await self._judge(inst, sampling, sp, engine_sp, self._render(inst, [messages], ctk)[0])
 
     @endpoint(concurrent=True)
     async def generate_batch(self, requests: list) -> list:
@@ -185,12 +187,12 @@ class JudgeService(Actor):
         for group in groups.values():
             inst, ctk = group[0][2], group[0][5]
             try:
-                rendered = _render(inst.tokenizer, [g[1] for g in group], ctk)
+                rendered = self._render(inst, [g[1] for g in group], ctk)
             except Exception:  # noqa: BLE001 - some request is malformed: render one by one to find it
                 rendered = []
                 for g in group:
                     try:
-                        rendered.append(_render(inst.tokenizer, [g[1]], ctk)[0])
+                        rendered.append(self._render(inst, [g[1]], ctk)[0])
                     except Exception as e:  # noqa: BLE001
                         rendered.append(e)
             for (j, _, inst, sampling, sp, _, engine_sp), ids in zip(group, rendered):
@@ -202,6 +204,10 @@ class JudgeService(Actor):
         for j, r in zip(where, await asyncio.gather(*jobs, return_exceptions=True)):
             out[j] = r
         return out
+
+    @staticmethod
+    def _render(inst: _Instance, conversations: list, ctk: dict) -> list[list[int]]:
+        return _render(inst.tokenizer, conversations, ctk, inst.template if ctk is inst.chat_template_kwargs else None)
 
     async def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, engine_sp: dict, ids: list) -> str:
         key = None
@@ -361,11 +367,41 @@ def freeze_startup_objects() -> None:
         atexit.register(gc.unfreeze)
 
 
-def _render(tokenizer, conversations: list, ctk: dict) -> list[list[int]]:
-    """Chat template -> token ids for several conversations at once (one template call, one
-    batched encode). The fast tokenizer's own encoder skips transformers' per-call wrapper;
-    its batch encoder without offsets gives the same ids for less work."""
-    texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **ctk)
+def _compiled_template(tokenizer, ctk: dict) -> tuple | None:
+    """The tokenizer's chat template compiled by transformers, with the variables
+    ``apply_chat_template`` would give it (special tokens, then ``ctk``); None when this
+    transformers does not offer them or the template cannot be had (then _render always
+    goes through apply_chat_template)."""
+    try:
+        from transformers.utils.chat_template_utils import (
+            _compile_jinja_template,
+            _plain_template_data,
+        )
+
+        return _compile_jinja_template(tokenizer.get_chat_template()), _plain_template_data({**tokenizer.special_tokens_map, **ctk})
+    except Exception:  # noqa: BLE001 - no fast path; the general one reports real errors
+        return None
+
+
+def _plain_chat(messages) -> bool:
+    """Messages that transformers' normalization leaves as they are: dicts of str role/content."""
+    return type(messages) is list and all(
+        type(m) is dict and m.keys() <= {"role", "content"} and all(type(v) is str for v in m.values()) for m in messages
+    )
+
+
+def _render(tokenizer, conversations: list, ctk: dict, template: tuple | None = None) -> list[list[int]]:
+    """Chat template -> token ids for several conversations at once. ``template`` (from
+    :func:`_compiled_template` for these ``ctk``): plain {role, content} messages are rendered
+    with it directly, exactly as ``apply_chat_template`` renders them (it normalizes messages
+    to these plain dicts, then calls the same compiled template with the same variables),
+    without its per-call wrapper; anything else goes through ``apply_chat_template``. The
+    fast tokenizer's batch encoder without offsets gives the same ids for less work."""
+    if template is not None and all(_plain_chat(c) for c in conversations):
+        compiled, variables = template
+        texts = [compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=True, **variables) for c in conversations]
+    else:
+        texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **ctk)
     if len(texts) != len(conversations):
         raise TypeError("messages must be a list of {role, content} objects")
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -133,17 +133,24 @@ def test_a_failing_engine_call_fails_only_its_own_requests(judge_model):
     run(main(), 120)
 
 
-def test_batched_rendering_gives_the_ids_of_rendering_one_by_one(judge_model):
+def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
+    """Batched or one by one, through the compiled template (plain messages) or through
+    apply_chat_template (anything else, other chat_template_kwargs): the same token ids."""
     from transformers import AutoTokenizer
 
-    from reward.judge import _render
+    from reward.judge import _compiled_template, _render
 
     tok = AutoTokenizer.from_pretrained(judge_model)
     convs = [
         MSG,
         [{"role": "system", "content": "Be strict."}, {"role": "user", "content": "x = \\frac{1}{2}?"}],
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "ünïcode ✓"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "ünïcode ✓ <|im_end|>"}],
+        [{"role": "user", "content": "tool-less", "name": None}],  # not plain: goes through apply_chat_template
     ]
-    expected = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in convs]
-    assert _render(tok, convs, {}) == expected
-    assert [_render(tok, [c], {})[0] for c in convs] == expected
+    for ctk in ({}, {"enable_thinking": False}):
+        template = _compiled_template(tok, ctk)
+        assert template is not None
+        expected = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **ctk)) for c in convs]
+        for t in (None, template):
+            assert _render(tok, convs, ctk, t) == expected
+            assert [_render(tok, [c], ctk, t)[0] for c in convs] == expected
