@@ -402,7 +402,7 @@ def _render(tokenizer, conversations: list, ctk: dict, template: tuple | None = 
         texts = [compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=True, **variables) for c in conversations]
     else:
         texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **ctk)
-    if len(texts) != len(conversations):
+    if not isinstance(texts, list) or len(texts) != len(conversations):  # a conversation was not a list
         raise TypeError("messages must be a list of {role, content} objects")
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:

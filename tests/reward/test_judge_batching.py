@@ -61,6 +61,7 @@ def test_generate_batch_keeps_order_and_each_requests_own_error(judge_model):
         reqs[4] = [[5], {"seed": 4}, None]  # malformed messages: fails rendering alone
         reqs[5] = [MSG, {"seed": 5, "max_new_tokens": 13}, None]  # refused by the engine
         reqs.append("not a request")
+        reqs.append([{"role": "user", "content": "a dict, not a list"}, None, None])
         out = await judge.generate_batch.call_one(reqs).result(60)
         assert out[0] == "0" and out[2] == "2"
         assert isinstance(out[1], UnknownRouteKey) and "available=['__default__']" in str(out[1])
@@ -68,6 +69,7 @@ def test_generate_batch_keeps_order_and_each_requests_own_error(judge_model):
         assert isinstance(out[4], Exception)
         assert isinstance(out[5], ValueError) and "refused" in str(out[5]) and "13" in str(out[5])
         assert isinstance(out[6], TypeError)
+        assert isinstance(out[7], TypeError) and "list of {role, content}" in str(out[7])
         # the well-formed requests reached the engine together, in one call
         assert await engine.call_sizes.call_one().result(10) == [3]
         await judge.set_awake.call_one(None, False).result(10)
