@@ -3,7 +3,17 @@ through HTTP (aiohttp client -> gateway -> judge service -> engine) and through 
 judge client, against an engine that answers instantly, side by side with a minimal
 aiohttp echo server (the floor). Prints one JSON line.
 
-    python benchmarks/gateway_bench.py [--requests 5000]
+    python benchmarks/gateway_bench.py [--requests 5000] [--rounds 3]
+
+Hosting is the product's (launcher/grpo.py, reward/serve_judge.py): the gateway in the
+process that starts the judge (here the benchmark's, which also runs the load generator),
+the judge service in a process of its own, the engine in a third. The floor server runs
+in the benchmark's process too, after the judge stack is up, so both servers share the
+load generator's process and its state. Floor and gateway alternate for ``--rounds``
+rounds (the machine is shared: alternating keeps a noisy spell from landing on one side);
+each figure is the median over rounds. ``http_p50_overhead_ms`` is the median over rounds
+of (gateway p50 - floor p50) at 64 concurrent callers; ``http_c1_p50_overhead_ms`` is the
+same with one caller (the latency a lone request pays).
 """
 
 from __future__ import annotations
@@ -25,10 +35,10 @@ from aiohttp import web  # noqa: E402
 
 from engines.interface import GenerateResult  # noqa: E402
 from engines.model_builder import make_model  # noqa: E402
-from relay import Actor, endpoint, this_host, this_proc  # noqa: E402
+from relay import Actor, endpoint, this_host  # noqa: E402
 from reward.client import GenRMClient  # noqa: E402
 from reward.gateway import serve  # noqa: E402
-from reward.judge import JudgeService  # noqa: E402
+from reward.judge import start_judge_service  # noqa: E402
 
 MSG = [{"role": "user", "content": "Is 2+2=4? Reply 1 or 0."}]
 
@@ -39,6 +49,10 @@ class InstantEngine(Actor):
     @endpoint(concurrent=True)
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None):
         return GenerateResult([16], "1", [-0.1], "stop", len(prompt), 0)
+
+    @endpoint(concurrent=True)
+    async def generate_batch(self, requests):
+        return [GenerateResult([16], "1", [-0.1], "stop", len(prompt), 0) for prompt, _ in requests]
 
     @endpoint(concurrent=True)
     async def health(self):
@@ -61,18 +75,42 @@ async def load(call, n: int, concurrency: int = 64) -> dict:
             await call()
             lat.append(time.perf_counter() - t)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency // 8)))  # warm-up
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency // 8))))  # warm-up
     lat.clear()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     el = time.perf_counter() - t0
     lat.sort()
-    return {"req_s": round(len(lat) / el), "p50_ms": round(statistics.median(lat) * 1e3, 2), "p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1e3, 2)}
+    return {"req_s": round(len(lat) / el), "p50_ms": round(statistics.median(lat) * 1e3, 2), "p99_ms": round(lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3, 2)}
 
 
-async def main(n: int) -> dict:
-    out = {"bench": "gateway", "requests": n, "concurrency": 64, "cpus": os.cpu_count()}
-    # floor: a minimal aiohttp server answering {"response": "1"}
+async def http_load(port: int, n: int, concurrency: int, check: bool) -> dict:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
+        async def call():
+            async with s.post(f"http://127.0.0.1:{port}/genrm/generate", json={"messages": MSG}) as r:
+                if check:
+                    assert r.status == 200
+                await r.json()
+
+        return await load(call, n, concurrency)
+
+
+def _median_of(rounds: list[dict], prefix: str) -> dict:
+    return {f"{prefix}_{k}": statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+async def main(n: int, rounds: int) -> dict:
+    out = {"bench": "gateway", "requests": n, "rounds": rounds, "concurrency": 64, "cpus": os.cpu_count()}
+    tok_dir = make_model("qwen3", "tiny", tempfile.mkdtemp(prefix="gw-bench-"), seed=0)
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    engine = procs.spawn("engine", InstantEngine)
+    await engine.initialized(60)
+    spec = {"__default__": {"model_path": tok_dir, "sampling_config": {"temperature": 0.5}, "engines": [engine]}}
+    judge, judge_procs = await start_judge_service(spec, 120, cache="off")
+    port = free_port()
+    grunner = await serve(judge, "127.0.0.1", port)
+
+    # floor: a minimal aiohttp server answering {"response": "1"}, hosted like the gateway
     async def echo(request):
         await request.json()
         return web.json_response({"response": "1"})
@@ -83,40 +121,27 @@ async def main(n: int) -> dict:
     await runner.setup()
     fport = free_port()
     await web.TCPSite(runner, "127.0.0.1", fport).start()
-    conn = aiohttp.TCPConnector(limit=64)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async def floor_call():
-            async with s.post(f"http://127.0.0.1:{fport}/genrm/generate", json={"messages": MSG}) as r:
-                await r.json()
 
-        out.update({f"floor_{k}": v for k, v in (await load(floor_call, n)).items()})
+    n1 = max(100, n // 10)
+    res: dict[str, list] = {"floor": [], "http": [], "floor_c1": [], "http_c1": []}
+    for _ in range(rounds):
+        res["floor"].append(await http_load(fport, n, 64, False))
+        res["http"].append(await http_load(port, n, 64, True))
+        res["floor_c1"].append(await http_load(fport, n1, 1, False))
+        res["http_c1"].append(await http_load(port, n1, 1, True))
+    for k, v in res.items():
+        out.update(_median_of(v, k))
+    out["http_p50_overhead_ms"] = round(statistics.median(h["p50_ms"] - f["p50_ms"] for h, f in zip(res["http"], res["floor"])), 2)
+    out["http_c1_p50_overhead_ms"] = round(statistics.median(h["p50_ms"] - f["p50_ms"] for h, f in zip(res["http_c1"], res["floor_c1"])), 2)
     await runner.cleanup()
-
-    # the judge stack: engine process <- judge service (here) <- gateway (here)
-    tok_dir = make_model("qwen3", "tiny", tempfile.mkdtemp(prefix="gw-bench-"), seed=0)
-    procs = this_host().spawn_procs(per_host={"gpus": 1})
-    engine = procs.spawn("engine", InstantEngine)
-    await engine.initialized(60)
-    judge = this_proc().spawn("genrm", JudgeService, {"__default__": {"model_path": tok_dir, "sampling_config": {"temperature": 0.5}, "engines": [engine]}}, cache="off")
-    await judge.initialized(120)
-    port = free_port()
-    grunner = await serve(judge, "127.0.0.1", port)
-    conn = aiohttp.TCPConnector(limit=64)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async def http_call():
-            async with s.post(f"http://127.0.0.1:{port}/genrm/generate", json={"messages": MSG}) as r:
-                assert r.status == 200
-                await r.json()
-
-        out.update({f"http_{k}": v for k, v in (await load(http_call, n)).items()})
     await grunner.cleanup()
-    client = GenRMClient(judge._view.members[0].proc.addr)
+    client = GenRMClient(judge_procs.procs[0].addr)
 
     async def zmq_call():
         assert await client.generate(MSG) == "1"
 
-    out.update({f"zmq_{k}": v for k, v in (await load(zmq_call, n)).items()})
-    out["http_p50_overhead_ms"] = round(out["http_p50_ms"] - out["floor_p50_ms"], 2)
+    out.update(_median_of([await load(zmq_call, n) for _ in range(rounds)], "zmq"))
+    await judge_procs.stop()
     await procs.stop()
     return out
 
@@ -124,6 +149,7 @@ async def main(n: int) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     try:
         import uvloop
@@ -131,4 +157,4 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    print(json.dumps(asyncio.run(main(a.requests))))
+    print(json.dumps(asyncio.run(main(a.requests, a.rounds))))

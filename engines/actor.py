@@ -3,6 +3,8 @@ engines only through this actor (generate, sleep/wake, update_weights, ...)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from relay import Actor, endpoint
 
 from .interface import TAGS, GenerateResult
@@ -33,6 +35,13 @@ class EngineActor(Actor):
     @endpoint(concurrent=True)
     async def generate(self, prompt, sampling: dict | None = None, chat_template_kwargs: dict | None = None) -> GenerateResult:
         return await self.engine.generate(prompt, sampling, chat_template_kwargs)
+
+    @endpoint(concurrent=True)
+    async def generate_batch(self, requests: list) -> list:
+        """``requests``: a list of ``[prompt, sampling]``, run concurrently. One item per
+        request, in order: its GenerateResult, or the exception it raised (the others are
+        unaffected)."""
+        return await asyncio.gather(*(self.engine.generate(p, s) for p, s in requests), return_exceptions=True)
 
     @endpoint
     async def sleep(self, tags: tuple = TAGS[:2], drain: str = "abort") -> None:

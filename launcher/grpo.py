@@ -2,8 +2,9 @@
 
 Roles come from the allocator's plan: a ``TrainerActor`` on every actor bundle (TP within,
 DP across), an ``EngineActor`` per rollout engine and per judge engine (on the first
-bundle of its slice), the ``JudgeService`` and its HTTP gateway in the controller process,
-and the reward function, which calls the judge through the ZeroMQ client.
+bundle of its slice), the ``JudgeService`` in a process of its own on the controller's
+host, its HTTP gateway in the controller process, and the reward function, which calls
+the judge through the ZeroMQ client.
 
 One colocated step (DESIGN.md; the order matters):
   rollout (+ inline rewards in Split / Co-resident)
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 import relay
-from relay import ProcMesh, this_proc
+from relay import ProcMesh
 
 from .agent import WorkerInfo
 from .allocator import Plan
@@ -74,6 +75,7 @@ class GRPOJob:
         self.start_step = 0
         self.gateway = None
         self.judge = None
+        self.judge_procs = None  # the judge service's own process
         self.rollout: list[Engine] = []
         self.judges: list[Engine] = []
 
@@ -94,7 +96,7 @@ class GRPOJob:
         from engines.model_builder import ensure_model
         from engines.trainer.actor import TrainerActor
         from reward.gateway import serve
-        from reward.judge import JudgeService
+        from reward.judge import start_judge_service
 
         cfg = self.cfg
         t0 = time.monotonic()
@@ -145,9 +147,8 @@ class GRPOJob:
             for name, inst in cfg.genrm.items():
                 specs[name] = {"model_path": inst.model_path, "num_gpus": inst.num_gpus, "sampling_config": inst.sampling_config,
                                "engines": [e.mesh for e in self.judges if e.instance == name]}
-            self.judge = this_proc().spawn("genrm", JudgeService, specs)
-            await self.judge.initialized(300)
-            os.environ["RELAY_GENRM_ADDR"] = relay.current_runtime().address
+            self.judge, self.judge_procs = await start_judge_service(specs, 300)
+            os.environ["RELAY_GENRM_ADDR"] = self.judge_procs.procs[0].addr
             self.gateway = await serve(self.judge, "127.0.0.1", cfg.genrm_gateway_port)
             port = self.gateway.addresses[0][1] if self.gateway.addresses else cfg.genrm_gateway_port
             print(f"judge gateway: http://127.0.0.1:{port}/genrm/health", file=self.out, flush=True)
@@ -208,6 +209,9 @@ class GRPOJob:
         if self.gateway is not None:
             await self.gateway.cleanup()
             self.gateway = None
+        if self.judge_procs is not None:
+            await self.judge_procs.stop()
+            self.judge_procs = None
         if not graceful:
             return
         try:

@@ -10,6 +10,10 @@ One client per process and event loop (``get_genrm_client`` caches it). Errors a
 judge), ``ValueError`` / :class:`~reward.judge.UnknownRouteKey` for bad requests (never
 retried), :class:`~reward.judge.JudgeUnavailable` after bounded retries of transport
 failures. Outside a job, pass ``address`` and set ``RELAY_JOB_SECRET`` to the job's secret.
+
+Calls made in the same event-loop turn (concurrent reward coroutines, ``generate_many``)
+travel to the service as one relay message (:class:`JudgeBatcher`); each call still gets
+its own result, error and timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +27,59 @@ from .judge import JudgeAsleep, JudgeService, JudgeUnavailable
 
 ENV_ADDR = "RELAY_GENRM_ADDR"
 ENV_ACTOR = "RELAY_GENRM_ACTOR"
+MAX_BATCH = 256  # judge requests per relay message to the service
+
+
+class JudgeBatcher:
+    """Coalesces judge requests to one JudgeService mesh: the requests submitted during one
+    event-loop turn with the same timeout go out at its end as one ``generate_batch`` call
+    (up to ``MAX_BATCH``), whose timeout is theirs.
+
+    Each request's future gets its own outcome, as a lone ``generate.call_one`` would give
+    it: the response text; :class:`ActorError` wrapping the exception the service raised for
+    that request; or, when the relay call itself fails, that failure (SupervisionError,
+    CallTimeout) for every request of the call.
+    """
+
+    def __init__(self, mesh):
+        self._mesh = mesh
+        self._queues: dict[float, list] = {}  # timeout -> [(request, future)] of this loop turn
+
+    def call(self, messages, sampling_params, route_key, timeout: float) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        queue = self._queues.get(timeout)
+        if queue is None:
+            queue = self._queues[timeout] = []
+            if len(self._queues) == 1:
+                loop.call_soon(self._flush)
+        queue.append(([messages, sampling_params, route_key], fut))
+        return fut
+
+    def _flush(self) -> None:
+        queues, self._queues = self._queues, {}
+        loop = asyncio.get_running_loop()
+        for timeout, queue in queues.items():
+            for k in range(0, len(queue), MAX_BATCH):
+                loop.create_task(self._send(queue[k : k + MAX_BATCH], timeout))
+
+    async def _send(self, batch: list, timeout: float) -> None:
+        try:
+            results = await self._mesh.generate_batch.call_one([req for req, _ in batch]).result(timeout)
+            if len(results) != len(batch):
+                raise ValueError(f"the judge answered {len(results)} results for {len(batch)} requests")
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting request
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for (_, f), r in zip(batch, results):
+            if f.done():
+                continue
+            if isinstance(r, BaseException):
+                f.set_exception(ActorError("genrm", 0, "generate", r, getattr(r, "remote_traceback", "")))
+            else:
+                f.set_result(r)
 
 
 class GenRMClient:
@@ -32,12 +89,13 @@ class GenRMClient:
         self.retries = retries
         procs = ProcMesh.attach([ProcRef("genrm", address, "genrm", 0)], name="genrm")
         self._mesh = procs.actors(actor, JudgeService)
+        self._batcher = JudgeBatcher(self._mesh)
 
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None, timeout: float | None = None) -> str:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                return await self._mesh.generate.call_one(messages, sampling_params, route_key).result(timeout or self.timeout)
+                return await self._batcher.call(messages, sampling_params, route_key, timeout or self.timeout)
             except ActorError as e:
                 if isinstance(e.exception, JudgeUnavailable):
                     last = e.exception

@@ -16,7 +16,8 @@ from aiohttp import web
 
 from relay import ActorError, CallTimeout, SupervisionError
 
-from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
+from .client import JudgeBatcher
+from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey, freeze_startup_objects
 
 MAX_BODY = 1 << 20  # bytes
 MAX_MESSAGES = 256
@@ -59,6 +60,7 @@ def validate_request(body) -> tuple[list, dict | None, str | None]:
 class Gateway:
     def __init__(self, judge, token: str | None = None, timeout: float = 600.0):
         self.judge = judge  # ActorMesh of one JudgeService
+        self._batcher = JudgeBatcher(judge)  # concurrent requests reach the service in one message
         self.token = token
         self.timeout = timeout
         self.errors: dict[str, int] = {}
@@ -90,7 +92,7 @@ class Gateway:
             self._count("invalid_request")
             return _bad(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
         try:
-            text = await self.judge.generate.call_one(messages, sp, rk).result(self.timeout)
+            text = await self._batcher.call(messages, sp, rk, self.timeout)
         except ActorError as e:
             exc = e.exception
             if isinstance(exc, JudgeAsleep):
@@ -131,7 +133,8 @@ class Gateway:
         return web.Response(text=prometheus_text(snap, self.errors), content_type="text/plain")
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self.auth])
+        # Without a token no middleware runs at all (each one costs every request a wrapper).
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self.auth] if self.token else [])
         app.router.add_post("/genrm/generate", self.generate)
         app.router.add_get("/genrm/health", self.health)
         app.router.add_get("/genrm/metrics", self.metrics)
@@ -160,6 +163,7 @@ def prometheus_text(snap: dict, gateway_errors: dict) -> str:
 
 async def serve(judge, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> web.AppRunner:
     """Start the gateway on the running loop; returns the runner (``await runner.cleanup()``)."""
+    freeze_startup_objects()
     runner = web.AppRunner(Gateway(judge, token).app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

@@ -1,4 +1,5 @@
-"""The judge (GenRM) service: a relay actor in front of each judge instance's engines.
+"""The judge (GenRM) service: a relay actor in front of each judge instance's engines,
+in a process of its own (:func:`start_judge_service`).
 
 - ``route_key``: omitted -> the only instance, or ``"__default__"``; unknown -> the error
   ``No GenRM instance registered for route_key='x'; available=[...]``.
@@ -11,23 +12,33 @@
   (the HTTP gateway answers 503 with ``Retry-After: 1``); nothing waits on a sleeping judge.
 - A cache keyed by (instance, rendered prompt, sampling) answers identical requests once,
   only for deterministic sampling (temperature 0) unless ``cache="always"``.
+- Batching: the requests bound for one engine in one event-loop turn travel as one
+  ``generate_batch`` relay call (at most ``MAX_ENGINE_BATCH``); ``generate_batch`` takes many
+  requests from a caller at once and renders their chat templates together. Results keep
+  their request's position, and one request's failure (bad input, an engine refusal) never
+  fails the others; a transport failure fails only the requests of that engine call, which
+  are retried once on another engine as above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
 
 import relay
+from engines.interface import SamplingParams
 from relay import Actor, ActorError, CallTimeout, SupervisionError, endpoint
 
 log = logging.getLogger("relay.judge")
 
 DEFAULT_ROUTE = "__default__"
 SAMPLING_DEFAULTS = {"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 4096}
+MAX_ENGINE_BATCH = 128  # requests per relay message to one engine
 
 
 @relay.register(name="reward.JudgeAsleep")
@@ -57,6 +68,9 @@ class _Instance:
     in_flight: list = field(default_factory=list)
     awake: bool = True
     sem: list = field(default_factory=list)
+    queue: list = field(default_factory=list)  # per engine: (ids, sampling, future) for the next batch
+    defaults: tuple | None = None  # what _admit gives a request without sampling_params (computed once)
+    template: tuple | None = None  # (compiled chat template, its variables) for chat_template_kwargs: see _render
 
 
 class Metrics:
@@ -104,8 +118,10 @@ class JudgeService(Actor):
             tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec["model_path"])
             self.instances[name] = _Instance(
                 name, spec["model_path"], spec.get("num_gpus", len(engines)), engines, sampling, ctk, tok,
-                [0] * len(engines), True, [asyncio.Semaphore(self.cap) for _ in engines],
+                [0] * len(engines), True, [asyncio.Semaphore(self.cap) for _ in engines], [[] for _ in engines],
+                template=_compiled_template(tok, ctk),
             )
+        freeze_startup_objects()
 
     def _resolve(self, route_key: str | None) -> _Instance:
         if route_key is None and len(self.instances) == 1:
@@ -117,28 +133,83 @@ class JudgeService(Actor):
         return inst
 
     def _sampling(self, inst: _Instance, overrides: dict | None) -> tuple[dict, dict]:
+        """Merged sampling and chat_template_kwargs; the instance's own kwargs dict itself
+        when the request does not override them (requests sharing it render together)."""
         merged = dict(inst.sampling)
-        ctk = dict(inst.chat_template_kwargs)
+        ctk = inst.chat_template_kwargs
         for k, v in (overrides or {}).items():
             if k == "chat_template_kwargs":
-                ctk.update(v or {})
+                ctk = {**ctk, **(v or {})}
             elif k == "max_new_tokens":
                 merged["max_response_len"] = v
             else:
                 merged[k] = v
         return merged, ctk
 
-    @endpoint(concurrent=True)
-    async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> str:
+    def _admit(self, sampling_params: dict | None, route_key: str | None) -> tuple:
+        """(instance, merged sampling, SamplingParams, chat_template_kwargs, engine sampling
+        dict) or the request's error. Shared between requests: never mutate them."""
         inst = self._resolve(route_key)
         if not inst.awake:
             self.metrics.inc(inst.name, "rejected_asleep")
             raise JudgeAsleep(f"GenRM instance {inst.name!r} is asleep; retry after it wakes")
+        if not sampling_params and inst.defaults is not None:
+            return inst.defaults
         sampling, ctk = self._sampling(inst, sampling_params)
-        from engines.interface import SamplingParams
-
         sp = SamplingParams.from_dict(sampling)  # unknown keys / bad values: ValueError
-        ids = _render(inst.tokenizer, messages, ctk)
+        admitted = (inst, sampling, sp, ctk, _as_dict(sp))
+        if not sampling_params:
+            inst.defaults = admitted
+        return admitted
+
+    @endpoint(concurrent=True)
+    async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> str:
+        inst, sampling, sp, ctk, engine_sp = self._admit(sampling_params, route_key)
+        return await self._judge(inst, sampling, sp, engine_sp, self._render(inst, [messages], ctk)[0])
+
+    @endpoint(concurrent=True)
+    async def generate_batch(self, requests: list) -> list:
+        """``requests``: a list of ``[messages, sampling_params, route_key]``. Returns one item
+        per request, in order: its response text, or the exception that request raised (the
+        error :meth:`generate` would raise for it alone; the others are unaffected)."""
+        out: list = [None] * len(requests)
+        groups: dict[tuple, list] = {}  # (instance, chat_template_kwargs) -> requests rendered together
+        for j, req in enumerate(requests):
+            try:
+                if not isinstance(req, (list, tuple)) or len(req) != 3:
+                    raise TypeError("each request must be [messages, sampling_params, route_key]")
+                inst, sampling, sp, ctk, engine_sp = self._admit(req[1], req[2])
+            except Exception as e:  # noqa: BLE001 - this request's error, returned in its place
+                out[j] = e
+                continue
+            groups.setdefault((inst.name, id(ctk)), []).append((j, req[0], inst, sampling, sp, ctk, engine_sp))
+        jobs, where = [], []
+        for group in groups.values():
+            inst, ctk = group[0][2], group[0][5]
+            try:
+                rendered = self._render(inst, [g[1] for g in group], ctk)
+            except Exception:  # noqa: BLE001 - some request is malformed: render one by one to find it
+                rendered = []
+                for g in group:
+                    try:
+                        rendered.append(self._render(inst, [g[1]], ctk)[0])
+                    except Exception as e:  # noqa: BLE001
+                        rendered.append(e)
+            for (j, _, inst, sampling, sp, _, engine_sp), ids in zip(group, rendered):
+                if isinstance(ids, Exception):
+                    out[j] = ids
+                else:
+                    jobs.append(self._judge(inst, sampling, sp, engine_sp, ids))
+                    where.append(j)
+        for j, r in zip(where, await asyncio.gather(*jobs, return_exceptions=True)):
+            out[j] = r
+        return out
+
+    @staticmethod
+    def _render(inst: _Instance, conversations: list, ctk: dict) -> list[list[int]]:
+        return _render(inst.tokenizer, conversations, ctk, inst.template if ctk is inst.chat_template_kwargs else None)
+
+    async def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, engine_sp: dict, ids: list) -> str:
         key = None
         if self.cache_mode == "always" or (self.cache_mode == "deterministic" and sp.temperature == 0):
             key = (inst.name, tuple(ids), tuple(sorted((k, str(v)) for k, v in sampling.items())))
@@ -151,7 +222,7 @@ class JudgeService(Actor):
         t0 = time.monotonic()
         self.metrics.inc(inst.name, "requests")
         self.metrics.inc(inst.name, "tokens_in", len(ids))
-        text = await self._call_engine(inst, ids, sp)
+        text = await self._call_engine(inst, ids, engine_sp)
         self.metrics.latency[inst.name].append(time.monotonic() - t0)
         if key is not None:
             self.cache[key] = text
@@ -159,7 +230,7 @@ class JudgeService(Actor):
                 self.cache.popitem(last=False)
         return text
 
-    async def _call_engine(self, inst: _Instance, ids: list, sp) -> str:
+    async def _call_engine(self, inst: _Instance, ids: list, sampling: dict) -> str:
         tried: set[int] = set()
         last: Exception | None = None
         for _ in range(2):  # the first engine, then once on another
@@ -169,7 +240,7 @@ class JudgeService(Actor):
             inst.in_flight[i] += 1
             try:
                 async with inst.sem[i]:
-                    result = await inst.engines[i].generate.call_one(ids, _as_dict(sp)).result()
+                    result = await self._submit(inst, i, ids, sampling)
                 self.metrics.inc(inst.name, "tokens_out", len(result.token_ids))
                 return result.text.strip()
             except (SupervisionError, CallTimeout, ConnectionError) as e:
@@ -181,6 +252,45 @@ class JudgeService(Actor):
             finally:
                 inst.in_flight[i] -= 1
         raise JudgeUnavailable(f"GenRM instance {inst.name!r}: engines failed ({last})")
+
+    def _submit(self, inst: _Instance, i: int, ids: list, sampling: dict) -> asyncio.Future:
+        """Queue one request for engine ``i``; the queue goes out at the end of this loop turn."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        queue = inst.queue[i]
+        queue.append((ids, sampling, fut))
+        if len(queue) == 1:
+            loop.call_soon(self._flush, inst, i)
+        return fut
+
+    def _flush(self, inst: _Instance, i: int) -> None:
+        queue = inst.queue[i]
+        while queue:
+            batch = queue[:MAX_ENGINE_BATCH]
+            del queue[:MAX_ENGINE_BATCH]
+            asyncio.get_running_loop().create_task(self._send_batch(inst.engines[i], batch))
+
+    @staticmethod
+    async def _send_batch(engine, batch: list) -> None:
+        """One ``generate_batch`` call; each request's future gets its own result. Invariant:
+        an item's engine error reaches only that item (as ActorError, like a lone call's);
+        a failure of the call itself reaches every item of the batch."""
+        try:
+            results = await engine.generate_batch.call_one([[ids, sampling] for ids, sampling, _ in batch]).result()
+            if len(results) != len(batch):
+                raise ValueError(f"the judge engine answered {len(results)} results for {len(batch)} requests")
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting request
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (_, _, fut), r in zip(batch, results):
+            if fut.done():
+                continue
+            if isinstance(r, BaseException):
+                fut.set_exception(ActorError("engine", 0, "generate", r, getattr(r, "remote_traceback", "")))
+            else:
+                fut.set_result(r)
 
     @endpoint(concurrent=True)
     async def record_parse(self, route_key: str | None, ok: bool) -> None:
@@ -228,14 +338,78 @@ class JudgeService(Actor):
         return info
 
 
-def _render(tokenizer, messages: list, ctk: dict) -> list[int]:
-    """Chat template -> token ids; the fast tokenizer's own encoder skips transformers'
-    per-call wrapper (about half the cost of a judge request on the service)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **ctk)
+async def start_judge_service(specs: dict, timeout: float = 300.0, **kwargs) -> tuple:
+    """Start the JudgeService in a process of its own on this host; returns ``(judge,
+    procs)``: the one-actor mesh and its process mesh (``await procs.stop()`` at the end).
+    Reward code reaches it at ``procs.procs[0].addr`` (actor name "genrm").
+
+    Own process: its chat templating and tokenizing run beside the process that hosts the
+    HTTP gateway and the caller's loop (the controller's GRPO loop, the reward functions),
+    not on its event loop. If the process dies, the failure goes to the spawner's
+    supervision (at the root: the unhandled fault hook), like any owned process."""
+    procs = relay.this_host().spawn_procs(per_host={"procs": 1}, name="genrm")
+    judge = procs.spawn("genrm", JudgeService, specs, **kwargs)
+    await judge.initialized(timeout)
+    return judge, procs
+
+
+_frozen: list = []
+
+
+def freeze_startup_objects() -> None:
+    """Move the objects alive now (torch, transformers, tokenizers: ~400k in a controller)
+    out of the collector's view: a full collection over them stalls the event loop of the
+    process serving judge requests for ~0.3 s. They are handed back at exit, so that the
+    interpreter's teardown still collects them."""
+    gc.freeze()
+    if not _frozen:
+        _frozen.append(True)
+        atexit.register(gc.unfreeze)
+
+
+def _compiled_template(tokenizer, ctk: dict) -> tuple | None:
+    """The tokenizer's chat template compiled by transformers, with the variables
+    ``apply_chat_template`` would give it (special tokens, then ``ctk``); None when this
+    transformers does not offer them or the template cannot be had (then _render always
+    goes through apply_chat_template)."""
+    try:
+        from transformers.utils.chat_template_utils import (
+            _compile_jinja_template,
+            _plain_template_data,
+        )
+
+        return _compile_jinja_template(tokenizer.get_chat_template()), _plain_template_data({**tokenizer.special_tokens_map, **ctk})
+    except Exception:  # noqa: BLE001 - no fast path; the general one reports real errors
+        return None
+
+
+def _plain_chat(messages) -> bool:
+    """Messages that transformers' normalization leaves as they are: dicts of str role/content."""
+    return type(messages) is list and all(
+        type(m) is dict and m.keys() <= {"role", "content"} and all(type(v) is str for v in m.values()) for m in messages
+    )
+
+
+def _render(tokenizer, conversations: list, ctk: dict, template: tuple | None = None) -> list[list[int]]:
+    """Chat template -> token ids for several conversations at once. ``template`` (from
+    :func:`_compiled_template` for these ``ctk``): plain {role, content} messages are rendered
+    with it directly, exactly as ``apply_chat_template`` renders them (it normalizes messages
+    to these plain dicts, then calls the same compiled template with the same variables),
+    without its per-call wrapper; anything else goes through ``apply_chat_template``. The
+    fast tokenizer's batch encoder without offsets gives the same ids for less work."""
+    if template is not None and all(_plain_chat(c) for c in conversations):
+        compiled, variables = template
+        texts = [compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=True, **variables) for c in conversations]
+    else:
+        texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **ctk)
+    if not isinstance(texts, list) or len(texts) != len(conversations):  # a conversation was not a list
+        raise TypeError("messages must be a list of {role, content} objects")
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.encode(text, add_special_tokens=False).ids
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if backend is None:
+        return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    if len(texts) == 1:
+        return [backend.encode(texts[0], add_special_tokens=False).ids]
+    return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def _as_dict(sp) -> dict:

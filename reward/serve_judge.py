@@ -1,5 +1,6 @@
 """``relay judge --config X.yaml [--host H] [--port P] [--token T]``: only the judge — its
-engines, the judge service and the HTTP gateway — on this machine, until SIGINT/SIGTERM.
+engines, the judge service (a process of its own) and the HTTP gateway (in this process)
+— on this machine, until SIGINT/SIGTERM.
 
 A judge model path that does not exist yet and sits under the cache directory (the tiny
 configs' ``${RELAY_CACHE:-.cache}/models/tiny-judge``) is built on first use (a tiny random
@@ -18,7 +19,7 @@ from engines.model_builder import ensure_model
 from launcher.config import JobConfig
 
 from .gateway import serve
-from .judge import JudgeService
+from .judge import start_judge_service
 
 
 async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, ready=None) -> int:
@@ -42,10 +43,10 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
             "engines": [engines.slice(engines=i) for i in range(n_engines)],
         }
         await engines.initialized(600)
-    judge = relay.this_proc().spawn("genrm", JudgeService, specs)
-    await judge.initialized(600)
+    judge, judge_procs = await start_judge_service(specs, 600)
+    meshes.append(judge_procs)
     runner = await serve(judge, host, port, token)
-    print(f"judge ready: http://{host}:{port}/genrm/health  (relay address for reward code: {relay.current_runtime().address})", flush=True)
+    print(f"judge ready: http://{host}:{port}/genrm/health  (relay address for reward code: {judge_procs.procs[0].addr})", flush=True)
     if ready is not None:
         ready.set()
     stop = asyncio.Event()

@@ -1,0 +1,158 @@
+"""Batching in the judge path: many judge requests share one relay call (client -> service,
+service -> engine), yet each request keeps its own result or error, in its own position."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.interface import GenerateResult
+from relay import Actor, current_runtime, endpoint, this_proc
+from reward.client import GenRMClient
+from reward.judge import JudgeAsleep, JudgeService, UnknownRouteKey
+from tests.helpers import run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+MSG = [{"role": "user", "content": "Is 2+2=4? Answer 1 or 0."}]
+
+
+class EchoEngine(Actor):
+    """Answers "<seed>" for each request; a request with max_new_tokens == 13 is refused;
+    ``broken=True`` makes every call fail as a whole. Counts its calls."""
+
+    def __init__(self, broken: bool = False):
+        self.broken = broken
+        self.calls: list[int] = []
+
+    @endpoint(concurrent=True)
+    async def generate_batch(self, requests: list) -> list:
+        self.calls.append(len(requests))
+        if self.broken:
+            raise RuntimeError("this engine is broken")
+        return [
+            ValueError("max_new_tokens 13 is refused") if s["max_new_tokens"] == 13 else GenerateResult([1], f" {s['seed']} ", [0.0], "stop", len(p), 0)
+            for p, s in requests
+        ]
+
+    @endpoint(concurrent=True)
+    async def call_sizes(self) -> list:
+        return self.calls
+
+
+async def start(engines: list, **kw):
+    meshes = []
+    for i, broken in enumerate(engines):
+        m = this_proc().spawn(f"engine{i}", EchoEngine, broken)
+        await m.initialized(60)
+        meshes.append(m)
+    spec = {"__default__": {"model_path": kw.pop("model"), "sampling_config": {"temperature": 0.0}, "engines": meshes}}
+    judge = this_proc().spawn("genrm", JudgeService, spec, cache="off")
+    await judge.initialized(120)
+    return judge, meshes
+
+
+def test_generate_batch_keeps_order_and_each_requests_own_error(judge_model):
+    async def main():
+        judge, (engine,) = await start([False], model=judge_model)
+        reqs = [[MSG, {"seed": i}, None] for i in range(6)]
+        reqs[1] = [MSG, {"seed": 1}, "nope"]  # unknown route key
+        reqs[3] = [MSG, {"top_p": 7}, None]  # bad sampling
+        reqs[4] = [[5], {"seed": 4}, None]  # malformed messages: fails rendering alone
+        reqs[5] = [MSG, {"seed": 5, "max_new_tokens": 13}, None]  # refused by the engine
+        reqs.append("not a request")
+        reqs.append([{"role": "user", "content": "a dict, not a list"}, None, None])
+        out = await judge.generate_batch.call_one(reqs).result(60)
+        assert out[0] == "0" and out[2] == "2"
+        assert isinstance(out[1], UnknownRouteKey) and "available=['__default__']" in str(out[1])
+        assert isinstance(out[3], ValueError) and "top_p" in str(out[3])
+        assert isinstance(out[4], Exception)
+        assert isinstance(out[5], ValueError) and "refused" in str(out[5]) and "13" in str(out[5])
+        assert isinstance(out[6], TypeError)
+        assert isinstance(out[7], TypeError) and "list of {role, content}" in str(out[7])
+        # the well-formed requests reached the engine together, in one call
+        assert await engine.call_sizes.call_one().result(10) == [3]
+        await judge.set_awake.call_one(None, False).result(10)
+        (asleep,) = await judge.generate_batch.call_one([[MSG, None, None]]).result(10)
+        assert isinstance(asleep, JudgeAsleep)
+
+    run(main(), 120)
+
+
+def test_concurrent_requests_share_engine_calls_and_get_their_own_answers(judge_model):
+    async def main():
+        judge, (engine,) = await start([False], model=judge_model)
+        got = await asyncio.gather(*(judge.generate.call_one(MSG, {"seed": i}).result(60) for i in range(40)))
+        assert got == [str(i) for i in range(40)]
+        sizes = await engine.call_sizes.call_one().result(10)
+        assert sum(sizes) == 40 and len(sizes) < 40
+
+    run(main(), 120)
+
+
+def test_client_coalesces_calls_but_each_caller_gets_its_result_or_error(judge_model):
+    async def main():
+        judge, (engine,) = await start([False], model=judge_model)
+        client = GenRMClient(current_runtime().ensure_inbox())
+
+        async def one(i):
+            try:
+                if i == 7:
+                    return await client.generate(MSG, {"seed": i}, route_key="nope")
+                if i == 9:
+                    return await client.generate(MSG, {"seed": i, "max_new_tokens": 13})
+                return await client.generate(MSG, {"seed": i})
+            except Exception as e:  # noqa: BLE001
+                return e
+
+        got = await asyncio.gather(*(one(i) for i in range(30)))
+        for i, g in enumerate(got):
+            if i == 7:
+                assert isinstance(g, UnknownRouteKey)
+            elif i == 9:
+                assert isinstance(g, ValueError) and "refused" in str(g)
+            else:
+                assert g == str(i)
+        assert await client.generate_many([MSG] * 5, {"seed": 3}) == ["3"] * 5
+        sizes = await engine.call_sizes.call_one().result(10)
+        assert sum(sizes) == 29 + 5 and len(sizes) < 10  # all but the unknown route key
+
+    run(main(), 120)
+
+
+def test_a_failing_engine_call_fails_only_its_own_requests(judge_model):
+    async def main():
+        judge, (good, bad) = await start([False, True], model=judge_model)
+        got = await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(20)]).result(60)
+        bad_sizes = await bad.call_sizes.call_one().result(10)
+        good_sizes = await good.call_sizes.call_one().result(10)
+        assert sum(bad_sizes) > 0 and sum(good_sizes) > 0  # least-loaded: both engines got some
+        failed = [g for g in got if isinstance(g, Exception)]
+        assert len(failed) == sum(bad_sizes)
+        assert all(isinstance(g, ValueError) and "this engine is broken" in str(g) for g in failed)
+        assert all(g == str(i) for i, g in enumerate(got) if not isinstance(g, Exception))
+
+    run(main(), 120)
+
+
+def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
+    """Batched or one by one, through the compiled template (plain messages) or through
+    apply_chat_template (anything else, other chat_template_kwargs): the same token ids."""
+    from transformers import AutoTokenizer
+
+    from reward.judge import _compiled_template, _render
+
+    tok = AutoTokenizer.from_pretrained(judge_model)
+    convs = [
+        MSG,
+        [{"role": "system", "content": "Be strict."}, {"role": "user", "content": "x = \\frac{1}{2}?"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "ünïcode ✓ <|im_end|>"}],
+        [{"role": "user", "content": "tool-less", "name": None}],  # not plain: goes through apply_chat_template
+    ]
+    for ctk in ({}, {"enable_thinking": False}):
+        template = _compiled_template(tok, ctk)
+        assert template is not None
+        expected = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **ctk)) for c in convs]
+        for t in (None, template):
+            assert _render(tok, convs, ctk, t) == expected
+            assert [_render(tok, [c], ctk, t)[0] for c in convs] == expected
