@@ -82,7 +82,8 @@ class TrainerActor(Actor):
         if kind == "megatron":
             self.opt = MegatronAdamW(self.model, clip_grad=self.clip_grad, bf16=self.bf16, device=self.device, **self.opt_args)
         else:
-            self.opt = TorchAdamW(self.model, clip_grad=self.clip_grad, dp_group=self.dp_group, dp_size=self.dp_size, device=self.device, **self.opt_args)
+            self.opt = TorchAdamW(self.model, clip_grad=self.clip_grad, dp_group=self.dp_group, dp_size=self.dp_size, device=self.device,
+                                  tp_group=self.tp_group, tp_size=self.tp, **self.opt_args)
 
     def _init_parallel(self, dist) -> None:
         """torch.distributed and Megatron's model-parallel groups, once per process (a second

@@ -78,12 +78,15 @@ def _unique_storages(tensors) -> list:
 
 
 class TorchAdamW:
-    """``torch.optim.AdamW`` on the model's parameters; DP gradients averaged by all-reduce."""
+    """``torch.optim.AdamW`` on the model's parameters; DP gradients averaged by all-reduce;
+    the gradient norm is the whole model's (TP shards summed, replicated params once)."""
 
     kind = "torch"
 
-    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, dp_group, dp_size: int, device):
+    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, dp_group, dp_size: int, device,
+                 tp_group=None, tp_size: int = 1):
         self.model = model
+        self.tp_group, self.tp_size = tp_group, tp_size
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.clip_grad = clip_grad
         self.dp_group, self.dp_size = dp_group, dp_size
@@ -124,8 +127,29 @@ class TorchAdamW:
         """Average gradients over DP, clip to ``clip_grad`` (0: no clipping), step; returns
         the gradient norm before clipping."""
         self._reduce_grads()
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf")))
+        norm = self._clip()
         self.opt.step()
+        return norm
+
+    def _clip(self) -> float:
+        """Clip by the global norm, as ``clip_grad_norm_`` would on the unsharded model: a
+        TP-sharded parameter's shards are summed over the TP group, a replicated one (norms,
+        biases) counted once."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.model.parameters() if p.grad is not None and (self.tp_size == 1 or param_is_not_tensor_parallel_duplicate(p))]
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(sq, group=self.tp_group)
+        norm = float(sq.sqrt())
+        if self.clip_grad > 0:
+            coef = min(1.0, self.clip_grad / (norm + 1e-6))
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
         return norm
 
     def _storages(self) -> tuple[list, list]:

@@ -245,3 +245,32 @@ def test_bf16_params_train_with_fp32_master_weights(policy):
 def test_bf16_needs_the_megatron_optimizer(policy):
     with pytest.raises(ValueError, match="fp32 master weights"):
         TrainerActor(policy, bf16=True, optimizer="torch")
+
+
+@pytest.mark.parametrize("opt", ["torch", "megatron"])
+def test_tp2_training_matches_tp1(policy, opt):
+    """Two TP shards (DP = 1) train like one: the first step's gradient norm is the whole
+    model's (shards summed over TP, replicated norms once — the torch path used to report
+    and clip by each shard's own norm), and two steps move the log-probs as at TP = 1 (up
+    to rounding that Adam amplifies on near-zero gradients)."""
+
+    async def main():
+        out = []
+        for gpus, tp, kind in ((1, 1, "torch"), (2, 2, opt)):
+            procs, t = await start(policy, gpus=gpus, tp=tp, optimizer=kind)
+            kinds = (await t.optimizer_info.call().result(60)).values()
+            before = (await t.compute_logprobs.call(SEQS).result(60)).values()[0]
+            stats = [(await t.train_step.call(SEQS, MASKS, ADV).result(120)).values() for _ in range(2)]
+            lp = (await t.compute_logprobs.call(SEQS).result(60)).values()
+            await stop(procs, t)
+            out.append((kinds, stats, before, lp))
+        return out
+
+    (_, s1, before1, lp1), (kinds, s2, before2, lp2) = run(main(), 280)
+    assert all(k["kind"] == opt for k in kinds), kinds
+    assert s2[0][0]["grad_norm"] == s2[0][1]["grad_norm"] == pytest.approx(s1[0][0]["grad_norm"], rel=1e-5)
+    assert lp2[0] == lp2[1]  # both TP ranks return the same (gathered) log-probs
+    d1 = [a - b for ra, rb in zip(lp1[0], before1) for a, b in zip(ra, rb)]
+    d2 = [a - b for ra, rb in zip(lp2[0], before2) for a, b in zip(ra, rb)]
+    err = math.sqrt(sum((a - b) ** 2 for a, b in zip(d1, d2))) / math.sqrt(sum(a * a for a in d1))
+    assert err < 0.05
