@@ -47,11 +47,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float):
     """Torch reference: gathers each sequence's blocks, masks past its length."""
     b, h, d = q.shape
-    _, page, kvh, _ = k_cache.shape
+    n, page, kvh, _ = k_cache.shape
     width = block_tables.shape[1]
-    tables = block_tables.long()
-    keys = k_cache[tables].view(b, width * page, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
-    vals = v_cache[tables].view(b, width * page, kvh, d).transpose(1, 2)
+    tables = block_tables.reshape(-1).long()
+    keys = k_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
+    vals = v_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)
     mask = torch.arange(width * page, device=q.device)[None, :] < context_lens.long()[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None, :], keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
