@@ -121,3 +121,43 @@ def test_cuda_ipc_export_into_engines_on_the_same_gpu(tmp_path):
     assert remote.logprobs == local.logprobs == ref.logprobs
     assert remote.weight_version == local.weight_version == ref.weight_version == 1
     assert remote.logprobs != before.logprobs  # the weights really changed
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
+    """push_weights picks the broadcast group (NCCL) for a built-in engine on another GPU than
+    the trainer's; the engine then generates exactly what an engine given the same weights
+    over relay generates."""
+    from engines.actor import EngineActor
+
+    path = make_model("qwen3", "small", str(tmp_path / "small"), seed=0, dtype="bfloat16", init_device="cuda")
+    greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    ekw = dict(device="cuda", kv_cache_tokens=4096, weights_mode="discard")
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 1})  # trainer on GPU 0
+        await setup_torch_distributed(procs)
+        t = procs.spawn("trainer", TrainerActor, path, lr=1e-2, bf16=True)
+        eprocs = this_host().spawn_procs(per_host={"gpus": 2})
+        engines = eprocs.spawn("engines", EngineActor, path, "torch", **ekw)
+        await asyncio.gather(t.initialized(600), engines.initialized(600))
+        ref, other = engines.slice(gpus=0), engines.slice(gpus=1)
+        before = await other.generate.call_one(SEQS[0][:32], greedy).result(300)
+        await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        await engines.sleep.call(["weights", "kv_cache"]).result(300)
+        await engines.wake.call(["weights"]).result(300)
+        plan = await t.push_weights.call_one([other], 1, 1 << 20, 120.0, "auto").result(300)
+        await t.push_weights.call_one([ref], 1, 1 << 20, 120.0, "relay").result(300)
+        await engines.wake.call(["kv_cache"]).result(300)
+        outs = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (other, ref)]
+        events = await other.events.call_one().result(60)
+        await t.shutdown.call().result(60)
+        await procs.stop()
+        await eprocs.stop()
+        return before, outs, plan, events
+
+    before, (other, ref), sent, events = run(main(), 880)
+    assert sent > 0
+    assert other.token_ids == ref.token_ids and other.logprobs == ref.logprobs
+    assert other.weight_version == 1 and other.logprobs != before.logprobs
+    assert [e[2] for e in events if e[1] == "update_weights"] == [1]
