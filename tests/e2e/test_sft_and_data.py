@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)  # the session fixture has its own subprocess timeouts
 def test_relay_sft_learns_and_writes_a_loadable_checkpoint(trained):
     with open(os.path.join(trained["judge_sft_run"], "metrics.jsonl")) as f:
         evals = [r["eval/accuracy"] for r in map(json.loads, f) if "eval/accuracy" in r]
