@@ -453,6 +453,11 @@ class TorchEngine(Engine):
         Seeded rows use Gumbel-max over :func:`seeded_uniform` noise (batched); rows that
         truncate (top-k / top-p) are handled row by row."""
         dev = logits.device
+        if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
+            tok = logits.argmax(dim=-1)
+            lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
+            toks, lps = torch.stack((tok.double(), lp.double())).tolist()
+            return [int(t) for t in toks], lps
         temps = torch.tensor([s.sampling.temperature or 1.0 for s in seqs], device=dev, dtype=logits.dtype)
         greedy = torch.tensor([s.sampling.temperature == 0 for s in seqs], device=dev)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
