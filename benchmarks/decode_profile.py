@@ -38,7 +38,7 @@ def main() -> None:
         await asyncio.gather(*(eng.generate(p, {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}) for p in prompts))
 
     asyncio.run(fill())
-    # Re-create running sequences' state by hand: block tables of contiguous blocks.
+    # A decode batch by hand: each sequence's context in contiguous blocks.
     bs = eng.block_size
     blocks = -(-(a.context + 1) // bs)
     tables = torch.arange(a.batch * blocks, dtype=torch.int32, device="cuda").view(a.batch, blocks)
@@ -64,7 +64,6 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     rows = []
-    total = 0.0
     for ev in prof.key_averages():
         cuda_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if cuda_us and ev.key and not ev.key.startswith("ProfilerStep"):

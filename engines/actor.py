@@ -85,7 +85,7 @@ class EngineActor(Actor):
         if self.backend != "torch":
             # SGLang receives a broadcast tensor by tensor and IPC as pickled tensors; the
             # trainer sends it weights through update_weights (the relay path) instead.
-            raise NotImplementedError(f"{what} is served by the built-in engine only; the {self.backend} backend takes weights through update_weights")
+            raise RuntimeError(f"{what} is served by the built-in engine only; the {self.backend} backend takes weights through update_weights")
         return self.engine
 
     @endpoint(concurrent=True)

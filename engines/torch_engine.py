@@ -452,16 +452,20 @@ class TorchEngine(Engine):
         """Sample one token per row on the device, with one host transfer for the batch.
         Seeded rows use Gumbel-max over :func:`seeded_uniform` noise (batched); rows that
         truncate (top-k / top-p) are handled row by row."""
-        dev = logits.device
         if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
-            tok = logits.argmax(dim=-1)
-            lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
-            toks, lps = torch.stack((tok.double(), lp.double())).tolist()
-            return [int(t) for t in toks], lps
+            tok, logp = logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1)
+        else:
+            tok, logp = self._sample_rows(logits, seqs)
+        lp = logp.gather(1, tok[:, None])[:, 0]
+        toks, lps = torch.stack((tok.double(), lp.double())).tolist()  # one device->host transfer
+        return [int(t) for t in toks], lps
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B] and the log-softmax at each row's temperature [B, V]."""
+        dev = logits.device
         temps = torch.tensor([s.sampling.temperature or 1.0 for s in seqs], device=dev, dtype=logits.dtype)
-        greedy = torch.tensor([s.sampling.temperature == 0 for s in seqs], device=dev)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        tok = logits.argmax(dim=-1)
+        tok = logits.argmax(dim=-1)  # greedy rows; every other row is drawn below
         untruncated = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0 and s.sampling.top_k < 0 and s.sampling.top_p >= 1.0]
         plain = [i for i in untruncated if seqs[i].generator is None]
         seeded = [i for i in untruncated if seqs[i].generator is not None]
@@ -482,10 +486,7 @@ class TorchEngine(Engine):
         for i, s in enumerate(seqs):
             if s.sampling.temperature > 0 and i not in batched:
                 tok[i] = self._sample(logits[i], s.sampling, s.generator)[0]
-        tok = torch.where(greedy, logits.argmax(dim=-1), tok)
-        lp = logp.gather(1, tok[:, None])[:, 0]
-        toks, lps = torch.stack((tok.double(), lp.double())).tolist()  # one device->host transfer
-        return [int(t) for t in toks], lps
+        return tok, logp
 
     def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
         if sp.temperature == 0:

@@ -23,7 +23,7 @@ import os
 
 from relay import ActorError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
-from .judge import JudgeAsleep, JudgeService, JudgeUnavailable
+from .judge import JudgeAsleep, JudgeService, JudgeUnavailable, settle_batch
 
 ENV_ADDR = "RELAY_GENRM_ADDR"
 ENV_ACTOR = "RELAY_GENRM_ACTOR"
@@ -64,22 +64,8 @@ class JudgeBatcher:
                 loop.create_task(self._send(queue[k : k + MAX_BATCH], timeout))
 
     async def _send(self, batch: list, timeout: float) -> None:
-        try:
-            results = await self._mesh.generate_batch.call_one([req for req, _ in batch]).result(timeout)
-            if len(results) != len(batch):
-                raise ValueError(f"the judge answered {len(results)} results for {len(batch)} requests")
-        except BaseException as e:  # noqa: BLE001 - handed to every waiting request
-            for _, f in batch:
-                if not f.done():
-                    f.set_exception(e)
-            return
-        for (_, f), r in zip(batch, results):
-            if f.done():
-                continue
-            if isinstance(r, BaseException):
-                f.set_exception(ActorError("genrm", 0, "generate", r, getattr(r, "remote_traceback", "")))
-            else:
-                f.set_result(r)
+        call = self._mesh.generate_batch.call_one([req for req, _ in batch]).result(timeout)
+        await settle_batch(call, [f for _, f in batch], "genrm")
 
 
 class GenRMClient:

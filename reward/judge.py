@@ -272,25 +272,9 @@ class JudgeService(Actor):
 
     @staticmethod
     async def _send_batch(engine, batch: list) -> None:
-        """One ``generate_batch`` call; each request's future gets its own result. Invariant:
-        an item's engine error reaches only that item (as ActorError, like a lone call's);
-        a failure of the call itself reaches every item of the batch."""
-        try:
-            results = await engine.generate_batch.call_one([[ids, sampling] for ids, sampling, _ in batch]).result()
-            if len(results) != len(batch):
-                raise ValueError(f"the judge engine answered {len(results)} results for {len(batch)} requests")
-        except BaseException as e:  # noqa: BLE001 - handed to every waiting request
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
-            return
-        for (_, _, fut), r in zip(batch, results):
-            if fut.done():
-                continue
-            if isinstance(r, BaseException):
-                fut.set_exception(ActorError("engine", 0, "generate", r, getattr(r, "remote_traceback", "")))
-            else:
-                fut.set_result(r)
+        """One ``generate_batch`` call to the engine for the batch's requests."""
+        call = engine.generate_batch.call_one([[ids, sampling] for ids, sampling, _ in batch]).result()
+        await settle_batch(call, [fut for *_, fut in batch], "engine")
 
     @endpoint(concurrent=True)
     async def record_parse(self, route_key: str | None, ok: bool) -> None:
@@ -336,6 +320,28 @@ class JudgeService(Actor):
             for name, inst in self.instances.items()
         }
         return info
+
+
+async def settle_batch(call, futures: list, actor: str) -> None:
+    """Await ``call`` (a batched relay call answering one item per request) and settle each
+    request's future. Invariant: an item's error reaches only that request (as the
+    ActorError a lone call would raise); a failure of the call itself reaches them all."""
+    try:
+        results = await call
+        if len(results) != len(futures):
+            raise ValueError(f"the {actor} answered {len(results)} results for {len(futures)} requests")
+    except BaseException as e:  # noqa: BLE001 - handed to every waiting request
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(e)
+        return
+    for fut, r in zip(futures, results):
+        if fut.done():
+            continue
+        if isinstance(r, BaseException):
+            fut.set_exception(ActorError(actor, 0, "generate", r, getattr(r, "remote_traceback", "")))
+        else:
+            fut.set_result(r)
 
 
 async def start_judge_service(specs: dict, timeout: float = 300.0, **kwargs) -> tuple:

@@ -66,6 +66,19 @@ class _StorageOffloader:
         if pin:
             torch.cuda.synchronize(self.device)
 
+    @contextlib.contextmanager
+    def restored(self, storages: list):
+        """While offloaded: the first ``len(storages)`` offloaded storages (the params) back
+        on the device for the body, freed again after it (their host copies stay valid)."""
+        for i, st in enumerate(storages):
+            st.resize_(self._sizes[i])
+            st.copy_(self._host[i].untyped_storage())
+        try:
+            yield
+        finally:
+            for st in storages:
+                st.resize_(0)
+
 
 def _unique_storages(tensors) -> list:
     seen, out = set(), []
@@ -77,22 +90,17 @@ def _unique_storages(tensors) -> list:
     return out
 
 
-class TorchAdamW:
-    """``torch.optim.AdamW`` on the model's parameters; DP gradients averaged by all-reduce;
-    the gradient norm is the whole model's (TP shards summed, replicated params once)."""
+class _Optimizer:
+    """What both paths share: lr and master dtype from ``self.opt``, and offload / onload /
+    ``params_present`` over the storages that :meth:`_storages` names as (params, state to
+    copy, storages that come back zeroed)."""
 
-    kind = "torch"
+    opt = None
+    _held: tuple | None = None
 
-    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, dp_group, dp_size: int, device,
-                 tp_group=None, tp_size: int = 1):
-        self.model = model
-        self.tp_group, self.tp_size = tp_group, tp_size
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.clip_grad = clip_grad
-        self.dp_group, self.dp_size = dp_group, dp_size
+    def __init__(self, device: torch.device):
         self.device = device
         self._offloader = _StorageOffloader(device)
-        self._held: tuple | None = None
 
     @property
     def lr(self) -> float:
@@ -100,11 +108,52 @@ class TorchAdamW:
 
     @property
     def master_dtype(self) -> torch.dtype:
+        """The dtype the optimizer updates in (fp32 master shards under bf16 params)."""
         return self.opt.param_groups[0]["params"][0].dtype
 
-    def zero_grad(self, lr: float) -> None:
+    def _set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
             g["lr"] = lr
+
+    def _storages(self) -> tuple[list, list, list]:
+        raise NotImplementedError
+
+    def offload(self) -> int:
+        params, state, zeroed = self._held = self._storages()
+        return self._offloader.offload(params + state, zeroed)
+
+    def onload(self) -> None:
+        params, state, zeroed = self._held
+        self._offloader.onload(params + state, zeroed)
+        self._held = None
+
+    @contextlib.contextmanager
+    def params_present(self):
+        """While offloaded: the parameters back on the device for the body (read only)."""
+        if self._held is None:
+            yield
+            return
+        with self._offloader.restored(self._held[0]):
+            yield
+
+
+class TorchAdamW(_Optimizer):
+    """``torch.optim.AdamW`` on the model's parameters; DP gradients averaged by all-reduce;
+    the gradient norm is the whole model's (TP shards summed, replicated params once)."""
+
+    kind = "torch"
+
+    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, dp_group, dp_size: int, device,
+                 tp_group=None, tp_size: int = 1):
+        super().__init__(device)
+        self.model = model
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.clip_grad = clip_grad
+        self.dp_group, self.dp_size = dp_group, dp_size
+
+    def zero_grad(self, lr: float) -> None:
+        self._set_lr(lr)
         self.opt.zero_grad(set_to_none=True)
 
     def _reduce_grads(self) -> None:
@@ -152,38 +201,12 @@ class TorchAdamW:
                     g.mul_(coef)
         return norm
 
-    def _storages(self) -> tuple[list, list]:
+    def _storages(self) -> tuple[list, list, list]:
+        """(params, Adam state + grads (copied: grads may be read after an onload), none)."""
         params = list(self.model.parameters())
         state = [v for p in params for v in self.opt.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1]
         grads = [p.grad for p in params if p.grad is not None]
-        return _unique_storages(params), _unique_storages(state) + _unique_storages(grads)
-
-    def offload(self) -> int:
-        params, rest = self._storages()
-        self._held = (params, rest)
-        return self._offloader.offload(params + rest, [])
-
-    def onload(self) -> None:
-        params, rest = self._held
-        self._offloader.onload(params + rest, [])
-        self._held = None
-
-    @contextlib.contextmanager
-    def params_present(self):
-        """While offloaded: the parameters back on the device for the body (read only)."""
-        if self._held is None:
-            yield
-            return
-        params, _ = self._held
-        sizes = self._offloader._sizes[: len(params)]
-        for i, (st, n) in enumerate(zip(params, sizes)):
-            st.resize_(n)
-            st.copy_(self._offloader._host[i].untyped_storage())
-        try:
-            yield
-        finally:
-            for st in params:
-                st.resize_(0)
+        return _unique_storages(params), _unique_storages(state) + _unique_storages(grads), []
 
     def state_dict(self) -> dict:
         return self.opt.state_dict()
@@ -192,7 +215,7 @@ class TorchAdamW:
         self.opt.load_state_dict(sd)
 
 
-class MegatronAdamW:
+class MegatronAdamW(_Optimizer):
     """Megatron DDP + DistributedOptimizer (AdamW, fp32 master weights and moments sharded
     over DP). ``self.ddp`` wraps the model; params live inside the DDP param buffers."""
 
@@ -202,8 +225,8 @@ class MegatronAdamW:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        super().__init__(device)
         self.model = model
-        self.device = device
         model.config.bf16 = bf16
         with cpu_shim.megatron_cuda_calls():
             self.ddp = DistributedDataParallel(
@@ -217,21 +240,9 @@ class MegatronAdamW:
             )
             self.opt = get_megatron_optimizer(config, [self.ddp])
         self._parts = getattr(self.opt, "chained_optimizers", [self.opt])
-        self._offloader = _StorageOffloader(device)
-        self._held: tuple | None = None
-
-    @property
-    def lr(self) -> float:
-        return self.opt.param_groups[0]["lr"]
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        """The dtype the optimizer updates in (fp32 master shards under bf16 params)."""
-        return self.opt.param_groups[0]["params"][0].dtype
 
     def zero_grad(self, lr: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        self._set_lr(lr)
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
 
@@ -260,30 +271,6 @@ class MegatronAdamW:
         grads = _unique_storages(b.grad_data for b in buffers)
         return params, state, grads
 
-    def offload(self) -> int:
-        params, state, grads = self._storages()
-        self._held = (params, state, grads)
-        return self._offloader.offload(params + state, grads)
-
-    def onload(self) -> None:
-        params, state, grads = self._held
-        self._offloader.onload(params + state, grads)
-        self._held = None
-
-    @contextlib.contextmanager
-    def params_present(self):
-        if self._held is None:
-            yield
-            return
-        params = self._held[0]
-        for i, st in enumerate(params):
-            st.resize_(self._offloader._sizes[i])
-            st.copy_(self._offloader._host[i].untyped_storage())
-        try:
-            yield
-        finally:
-            for st in params:
-                st.resize_(0)
 
     def state_dict(self) -> dict:
         """Collective over DP: param groups and step, plus the sharded master weights and
