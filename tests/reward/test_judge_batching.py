@@ -156,3 +156,91 @@ def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
         for t in (None, template):
             assert _render(tok, convs, ctk, t) == expected
             assert [_render(tok, [c], ctk, t)[0] for c in convs] == expected
+
+
+class GatedEngine(Actor):
+    """Holds every request until ``release``; records the most requests it held at once."""
+
+    def __init__(self):
+        self.held = 0
+        self.most = 0
+        self.gate = asyncio.Event()
+
+    @endpoint(concurrent=True)
+    async def generate_batch(self, requests: list) -> list:
+        self.held += len(requests)
+        self.most = max(self.most, self.held)
+        await self.gate.wait()
+        self.held -= len(requests)
+        return [GenerateResult([1], "1", [0.0], "stop", len(p), 0) for p, _ in requests]
+
+    @endpoint(concurrent=True)
+    async def release(self) -> int:
+        self.gate.set()
+        return self.most
+
+    @endpoint(concurrent=True)
+    async def holding(self) -> int:
+        return self.held
+
+
+def test_concurrency_cap_per_engine_holds_the_rest_back_until_answers_come(judge_model):
+    async def main():
+        engine = this_proc().spawn("gated", GatedEngine)
+        await engine.initialized(60)
+        spec = {"__default__": {"model_path": judge_model, "engines": [engine]}}
+        judge = this_proc().spawn("genrm", JudgeService, spec, max_concurrency_per_engine=3, cache="off")
+        await judge.initialized(120)
+        calls = [judge.generate.call_one(MSG, {"seed": i}).result(60) for i in range(10)]
+        for _ in range(200):
+            if await engine.holding.call_one().result(10) == 3:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # nothing more may arrive while the first three are held
+        assert await engine.holding.call_one().result(10) == 3
+        most = await engine.release.call_one().result(10)
+        assert await asyncio.gather(*calls) == ["1"] * 10 and most == 3
+
+    run(main(), 120)
+
+
+def test_a_dead_engine_is_retried_once_on_another_then_reported(judge_model, faults):
+    """Engines in processes of their own: killing one turns its calls into transport
+    failures, which the service retries once on the other engine; with both dead the
+    caller gets JudgeUnavailable."""
+    import os
+    import signal
+
+    from relay import this_host
+    from reward.judge import JudgeUnavailable
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"engines": 2}, name="deadengines")
+        try:
+            engines = procs.spawn("engine", EchoEngine)
+            await engines.initialized(60)
+            meshes = [engines.slice(engines=i) for i in range(2)]
+            spec = {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": meshes}}
+            judge = this_proc().spawn("genrm", JudgeService, spec, cache="off")
+            await judge.initialized(120)
+            assert await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(4)]).result(60) == ["0", "1", "2", "3"]
+            os.kill(procs.procs[0].pid, signal.SIGKILL)
+            for _ in range(100):  # until the runtime has seen the death
+                try:
+                    await meshes[0].call_sizes.call_one().result(1)
+                except Exception:  # noqa: BLE001
+                    break
+                await asyncio.sleep(0.05)
+            got = await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(8)]).result(60)
+            assert got == [str(i) for i in range(8)]  # all answered by the live engine
+            metrics = await judge.metrics_snapshot.call_one().result(10)
+            assert metrics["__default__"]["errors_transport"] >= 1
+            os.kill(procs.procs[1].pid, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            got = await judge.generate_batch.call_one([[MSG, {"seed": 1}, None]]).result(60)
+            assert isinstance(got[0], JudgeUnavailable) and "engines failed" in str(got[0])
+            assert {f.proc_id for f in faults} == {p.proc_id for p in procs.procs}  # both deaths reported
+        finally:
+            await procs.stop()
+
+    run(main(), 180)
