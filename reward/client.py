@@ -23,7 +23,7 @@ import os
 
 from relay import ActorError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
-from .judge import JudgeAsleep, JudgeService, JudgeUnavailable, settle_batch
+from .judge import JudgeAsleep, JudgeService, JudgeUnavailable
 
 ENV_ADDR = "RELAY_GENRM_ADDR"
 ENV_ACTOR = "RELAY_GENRM_ACTOR"
@@ -64,8 +64,23 @@ class JudgeBatcher:
                 loop.create_task(self._send(queue[k : k + MAX_BATCH], timeout))
 
     async def _send(self, batch: list, timeout: float) -> None:
-        call = self._mesh.generate_batch.call_one([req for req, _ in batch]).result(timeout)
-        await settle_batch(call, [f for _, f in batch], "genrm")
+        futures = [f for _, f in batch]
+        try:
+            results = await self._mesh.generate_batch.call_one([req for req, _ in batch]).result(timeout)
+            if len(results) != len(futures):
+                raise ValueError(f"the judge service answered {len(results)} results for {len(futures)} requests")
+        except BaseException as e:  # noqa: BLE001 - the call itself failed: every request gets it
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for fut, r in zip(futures, results):
+            if fut.done():
+                continue
+            if isinstance(r, BaseException):  # that request's own error, as a lone call raises it
+                fut.set_exception(ActorError("genrm", 0, "generate", r, getattr(r, "remote_traceback", "")))
+            else:
+                fut.set_result(r)
 
 
 class GenRMClient:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 import relay
-from engines.interface import SamplingParams
+from engines.interface import GenerateResult, SamplingParams
 from relay import Actor, ActorError, CallTimeout, SupervisionError, endpoint
 
 log = logging.getLogger("relay.judge")
@@ -65,12 +65,24 @@ class _Instance:
     sampling: dict
     chat_template_kwargs: dict
     tokenizer: object = None
-    in_flight: list = field(default_factory=list)
+    in_flight: list = field(default_factory=list)  # per engine: requests sent, not yet answered
     awake: bool = True
-    sem: list = field(default_factory=list)
-    queue: list = field(default_factory=list)  # per engine: (ids, sampling, future) for the next batch
+    waiting: list = field(default_factory=list)  # per engine: _Jobs for its next call (cap permitting)
+    flushing: list = field(default_factory=list)  # per engine: a flush is scheduled this loop turn
     defaults: tuple | None = None  # what _admit gives a request without sampling_params (computed once)
     template: tuple | None = None  # (compiled chat template, its variables) for chat_template_kwargs: see _render
+
+
+@dataclass(eq=False)
+class _Job:
+    """One admitted, rendered request on its way to an engine; ``future`` gets its text or error."""
+
+    prompt: list
+    sampling: dict  # as the engine takes it
+    future: asyncio.Future
+    key: tuple | None  # judgment-cache key, None when not cached
+    t0: float
+    tried: set = field(default_factory=set)  # engines that failed it in transport
 
 
 class Metrics:
@@ -116,10 +128,10 @@ class JudgeService(Actor):
             if not engines:
                 raise ValueError(f"GenRM instance {name!r} has no engines")
             tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec["model_path"])
+            n = len(engines)
             self.instances[name] = _Instance(
-                name, spec["model_path"], spec.get("num_gpus", len(engines)), engines, sampling, ctk, tok,
-                [0] * len(engines), True, [asyncio.Semaphore(self.cap) for _ in engines], [[] for _ in engines],
-                template=_compiled_template(tok, ctk),
+                name, spec["model_path"], spec.get("num_gpus", n), engines, sampling, ctk, tok,
+                [0] * n, True, [collections.deque() for _ in range(n)], [False] * n, template=_compiled_template(tok, ctk),
             )
         freeze_startup_objects()
 
@@ -183,7 +195,7 @@ class JudgeService(Actor):
                 out[j] = e
                 continue
             groups.setdefault((inst.name, id(ctk)), []).append((j, req[0], inst, sampling, sp, ctk, engine_sp))
-        jobs, where = [], []
+        futures, where = [], []
         for group in groups.values():
             inst, ctk = group[0][2], group[0][5]
             try:
@@ -199,9 +211,10 @@ class JudgeService(Actor):
                 if isinstance(ids, Exception):
                     out[j] = ids
                 else:
-                    jobs.append(self._judge(inst, sampling, sp, engine_sp, ids))
+                    futures.append(self._judge(inst, sampling, sp, engine_sp, ids))
                     where.append(j)
-        for j, r in zip(where, await asyncio.gather(*jobs, return_exceptions=True)):
+        # plain futures (no task per request): the engine calls settle them
+        for j, r in zip(where, await asyncio.gather(*futures, return_exceptions=True)):
             out[j] = r
         return out
 
@@ -209,7 +222,10 @@ class JudgeService(Actor):
     def _render(inst: _Instance, conversations: list, ctk: dict) -> list[list[int]]:
         return _render(inst.tokenizer, conversations, ctk, inst.template if ctk is inst.chat_template_kwargs else None)
 
-    async def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, engine_sp: dict, ids: list) -> str:
+    def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, engine_sp: dict, ids: list) -> asyncio.Future:
+        """The future of one request's response text: from the judgment cache, or queued for
+        the least-loaded engine of ``inst`` (see :meth:`_dispatch`)."""
+        fut = asyncio.get_running_loop().create_future()
         key = None
         if self.cache_mode == "always" or (self.cache_mode == "deterministic" and sp.temperature == 0):
             key = (inst.name, tuple(ids), tuple(sorted((k, str(v)) for k, v in sampling.items())))
@@ -218,63 +234,88 @@ class JudgeService(Actor):
                 self.cache.move_to_end(key)
                 self.metrics.inc(inst.name, "cache_hits")
                 self.metrics.inc(inst.name, "requests")
-                return hit
-        t0 = time.monotonic()
+                fut.set_result(hit)
+                return fut
         self.metrics.inc(inst.name, "requests")
         self.metrics.inc(inst.name, "tokens_in", len(ids))
-        text = await self._call_engine(inst, ids, engine_sp)
-        self.metrics.latency[inst.name].append(time.monotonic() - t0)
-        if key is not None:
-            self.cache[key] = text
-            if len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
-        return text
-
-    async def _call_engine(self, inst: _Instance, ids: list, sampling: dict) -> str:
-        tried: set[int] = set()
-        last: Exception | None = None
-        for _ in range(2):  # the first engine, then once on another
-            candidates = [i for i in range(len(inst.engines)) if i not in tried] or list(range(len(inst.engines)))
-            i = min(candidates, key=lambda j: inst.in_flight[j])
-            tried.add(i)
-            inst.in_flight[i] += 1
-            try:
-                async with inst.sem[i]:
-                    result = await self._submit(inst, i, ids, sampling)
-                self.metrics.inc(inst.name, "tokens_out", len(result.token_ids))
-                return result.text.strip()
-            except (SupervisionError, CallTimeout, ConnectionError) as e:
-                last = e
-                self.metrics.inc(inst.name, "errors_transport")
-            except ActorError as e:
-                self.metrics.inc(inst.name, "errors_engine")
-                raise ValueError(f"the judge engine refused the request: {e.exception}") from None
-            finally:
-                inst.in_flight[i] -= 1
-        raise JudgeUnavailable(f"GenRM instance {inst.name!r}: engines failed ({last})")
-
-    def _submit(self, inst: _Instance, i: int, ids: list, sampling: dict) -> asyncio.Future:
-        """Queue one request for engine ``i``; the queue goes out at the end of this loop turn."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        queue = inst.queue[i]
-        queue.append((ids, sampling, fut))
-        if len(queue) == 1:
-            loop.call_soon(self._flush, inst, i)
+        self._dispatch(inst, _Job(ids, engine_sp, fut, key, time.monotonic()))
         return fut
 
-    def _flush(self, inst: _Instance, i: int) -> None:
-        queue = inst.queue[i]
-        while queue:
-            batch = queue[:MAX_ENGINE_BATCH]
-            del queue[:MAX_ENGINE_BATCH]
-            asyncio.get_running_loop().create_task(self._send_batch(inst.engines[i], batch))
+    def _dispatch(self, inst: _Instance, job: _Job) -> None:
+        """Queue ``job`` for the least-loaded engine it has not failed on (any engine once
+        all have failed it); the engine's queue goes out at the end of this loop turn, as
+        far as the concurrency cap allows."""
+        n = len(inst.engines)
+        candidates = [i for i in range(n) if i not in job.tried] or range(n)
+        i = min(candidates, key=lambda j: inst.in_flight[j] + len(inst.waiting[j]))
+        inst.waiting[i].append(job)
+        if not inst.flushing[i]:
+            inst.flushing[i] = True
+            asyncio.get_running_loop().call_soon(self._flush, inst, i)
 
-    @staticmethod
-    async def _send_batch(engine, batch: list) -> None:
-        """One ``generate_batch`` call to the engine for the batch's requests."""
-        call = engine.generate_batch.call_one([[ids, sampling] for ids, sampling, _ in batch]).result()
-        await settle_batch(call, [fut for *_, fut in batch], "engine")
+    def _flush(self, inst: _Instance, i: int) -> None:
+        """Send engine ``i`` its waiting jobs, at most ``cap`` in flight, in calls of at most
+        ``MAX_ENGINE_BATCH``; the rest go when answers come back."""
+        inst.flushing[i] = False
+        waiting = inst.waiting[i]
+        room = self.cap - inst.in_flight[i]
+        loop = asyncio.get_running_loop()
+        while waiting and room > 0:
+            k = min(room, MAX_ENGINE_BATCH, len(waiting))
+            batch = [waiting.popleft() for _ in range(k)]
+            room -= k
+            inst.in_flight[i] += k
+            loop.create_task(self._call_engine(inst, i, batch))
+
+    async def _call_engine(self, inst: _Instance, i: int, batch: list) -> None:
+        """One ``generate_batch`` call to engine ``i``; settles each job's future. A transport
+        failure (dead engine, timeout) sends each job once more to another engine, then
+        reports JudgeUnavailable; an engine's refusal of a request is that request's error."""
+        try:
+            results = await inst.engines[i].generate_batch.call_one([[job.prompt, job.sampling] for job in batch]).result()
+            if len(results) != len(batch):
+                raise ValueError(f"the engine answered {len(results)} results for {len(batch)} requests")
+        except (SupervisionError, CallTimeout, ConnectionError) as e:
+            self.metrics.inc(inst.name, "errors_transport")
+            for job in batch:
+                job.tried.add(i)
+                if len(job.tried) < 2:
+                    self._dispatch(inst, job)
+                elif not job.future.done():
+                    job.future.set_exception(JudgeUnavailable(f"GenRM instance {inst.name!r}: engines failed ({e})"))
+            return
+        except ActorError as e:  # the engine raised for the whole call: each request's refusal
+            results = [e.exception] * len(batch)
+        except asyncio.CancelledError:
+            for job in batch:
+                job.future.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - not the engine's answer: every request of the call gets it
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(e)
+            return
+        finally:
+            inst.in_flight[i] -= len(batch)
+            if inst.waiting[i] and not inst.flushing[i]:
+                self._flush(inst, i)
+        now = time.monotonic()
+        latency = self.metrics.latency[inst.name]
+        for job, r in zip(batch, results):
+            if job.future.done():
+                continue
+            if isinstance(r, GenerateResult):
+                self.metrics.inc(inst.name, "tokens_out", len(r.token_ids))
+                latency.append(now - job.t0)
+                text = r.text.strip()
+                if job.key is not None:
+                    self.cache[job.key] = text
+                    if len(self.cache) > self.cache_size:
+                        self.cache.popitem(last=False)
+                job.future.set_result(text)
+            else:
+                self.metrics.inc(inst.name, "errors_engine")
+                job.future.set_exception(ValueError(f"the judge engine refused the request: {r}"))
 
     @endpoint(concurrent=True)
     async def record_parse(self, route_key: str | None, ok: bool) -> None:
@@ -320,28 +361,6 @@ class JudgeService(Actor):
             for name, inst in self.instances.items()
         }
         return info
-
-
-async def settle_batch(call, futures: list, actor: str) -> None:
-    """Await ``call`` (a batched relay call answering one item per request) and settle each
-    request's future. Invariant: an item's error reaches only that request (as the
-    ActorError a lone call would raise); a failure of the call itself reaches them all."""
-    try:
-        results = await call
-        if len(results) != len(futures):
-            raise ValueError(f"the {actor} answered {len(results)} results for {len(futures)} requests")
-    except BaseException as e:  # noqa: BLE001 - handed to every waiting request
-        for fut in futures:
-            if not fut.done():
-                fut.set_exception(e)
-        return
-    for fut, r in zip(futures, results):
-        if fut.done():
-            continue
-        if isinstance(r, BaseException):
-            fut.set_exception(ActorError(actor, 0, "generate", r, getattr(r, "remote_traceback", "")))
-        else:
-            fut.set_result(r)
 
 
 async def start_judge_service(specs: dict, timeout: float = 300.0, **kwargs) -> tuple:
