@@ -3,7 +3,7 @@ through HTTP (aiohttp client -> gateway -> judge service -> engine) and through 
 judge client, against an engine that answers instantly, side by side with a minimal
 aiohttp echo server (the floor). Prints one JSON line.
 
-    python benchmarks/gateway_bench.py [--requests 5000] [--rounds 3]
+    python benchmarks/gateway_bench.py [--requests 5000] [--rounds 3] [--engine-tokenizes]
 
 Hosting is the product's (launcher/grpo.py, reward/serve_judge.py): the gateway in the
 process that starts the judge (here the benchmark's, which also runs the load generator),
@@ -13,7 +13,9 @@ load generator's process and its state. Floor and gateway alternate for ``--roun
 rounds (the machine is shared: alternating keeps a noisy spell from landing on one side);
 each figure is the median over rounds. ``http_p50_overhead_ms`` is the median over rounds
 of (gateway p50 - floor p50) at 64 concurrent callers; ``http_c1_p50_overhead_ms`` is the
-same with one caller (the latency a lone request pays).
+same with one caller (the latency a lone request pays). The service renders chat
+templates and the engine tokenizes them; the instant engine skips tokenizing unless
+``--engine-tokenizes`` (then the same machine's cores also do that engine work).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from engines.interface import GenerateResult  # noqa: E402
+from engines.interface import GenerateResult, encode_rendered  # noqa: E402
 from engines.model_builder import make_model  # noqa: E402
 from relay import Actor, endpoint, this_host  # noqa: E402
 from reward.client import GenRMClient  # noqa: E402
@@ -44,15 +46,25 @@ MSG = [{"role": "user", "content": "Is 2+2=4? Reply 1 or 0."}]
 
 
 class InstantEngine(Actor):
-    """Answers "1" at once: the benchmark measures everything but the model."""
+    """Answers "1" at once: the benchmark measures everything but the engine's work. The
+    judge service sends rendered chats, which a real engine tokenizes; with
+    ``tokenize=True`` this one does that too (``--engine-tokenizes``), else it skips it."""
+
+    def __init__(self, model_path: str = "", tokenize: bool = False):
+        self.tok = None
+        if tokenize:
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(model_path)
 
     @endpoint(concurrent=True)
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None):
         return GenerateResult([16], "1", [-0.1], "stop", len(prompt), 0)
 
     @endpoint(concurrent=True)
-    async def generate_batch(self, requests):
-        return [GenerateResult([16], "1", [-0.1], "stop", len(prompt), 0) for prompt, _ in requests]
+    async def generate_rendered(self, requests):
+        n = [len(ids) for ids in encode_rendered(self.tok, [t for t, _ in requests])] if self.tok else [0] * len(requests)
+        return [GenerateResult([16], "1", [-0.1], "stop", k, 0) for k in n]
 
     @endpoint(concurrent=True)
     async def health(self):
@@ -99,11 +111,11 @@ def _median_of(rounds: list[dict], prefix: str) -> dict:
     return {f"{prefix}_{k}": statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
 
-async def main(n: int, rounds: int) -> dict:
-    out = {"bench": "gateway", "requests": n, "rounds": rounds, "concurrency": 64, "cpus": os.cpu_count()}
+async def main(n: int, rounds: int, engine_tokenizes: bool) -> dict:
+    out = {"bench": "gateway", "requests": n, "rounds": rounds, "concurrency": 64, "cpus": os.cpu_count(), "engine_tokenizes": engine_tokenizes}
     tok_dir = make_model("qwen3", "tiny", tempfile.mkdtemp(prefix="gw-bench-"), seed=0)
     procs = this_host().spawn_procs(per_host={"gpus": 1})
-    engine = procs.spawn("engine", InstantEngine)
+    engine = procs.spawn("engine", InstantEngine, tok_dir, engine_tokenizes)
     await engine.initialized(60)
     spec = {"__default__": {"model_path": tok_dir, "sampling_config": {"temperature": 0.5}, "engines": [engine]}}
     judge, judge_procs = await start_judge_service(spec, 120, cache="off")
@@ -150,6 +162,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engine-tokenizes", action="store_true", help="the instant engine tokenizes the rendered chats, as a real one does")
     a = ap.parse_args()
     try:
         import uvloop
@@ -157,4 +170,4 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    print(json.dumps(asyncio.run(main(a.requests, a.rounds))))
+    print(json.dumps(asyncio.run(main(a.requests, a.rounds, a.engine_tokenizes))))

@@ -7,7 +7,9 @@ import asyncio
 
 from relay import Actor, endpoint
 
-from .interface import TAGS, GenerateResult
+from .interface import TAGS, GenerateResult, encode_rendered
+
+INLINE_TOKENIZE_CHARS = 1 << 16  # a batch with more text is tokenized off the event loop
 
 
 class EngineActor(Actor):
@@ -18,6 +20,7 @@ class EngineActor(Actor):
         self.backend = backend
         self.engine_kwargs = engine_kwargs
         self.engine = None
+        self._tok = None
 
     async def setup(self) -> None:
         if self.backend == "torch":
@@ -42,6 +45,40 @@ class EngineActor(Actor):
         request, in order: its GenerateResult, or the exception it raised (the others are
         unaffected)."""
         return await asyncio.gather(*(self.engine.generate(p, s) for p, s in requests), return_exceptions=True)
+
+    @endpoint(concurrent=True)
+    async def generate_rendered(self, requests: list) -> list:
+        """``requests``: a list of ``[text, sampling]`` where ``text`` is a chat already
+        rendered by its chat template (the judge service sends these): tokenized here, all at
+        once, as ``apply_chat_template(tokenize=True)`` would (no special tokens added), then
+        run like :meth:`generate_batch`. Tokenizing in the engines spreads that work over
+        them instead of the one process that renders. One item per request, in order."""
+        texts = [r[0] if isinstance(r, (list, tuple)) and len(r) == 2 else None for r in requests]
+        tok = self._tokenizer()
+        try:
+            if sum(len(t) for t in texts if isinstance(t, str)) > INLINE_TOKENIZE_CHARS:
+                ids: list = await asyncio.to_thread(encode_rendered, tok, texts)
+            else:
+                ids = encode_rendered(tok, texts)
+        except Exception:  # noqa: BLE001 - some request is malformed: encode one by one to find it
+            ids = []
+            for t in texts:
+                try:
+                    ids.append(encode_rendered(tok, [t])[0])
+                except Exception as e:  # noqa: BLE001
+                    ids.append(TypeError(f"each request must be [rendered chat text, sampling]: {e}"))
+        return await asyncio.gather(
+            *(_failed(p) if isinstance(p, Exception) else self.engine.generate(p, r[1]) for p, r in zip(ids, requests)),
+            return_exceptions=True,
+        )
+
+    def _tokenizer(self):
+        tok = getattr(self.engine, "tokenizer", None) or self._tok
+        if tok is None:  # the SGLang adapter tokenizes in its server; rendered chats are encoded here
+            from transformers import AutoTokenizer
+
+            tok = self._tok = AutoTokenizer.from_pretrained(self.model_path)
+        return tok
 
     @endpoint
     async def sleep(self, tags: tuple = TAGS[:2], drain: str = "abort") -> None:
@@ -115,3 +152,7 @@ class EngineActor(Actor):
     async def __cleanup__(self, exc) -> None:
         if self.engine is not None:
             await self.engine.close()
+
+
+async def _failed(e: Exception):
+    raise e

@@ -103,3 +103,17 @@ def check_tags(tags) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"unknown memory tags {bad}; tags are {', '.join(TAGS)}")
     return tags
+
+
+def encode_rendered(tokenizer, texts: list) -> list[list[int]]:
+    """Token ids of chats already rendered by their chat template, as
+    ``apply_chat_template(tokenize=True)`` gives them (no special tokens added: the template
+    wrote them). A fast tokenizer encodes the whole batch at once, without offsets."""
+    if not all(isinstance(t, str) for t in texts):
+        raise TypeError("rendered prompts must be strings")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    if len(texts) == 1:
+        return [backend.encode(texts[0], add_special_tokens=False).ids]
+    return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]

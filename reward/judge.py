@@ -12,8 +12,12 @@ in a process of its own (:func:`start_judge_service`).
   (the HTTP gateway answers 503 with ``Retry-After: 1``); nothing waits on a sleeping judge.
 - A cache keyed by (instance, rendered prompt, sampling) answers identical requests once,
   only for deterministic sampling (temperature 0) unless ``cache="always"``.
+- Rendering here, tokenizing in the engines: the service applies each instance's chat
+  template and sends the text; each engine tokenizes its own requests
+  (``EngineActor.generate_rendered``), so that work grows with the engines, not in this
+  one process.
 - Batching: the requests bound for one engine in one event-loop turn travel as one
-  ``generate_batch`` relay call (at most ``MAX_ENGINE_BATCH``); ``generate_batch`` takes many
+  ``generate_rendered`` relay call (at most ``MAX_ENGINE_BATCH``); ``generate_batch`` takes many
   requests from a caller at once and renders their chat templates together. Results keep
   their request's position, and one request's failure (bad input, an engine refusal) never
   fails the others; a transport failure fails only the requests of that engine call, which
@@ -77,7 +81,7 @@ class _Instance:
 class _Job:
     """One admitted, rendered request on its way to an engine; ``future`` gets its text or error."""
 
-    prompt: list
+    prompt: str  # the rendered chat; the engine tokenizes it
     sampling: dict  # as the engine takes it
     future: asyncio.Future
     key: tuple | None  # judgment-cache key, None when not cached
@@ -207,11 +211,11 @@ class JudgeService(Actor):
                         rendered.append(self._render(inst, [g[1]], ctk)[0])
                     except Exception as e:  # noqa: BLE001
                         rendered.append(e)
-            for (j, _, inst, sampling, sp, _, engine_sp), ids in zip(group, rendered):
-                if isinstance(ids, Exception):
-                    out[j] = ids
+            for (j, _, inst, sampling, sp, _, engine_sp), text in zip(group, rendered):
+                if isinstance(text, Exception):
+                    out[j] = text
                 else:
-                    futures.append(self._judge(inst, sampling, sp, engine_sp, ids))
+                    futures.append(self._judge(inst, sampling, sp, engine_sp, text))
                     where.append(j)
         # plain futures (no task per request): the engine calls settle them
         for j, r in zip(where, await asyncio.gather(*futures, return_exceptions=True)):
@@ -219,16 +223,16 @@ class JudgeService(Actor):
         return out
 
     @staticmethod
-    def _render(inst: _Instance, conversations: list, ctk: dict) -> list[list[int]]:
+    def _render(inst: _Instance, conversations: list, ctk: dict) -> list[str]:
         return _render(inst.tokenizer, conversations, ctk, inst.template if ctk is inst.chat_template_kwargs else None)
 
-    def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, engine_sp: dict, ids: list) -> asyncio.Future:
+    def _judge(self, inst: _Instance, sampling: dict, sp: SamplingParams, engine_sp: dict, text: str) -> asyncio.Future:
         """The future of one request's response text: from the judgment cache, or queued for
         the least-loaded engine of ``inst`` (see :meth:`_dispatch`)."""
         fut = asyncio.get_running_loop().create_future()
         key = None
         if self.cache_mode == "always" or (self.cache_mode == "deterministic" and sp.temperature == 0):
-            key = (inst.name, tuple(ids), tuple(sorted((k, str(v)) for k, v in sampling.items())))
+            key = (inst.name, text, tuple(sorted((k, str(v)) for k, v in sampling.items())))
             hit = self.cache.get(key)
             if hit is not None:
                 self.cache.move_to_end(key)
@@ -237,8 +241,7 @@ class JudgeService(Actor):
                 fut.set_result(hit)
                 return fut
         self.metrics.inc(inst.name, "requests")
-        self.metrics.inc(inst.name, "tokens_in", len(ids))
-        self._dispatch(inst, _Job(ids, engine_sp, fut, key, time.monotonic()))
+        self._dispatch(inst, _Job(text, engine_sp, fut, key, time.monotonic()))
         return fut
 
     def _dispatch(self, inst: _Instance, job: _Job) -> None:
@@ -268,11 +271,11 @@ class JudgeService(Actor):
             loop.create_task(self._call_engine(inst, i, batch))
 
     async def _call_engine(self, inst: _Instance, i: int, batch: list) -> None:
-        """One ``generate_batch`` call to engine ``i``; settles each job's future. A transport
+        """One ``generate_rendered`` call to engine ``i``; settles each job's future. A transport
         failure (dead engine, timeout) sends each job once more to another engine, then
         reports JudgeUnavailable; an engine's refusal of a request is that request's error."""
         try:
-            results = await inst.engines[i].generate_batch.call_one([[job.prompt, job.sampling] for job in batch]).result()
+            results = await inst.engines[i].generate_rendered.call_one([[job.prompt, job.sampling] for job in batch]).result()
             if len(results) != len(batch):
                 raise ValueError(f"the engine answered {len(results)} results for {len(batch)} requests")
         except (SupervisionError, CallTimeout, ConnectionError) as e:
@@ -305,6 +308,7 @@ class JudgeService(Actor):
             if job.future.done():
                 continue
             if isinstance(r, GenerateResult):
+                self.metrics.inc(inst.name, "tokens_in", r.prompt_tokens)
                 self.metrics.inc(inst.name, "tokens_out", len(r.token_ids))
                 latency.append(now - job.t0)
                 text = r.text.strip()
@@ -415,13 +419,13 @@ def _plain_chat(messages) -> bool:
     )
 
 
-def _render(tokenizer, conversations: list, ctk: dict, template: tuple | None = None) -> list[list[int]]:
-    """Chat template -> token ids for several conversations at once. ``template`` (from
+def _render(tokenizer, conversations: list, ctk: dict, template: tuple | None = None) -> list[str]:
+    """Chat template -> prompt text for several conversations at once (the engines tokenize
+    it: :meth:`engines.actor.EngineActor.generate_rendered`). ``template`` (from
     :func:`_compiled_template` for these ``ctk``): plain {role, content} messages are rendered
     with it directly, exactly as ``apply_chat_template`` renders them (it normalizes messages
     to these plain dicts, then calls the same compiled template with the same variables),
-    without its per-call wrapper; anything else goes through ``apply_chat_template``. The
-    fast tokenizer's batch encoder without offsets gives the same ids for less work."""
+    without its per-call wrapper; anything else goes through ``apply_chat_template``."""
     if template is not None and all(_plain_chat(c) for c in conversations):
         compiled, variables = template
         texts = [compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=True, **variables) for c in conversations]
@@ -429,12 +433,7 @@ def _render(tokenizer, conversations: list, ctk: dict, template: tuple | None = 
         texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **ctk)
     if not isinstance(texts, list) or len(texts) != len(conversations):  # a conversation was not a list
         raise TypeError("messages must be a list of {role, content} objects")
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    if len(texts) == 1:
-        return [backend.encode(texts[0], add_special_tokens=False).ids]
-    return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return texts
 
 
 def _as_dict(sp) -> dict:

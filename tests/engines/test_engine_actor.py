@@ -57,3 +57,29 @@ def test_unknown_backend_fails_at_setup(tmp_path, faults):
 
     run(main(), 240)
     assert faults and faults[0].actor == "bad"
+
+
+def test_generate_rendered_tokenizes_chats_like_apply_chat_template(tmp_path):
+    """The judge service sends rendered chat text; the engine's tokenizing gives the output
+    and prompt length that the same chat as messages gives, for every request of a batch,
+    and a malformed request fails alone."""
+    from transformers import AutoTokenizer
+
+    judge = make_model("qwen3", "tiny", str(tmp_path / "j"), seed=3)
+    tok = AutoTokenizer.from_pretrained(judge)
+    chats = [[{"role": "user", "content": f"Is {i}+{i}={2 * i}? Reply 1 or 0."}] for i in range(5)]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        engine = procs.spawn("judge", EngineActor, judge, "torch", kv_cache_tokens=2048)
+        await engine.initialized(timeout=120)
+        got = await engine.generate_rendered.call_one([[t, GREEDY] for t in texts] + [[7, GREEDY]]).result(120)
+        want = await engine.generate_batch.call_one([[c, GREEDY] for c in chats]).result(120)
+        for g, w, c in zip(got, want, chats):
+            assert g.token_ids == w.token_ids and g.prompt_tokens == w.prompt_tokens
+            assert g.prompt_tokens == len(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+        assert isinstance(got[-1], TypeError) and "rendered chat text" in str(got[-1])
+        await procs.stop()
+
+    run(main(), 240)

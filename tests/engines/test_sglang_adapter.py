@@ -144,3 +144,32 @@ def test_a_server_that_dies_at_start_is_reported(monkeypatch):
 
     run(main())
     assert os.environ["RELAY_SGLANG_LAUNCH"] == "tests.engines.no_such_module"
+
+
+def test_rendered_chats_are_tokenized_by_the_actor_and_sent_as_input_ids(tmp_path):
+    """The judge service sends rendered chat text; behind an SGLang server the engine actor
+    tokenizes it (no special tokens added) and the server gets input_ids."""
+    from transformers import AutoTokenizer
+
+    from engines.actor import EngineActor
+    from engines.model_builder import make_model
+    from relay import this_host
+
+    judge = make_model("qwen3", "tiny", str(tmp_path / "j"), seed=3)
+    tok = AutoTokenizer.from_pretrained(judge)
+    chat = [{"role": "user", "content": "Is 2+2=4? Reply 1 or 0."}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="sgl")
+        try:
+            engine = procs.spawn("sgl", EngineActor, judge, "sglang")
+            await engine.initialized(60)
+            return await engine.generate_rendered.call_one([[text, {"temperature": 0, "max_new_tokens": 3}]]).result(60)
+        finally:
+            await procs.stop()
+
+    (r,) = run(main())
+    assert r.prompt_tokens == len(ids)
+    assert r.token_ids == [(sum(ids) + i) % 100 + 5 for i in range(3)]  # the server was given these ids

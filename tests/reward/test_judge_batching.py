@@ -26,7 +26,7 @@ class EchoEngine(Actor):
         self.calls: list[int] = []
 
     @endpoint(concurrent=True)
-    async def generate_batch(self, requests: list) -> list:
+    async def generate_rendered(self, requests: list) -> list:
         self.calls.append(len(requests))
         if self.broken:
             raise RuntimeError("this engine is broken")
@@ -137,9 +137,11 @@ def test_a_failing_engine_call_fails_only_its_own_requests(judge_model):
 
 def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
     """Batched or one by one, through the compiled template (plain messages) or through
-    apply_chat_template (anything else, other chat_template_kwargs): the same token ids."""
+    apply_chat_template (anything else, other chat_template_kwargs), rendered by the service
+    and tokenized as the engines do: the ids of apply_chat_template(tokenize=True)."""
     from transformers import AutoTokenizer
 
+    from engines.interface import encode_rendered
     from reward.judge import _compiled_template, _render
 
     tok = AutoTokenizer.from_pretrained(judge_model)
@@ -154,8 +156,8 @@ def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
         assert template is not None
         expected = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **ctk)) for c in convs]
         for t in (None, template):
-            assert _render(tok, convs, ctk, t) == expected
-            assert [_render(tok, [c], ctk, t)[0] for c in convs] == expected
+            assert encode_rendered(tok, _render(tok, convs, ctk, t)) == expected
+            assert [encode_rendered(tok, _render(tok, [c], ctk, t))[0] for c in convs] == expected
 
 
 class GatedEngine(Actor):
@@ -167,7 +169,7 @@ class GatedEngine(Actor):
         self.gate = asyncio.Event()
 
     @endpoint(concurrent=True)
-    async def generate_batch(self, requests: list) -> list:
+    async def generate_rendered(self, requests: list) -> list:
         self.held += len(requests)
         self.most = max(self.most, self.held)
         await self.gate.wait()
