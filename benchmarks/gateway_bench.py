@@ -1,21 +1,23 @@
 """Judge gateway overhead: requests/s and p50/p99 latency with 64 concurrent callers,
-through HTTP (aiohttp client -> gateway -> judge service -> engine) and through the relay
+through HTTP (aiohttp client -> gateway + judge service -> engine) and through the relay
 judge client, against an engine that answers instantly, side by side with a minimal
 aiohttp echo server (the floor). Prints one JSON line.
 
     python benchmarks/gateway_bench.py [--requests 5000] [--rounds 3] [--engine-tokenizes]
 
-Hosting is the product's (launcher/grpo.py, reward/serve_judge.py): the gateway in the
-process that starts the judge (here the benchmark's, which also runs the load generator),
-the judge service in a process of its own, the engine in a third. The floor server runs
-in the benchmark's process too, after the judge stack is up, so both servers share the
-load generator's process and its state. Floor and gateway alternate for ``--rounds``
-rounds (the machine is shared: alternating keeps a noisy spell from landing on one side);
-each figure is the median over rounds. ``http_p50_overhead_ms`` is the median over rounds
-of (gateway p50 - floor p50) at 64 concurrent callers; ``http_c1_p50_overhead_ms`` is the
-same with one caller (the latency a lone request pays). The service renders chat
-templates and the engine tokenizes them; the instant engine skips tokenizing unless
-``--engine-tokenizes`` (then the same machine's cores also do that engine work).
+Hosting is the product's (launcher/grpo.py, reward/serve_judge.py): the judge service in a
+process of its own, serving the HTTP gateway there, the engine in another; the load
+generator (64 callers, then 1) in the benchmark's process. Two floors: ``floor`` is the
+echo server hosted like the gateway (a process of its own: benchmarks/_http_floor.py);
+``floor_inproc`` serves from the load generator's process (no second process, so one
+core for client and server). The floors and the gateway alternate for ``--rounds`` rounds
+(the machine is shared: alternating keeps a noisy spell from landing on one side); each
+figure is the median over rounds. ``http_p50_overhead_ms`` is the median over rounds of
+(gateway p50 - floor p50) at 64 callers, ``*_vs_inproc_ms`` the same against the other
+floor, ``http_c1_*`` the same with one caller (the latency a lone request pays). The
+service renders chat templates and the engine tokenizes them; the instant engine skips
+tokenizing unless ``--engine-tokenizes`` (then the same machine's cores also do that
+engine work).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +42,7 @@ from engines.interface import GenerateResult, encode_rendered  # noqa: E402
 from engines.model_builder import make_model  # noqa: E402
 from relay import Actor, endpoint, this_host  # noqa: E402
 from reward.client import GenRMClient  # noqa: E402
-from reward.gateway import serve  # noqa: E402
-from reward.judge import start_judge_service  # noqa: E402
+from reward.judge import freeze_startup_objects, start_judge_service  # noqa: E402
 
 MSG = [{"role": "user", "content": "Is 2+2=4? Reply 1 or 0."}]
 
@@ -119,34 +121,45 @@ async def main(n: int, rounds: int, engine_tokenizes: bool) -> dict:
     await engine.initialized(60)
     spec = {"__default__": {"model_path": tok_dir, "sampling_config": {"temperature": 0.5}, "engines": [engine]}}
     judge, judge_procs = await start_judge_service(spec, 120, cache="off")
-    port = free_port()
-    grunner = await serve(judge, "127.0.0.1", port)
+    port = await judge.serve_http.call_one("127.0.0.1", 0).result(60)
 
-    # floor: a minimal aiohttp server answering {"response": "1"}, hosted like the gateway
-    async def echo(request):
-        await request.json()
-        return web.json_response({"response": "1"})
-
-    app = web.Application()
-    app.router.add_post("/genrm/generate", echo)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+    # floor hosted like the gateway: a minimal aiohttp echo in a process of its own
     fport = free_port()
-    await web.TCPSite(runner, "127.0.0.1", fport).start()
+    floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_http_floor.py"), str(fport)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert floor.stdout.readline().strip() == "ready", "the floor server did not start"
 
-    n1 = max(100, n // 10)
-    res: dict[str, list] = {"floor": [], "http": [], "floor_c1": [], "http_c1": []}
-    for _ in range(rounds):
-        res["floor"].append(await http_load(fport, n, 64, False))
-        res["http"].append(await http_load(port, n, 64, True))
-        res["floor_c1"].append(await http_load(fport, n1, 1, False))
-        res["http_c1"].append(await http_load(port, n1, 1, True))
-    for k, v in res.items():
-        out.update(_median_of(v, k))
-    out["http_p50_overhead_ms"] = round(statistics.median(h["p50_ms"] - f["p50_ms"] for h, f in zip(res["http"], res["floor"])), 2)
-    out["http_c1_p50_overhead_ms"] = round(statistics.median(h["p50_ms"] - f["p50_ms"] for h, f in zip(res["http_c1"], res["floor_c1"])), 2)
-    await runner.cleanup()
-    await grunner.cleanup()
+        # floor in the load generator's process
+        async def echo(request):
+            await request.json()
+            return web.json_response({"response": "1"})
+
+        app = web.Application()
+        app.router.add_post("/genrm/generate", echo)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        iport = free_port()
+        await web.TCPSite(runner, "127.0.0.1", iport).start()
+
+        freeze_startup_objects()  # the load generator's process imported torch: no full GCs over it
+        n1 = max(100, n // 10)
+        sides = {"floor": fport, "http": port, "floor_inproc": iport}
+        res: dict[str, list] = {k + c: [] for k in sides for c in ("", "_c1")}
+        for _ in range(rounds):
+            for k, p in sides.items():
+                res[k].append(await http_load(p, n, 64, k == "http"))
+            for k, p in sides.items():
+                res[k + "_c1"].append(await http_load(p, n1, 1, k == "http"))
+        for k, v in res.items():
+            out.update(_median_of(v, k))
+        for c in ("", "_c1"):
+            for floor_key, suffix in (("floor", ""), ("floor_inproc", "_vs_inproc")):
+                diffs = [h["p50_ms"] - f["p50_ms"] for h, f in zip(res["http" + c], res[floor_key + c])]
+                out[f"http{c}_p50_overhead{suffix}_ms"] = round(statistics.median(diffs), 2)
+        await runner.cleanup()
+    finally:
+        floor.kill()
+        floor.wait()
     client = GenRMClient(judge_procs.procs[0].addr)
 
     async def zmq_call():

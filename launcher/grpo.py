@@ -3,7 +3,7 @@
 Roles come from the allocator's plan: a ``TrainerActor`` on every actor bundle (TP within,
 DP across), an ``EngineActor`` per rollout engine and per judge engine (on the first
 bundle of its slice), the ``JudgeService`` in a process of its own on the controller's
-host, its HTTP gateway in the controller process, and the reward function, which calls
+host, serving the HTTP gateway from that process, and the reward function, which calls
 the judge through the ZeroMQ client.
 
 One colocated step (DESIGN.md; the order matters):
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 import relay
-from relay import ProcMesh
+from relay import ActorError, ProcMesh
 
 from .agent import WorkerInfo
 from .allocator import Plan
@@ -73,7 +73,6 @@ class GRPOJob:
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.version = 0
         self.start_step = 0
-        self.gateway = None
         self.judge = None
         self.judge_procs = None  # the judge service's own process
         self.rollout: list[Engine] = []
@@ -95,7 +94,6 @@ class GRPOJob:
     async def start(self) -> None:
         from engines.model_builder import ensure_model
         from engines.trainer.actor import TrainerActor
-        from reward.gateway import serve
         from reward.judge import start_judge_service
 
         cfg = self.cfg
@@ -149,8 +147,10 @@ class GRPOJob:
                                "engines": [e.mesh for e in self.judges if e.instance == name]}
             self.judge, self.judge_procs = await start_judge_service(specs, 300)
             os.environ["RELAY_GENRM_ADDR"] = self.judge_procs.procs[0].addr
-            self.gateway = await serve(self.judge, "127.0.0.1", cfg.genrm_gateway_port)
-            port = self.gateway.addresses[0][1] if self.gateway.addresses else cfg.genrm_gateway_port
+            try:
+                port = await self.judge.serve_http.call_one("127.0.0.1", cfg.genrm_gateway_port).result(60)
+            except ActorError as e:  # e.g. the port is taken: say which option to change
+                raise RuntimeError(f"{e.exception} (--genrm-gateway-port; 0 picks a free one)") from None
             print(f"judge gateway: http://127.0.0.1:{port}/genrm/health", file=self.out, flush=True)
         from reward.rewards import load_post_process, make_reward_fn
 
@@ -201,14 +201,12 @@ class GRPOJob:
 
     async def close(self, graceful: bool = True) -> None:
         """Write the engines' sleep/wake/sync logs to ``RUN_DIR/engine_events.jsonl``, stop
-        the gateway; with ``graceful``, also leave torch.distributed cleanly."""
+        the judge service (and its gateway); with ``graceful``, also leave torch.distributed
+        cleanly."""
         try:
             await self._dump_events()
         except Exception as e:  # noqa: BLE001 (a dead engine has no log to give)
             print(f"relay: engine event logs not written: {e}", file=self.out, flush=True)
-        if self.gateway is not None:
-            await self.gateway.cleanup()
-            self.gateway = None
         if self.judge_procs is not None:
             await self.judge_procs.stop()
             self.judge_procs = None

@@ -1,6 +1,11 @@
 """The HTTP judge gateway (aiohttp): ``POST /genrm/generate``, ``GET /genrm/health``,
 ``GET /genrm/metrics``. Binds 127.0.0.1:8000 by default; an optional bearer token.
 
+It is served by the judge service's own process and event loop
+(:meth:`reward.judge.JudgeService.serve_http`): an HTTP request reaches the service without a
+relay hop, and HTTP traffic never loads the process that started the judge (the
+controller, or ``relay judge``).
+
 Bad input never crashes it and never yields a 5xx: invalid JSON, wrong types, empty or
 malformed messages, unknown ``route_key``, bad sampling parameters and bodies over the size
 limit get a 4xx whose message says what is wrong. A sleeping judge gives 503 with
@@ -9,15 +14,13 @@ limit get a 4xx whose message says what is wrong. A sleeping judge gives 503 wit
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 from aiohttp import web
 
-from relay import ActorError, CallTimeout, SupervisionError
-
-from .client import JudgeBatcher
-from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey, freeze_startup_objects
+from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
 
 MAX_BODY = 1 << 20  # bytes
 MAX_MESSAGES = 256
@@ -58,9 +61,12 @@ def validate_request(body) -> tuple[list, dict | None, str | None]:
 
 
 class Gateway:
-    def __init__(self, judge, token: str | None = None, timeout: float = 600.0):
-        self.judge = judge  # ActorMesh of one JudgeService
-        self._batcher = JudgeBatcher(judge)  # concurrent requests reach the service in one message
+    """HTTP in front of a :class:`~reward.judge.JudgeService` of the same process (its
+    methods are called directly). A request still unanswered after ``timeout`` seconds gets
+    503."""
+
+    def __init__(self, service, token: str | None = None, timeout: float = 600.0):
+        self.service = service
         self.token = token
         self.timeout = timeout
         self.errors: dict[str, int] = {}
@@ -92,28 +98,28 @@ class Gateway:
             self._count("invalid_request")
             return _bad(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
         try:
-            text = await self._batcher.call(messages, sp, rk, self.timeout)
-        except ActorError as e:
-            exc = e.exception
-            if isinstance(exc, JudgeAsleep):
-                self._count("asleep")
-                return web.json_response({"error": str(exc)}, status=503, headers={"Retry-After": "1"})
-            if isinstance(exc, (UnknownRouteKey, ValueError, TypeError)):
-                self._count("invalid_request")
-                return _bad(str(exc))
-            if isinstance(exc, JudgeUnavailable):
-                self._count("engine")
-                return _bad(str(exc), 502)
-            self._count("internal")
-            return _bad(f"judge error: {type(exc).__name__}: {exc}", 502)
-        except (SupervisionError, CallTimeout) as e:
+            async with asyncio.timeout(self.timeout):
+                text = await self.service.generate(messages, sp, rk)
+        except JudgeAsleep as e:
+            self._count("asleep")
+            return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
+        except (UnknownRouteKey, ValueError, TypeError) as e:
+            self._count("invalid_request")
+            return _bad(str(e))
+        except JudgeUnavailable as e:
+            self._count("engine")
+            return _bad(str(e), 502)
+        except TimeoutError:
             self._count("unavailable")
-            return _bad(f"judge service unavailable: {e}", 503)
+            return _bad(f"the judge did not answer within {self.timeout:g} s", 503)
+        except Exception as e:  # noqa: BLE001 - never a crash, never a 500
+            self._count("internal")
+            return _bad(f"judge error: {type(e).__name__}: {e}", 502)
         return web.json_response({"response": text})
 
     async def health(self, request: web.Request) -> web.Response:
         try:
-            inst = await self.judge.health.call_one().result(30)
+            inst = await self.service.health()
         except Exception as e:  # noqa: BLE001
             return web.json_response({"status": "unhealthy", "service": "genrm", "error": str(e)})
         healthy = all(v["status"] == "healthy" for v in inst.values())
@@ -125,7 +131,7 @@ class Gateway:
         return web.json_response(out)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        snap = await self.judge.metrics_snapshot.call_one().result(30)
+        snap = await self.service.metrics_snapshot()
         if request.query.get("format") == "json":
             for v in snap.values():
                 v.pop("latency_s", None)
@@ -161,10 +167,10 @@ def prometheus_text(snap: dict, gateway_errors: dict) -> str:
     return generate_latest(reg).decode()
 
 
-async def serve(judge, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> web.AppRunner:
-    """Start the gateway on the running loop; returns the runner (``await runner.cleanup()``)."""
-    freeze_startup_objects()
-    runner = web.AppRunner(Gateway(judge, token).app(), access_log=None)
+async def serve(service, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> web.AppRunner:
+    """Serve ``service`` (a JudgeService of this process) on the running loop; returns the
+    runner (``await runner.cleanup()``). Use :meth:`JudgeService.serve_http` from outside."""
+    runner = web.AppRunner(Gateway(service, token).app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

@@ -121,6 +121,7 @@ class JudgeService(Actor):
         self.cache_size = cache_size
         self.metrics = Metrics()
         self.instances: dict[str, _Instance] = {}
+        self._http = None  # the gateway's runner once serve_http ran
 
     async def setup(self) -> None:
         from transformers import AutoTokenizer
@@ -320,6 +321,25 @@ class JudgeService(Actor):
             else:
                 self.metrics.inc(inst.name, "errors_engine")
                 job.future.set_exception(ValueError(f"the judge engine refused the request: {r}"))
+
+    @endpoint(concurrent=True)
+    async def serve_http(self, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> int:
+        """Serve the HTTP gateway (:mod:`reward.gateway`) from this process; returns the port
+        it listens on (``port=0``: any free port). Once per service."""
+        from .gateway import serve
+
+        if self._http is not None:
+            raise RuntimeError("the judge's HTTP gateway is already served")
+        try:
+            self._http = await serve(self, host, port, token)
+        except OSError as e:
+            raise OSError(f"the judge gateway cannot listen on {host}:{port} ({e.strerror or e}); choose another port") from None
+        return self._http.addresses[0][1]
+
+    async def __cleanup__(self, exc) -> None:
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
 
     @endpoint(concurrent=True)
     async def record_parse(self, route_key: str | None, ok: bool) -> None:

@@ -1,6 +1,6 @@
 """``relay judge --config X.yaml [--host H] [--port P] [--token T]``: only the judge — its
-engines, the judge service (a process of its own) and the HTTP gateway (in this process)
-— on this machine, until SIGINT/SIGTERM.
+engines and the judge service (a process of its own, which serves the HTTP gateway) — on
+this machine, until SIGINT/SIGTERM.
 
 A judge model path that does not exist yet and sits under the cache directory (the tiny
 configs' ``${RELAY_CACHE:-.cache}/models/tiny-judge``) is built on first use (a tiny random
@@ -18,7 +18,6 @@ from engines.actor import EngineActor
 from engines.model_builder import ensure_model
 from launcher.config import JobConfig
 
-from .gateway import serve
 from .judge import start_judge_service
 
 
@@ -45,7 +44,13 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
         await engines.initialized(600)
     judge, judge_procs = await start_judge_service(specs, 600)
     meshes.append(judge_procs)
-    runner = await serve(judge, host, port, token)
+    try:
+        port = await judge.serve_http.call_one(host, port, token).result(60)
+    except relay.ActorError as e:
+        print(f"relay judge: {e.exception}", file=sys.stderr)
+        for procs in meshes:
+            await procs.stop()
+        return 2
     print(f"judge ready: http://{host}:{port}/genrm/health  (relay address for reward code: {judge_procs.procs[0].addr})", flush=True)
     if ready is not None:
         ready.set()
@@ -54,7 +59,6 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()
     for procs in meshes:
         await procs.stop()
     print("judge stopped", flush=True)

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_examples_call_the_judges_through_route_keys(judge_model, monkeypatch):
     async def main():
-        procs, engines, judge, runner, url = await start(judge_model, instances=("quality", "safety"))
+        procs, engines, judge, judge_procs, url = await start(judge_model, instances=("quality", "safety"))
         monkeypatch.setenv("RELAY_GENRM_ADDR", judge._view.members[0].proc.addr)
         sample = {"prompt": "2+2?", "label": "4", "response": "Answer: 4"}
         dual = await reward_dual_genrm_quality_safety.reward_func(None, sample)
@@ -28,7 +28,7 @@ def test_examples_call_the_judges_through_route_keys(judge_model, monkeypatch):
         args = SimpleNamespace(n_samples_per_prompt=2, genrm_parse="loose")
         raw, norm = await post_process_genrm_swap.custom_reward_post_process(args, [dict(sample), dict(sample)])
         snap = await judge.metrics_snapshot.call_one()
-        await runner.cleanup()
+        await judge_procs.stop()
         await procs.stop()
         return dual, agent, raw, norm, snap
 

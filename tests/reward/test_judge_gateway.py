@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.actor import EngineActor
-from relay import this_host, this_proc
-from reward.gateway import serve, validate_request
-from reward.judge import JudgeService
+from relay import ActorError, this_host
+from reward.gateway import validate_request
+from reward.judge import start_judge_service
 from tests.helpers import run
 from tests.launcher.test_launch import free_port
 
@@ -34,16 +34,14 @@ async def start(judge_model, instances=("__default__",), token=None):
         name: {"model_path": judge_model, "num_gpus": 1, "sampling_config": {"temperature": 0.0, "max_response_len": 4}, "engines": [engines.slice(gpus=i)]}
         for i, name in enumerate(instances)
     }
-    judge = this_proc().spawn("genrm", JudgeService, spec)
-    await judge.initialized(120)
-    port = free_port()
-    runner = await serve(judge, "127.0.0.1", port, token)
-    return procs, engines, judge, runner, f"http://127.0.0.1:{port}"
+    judge, judge_procs = await start_judge_service(spec, 120)  # serving HTTP from its own process
+    port = await judge.serve_http.call_one("127.0.0.1", free_port(), token).result(30)
+    return procs, engines, judge, judge_procs, f"http://127.0.0.1:{port}"
 
 
 def test_generate_health_metrics_and_sleeping_judge(judge_model):
     async def main():
-        procs, engines, judge, runner, url = await start(judge_model)
+        procs, engines, judge, judge_procs, url = await start(judge_model)
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG}) as r:
                 assert r.status == 200
@@ -53,8 +51,7 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
                 assert r.status == 200
             async with s.get(f"{url}/genrm/health") as r:
                 assert await r.json() == {"status": "healthy", "service": "genrm"}
-            # curl, as a user would
-            # (in a thread: the gateway is served by this event loop)
+            # curl, as a user would (in a thread: a blocking call)
             out = await asyncio.to_thread(subprocess.run, ["curl", "-s", f"{url}/genrm/health"], capture_output=True, text=True, timeout=30)
             assert json.loads(out.stdout)["status"] == "healthy"
             out = await asyncio.to_thread(
@@ -79,7 +76,9 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
             assert 'genrm_parse_failures_total{instance="__default__"} 9.0' in text
             assert 'genrm_verdicts_total{instance="__default__"} 25.0' in text
             assert 'genrm_requests_total{instance="__default__"} 3.0' in text and "genrm_latency_seconds_bucket" in text
-        await runner.cleanup()
+        with pytest.raises(ActorError, match="already served"):
+            await judge.serve_http.call_one("127.0.0.1", 0).result(10)
+        await judge_procs.stop()
         await procs.stop()
 
     run(main(), 240)
@@ -111,7 +110,7 @@ BAD_BODIES = [
 
 def test_bad_input_gets_4xx_and_the_service_stays_healthy(judge_model):
     async def main():
-        procs, engines, judge, runner, url = await start(judge_model)
+        procs, engines, judge, judge_procs, url = await start(judge_model)
         async with aiohttp.ClientSession() as s:
             for body, status in BAD_BODIES:
                 async with s.post(f"{url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}) as r:
@@ -122,7 +121,7 @@ def test_bad_input_gets_4xx_and_the_service_stays_healthy(judge_model):
                 assert "No GenRM instance registered for route_key='nope'; available=['__default__']" in (await r.json())["error"]
             async with s.get(f"{url}/genrm/health") as r:
                 assert (await r.json())["status"] == "healthy"
-        await runner.cleanup()
+        await judge_procs.stop()
         await procs.stop()
 
     run(main(), 240)
@@ -130,7 +129,7 @@ def test_bad_input_gets_4xx_and_the_service_stays_healthy(judge_model):
 
 def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
     async def main():
-        procs, engines, judge, runner, url = await start(judge_model, instances=("quality", "safety"), token="s3cret")
+        procs, engines, judge, judge_procs, url = await start(judge_model, instances=("quality", "safety"), token="s3cret")
         async with aiohttp.ClientSession() as s:
             async with s.get(f"{url}/genrm/health") as r:
                 assert r.status == 401
@@ -167,7 +166,7 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
         got = json.loads(out.stdout.strip().splitlines()[-1])
         assert isinstance(got["one"], str) and len(got["many"]) == 3
         assert "available=['quality', 'safety']" in got["err"]
-        await runner.cleanup()
+        await judge_procs.stop()
         await procs.stop()
 
     run(main(), 240)
@@ -249,7 +248,7 @@ def test_fuzzed_http_requests_never_get_a_5xx_and_the_gateway_stays_healthy(judg
     every answer is 200 with a response or a 4xx with an error message; never a 5xx."""
 
     async def main():
-        procs, engines, judge, runner, url = await start(judge_model)
+        procs, engines, judge, judge_procs, url = await start(judge_model)
         seen = []
         try:
             async with aiohttp.ClientSession() as s:
@@ -260,7 +259,7 @@ def test_fuzzed_http_requests_never_get_a_5xx_and_the_gateway_stays_healthy(judg
                 async with s.get(f"{url}/genrm/health") as r:
                     health = await r.json()
         finally:
-            await runner.cleanup()
+            await judge_procs.stop()
             await procs.stop()
         return seen, health
 
