@@ -133,8 +133,6 @@ class Gateway:
     async def metrics(self, request: web.Request) -> web.Response:
         snap = await self.service.metrics_snapshot()
         if request.query.get("format") == "json":
-            for v in snap.values():
-                v.pop("latency_s", None)
             return web.json_response({"service": "genrm", "instances": snap, "gateway_errors": self.errors})
         return web.Response(text=prometheus_text(snap, self.errors), content_type="text/plain")
 
@@ -148,22 +146,31 @@ class Gateway:
 
 
 def prometheus_text(snap: dict, gateway_errors: dict) -> str:
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from prometheus_client.core import HistogramMetricFamily
 
     reg = CollectorRegistry()
     counters = {
         k: Counter(f"genrm_{k}", f"GenRM {k.replace('_', ' ')}", ["instance"], registry=reg)
         for k in ("requests", "tokens_in", "tokens_out", "cache_hits", "rejected_asleep", "errors_transport", "errors_engine", "verdicts", "parse_failures")
     }
-    hist = Histogram("genrm_latency_seconds", "judge call latency", ["instance"], registry=reg, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
     errs = Counter("genrm_gateway_errors", "gateway errors by kind", ["kind"], registry=reg)
     for inst, vals in snap.items():
         for k, c in counters.items():
             c.labels(inst).inc(float(vals.get(k, 0)))
-        for v in vals.get("latency_s", []):
-            hist.labels(inst).observe(v)
     for kind, n in gateway_errors.items():
         errs.labels(kind).inc(n)
+
+    class _Latency:  # the service's cumulative histogram, as it is
+        def collect(self):
+            fam = HistogramMetricFamily("genrm_latency_seconds", "judge call latency", labels=["instance"])
+            for inst, vals in snap.items():
+                h = vals.get("latency_s")
+                if h:
+                    fam.add_metric([inst], [(str(b), c) for b, c in h["buckets"]], h["sum"])
+            yield fam
+
+    reg.register(_Latency())
     return generate_latest(reg).decode()
 
 

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import collections
 import gc
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -89,22 +91,34 @@ class _Job:
     tried: set = field(default_factory=set)  # engines that failed it in transport
 
 
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
+
+
 class Metrics:
-    """Counters per instance, for /genrm/metrics."""
+    """Counters per instance, for /genrm/metrics; the latency histogram is cumulative since
+    start (counts per bucket upper bound, +Inf last, and the sum), in constant memory."""
 
     def __init__(self):
         self.counts: collections.Counter = collections.Counter()
-        self.latency: dict[str, list[float]] = collections.defaultdict(list)
+        self.latency: dict[str, list] = {}  # instance -> [bucket counts..., +Inf count, sum]
 
     def inc(self, instance: str, key: str, n: float = 1) -> None:
         self.counts[(instance, key)] += n
+
+    def observe(self, instance: str, seconds: float) -> None:
+        h = self.latency.get(instance)
+        if h is None:
+            h = self.latency[instance] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0]
+        h[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        h[-1] += seconds
 
     def snapshot(self) -> dict:
         out: dict[str, dict] = collections.defaultdict(dict)
         for (inst, key), v in self.counts.items():
             out[inst][key] = v
-        for inst, lat in self.latency.items():
-            out[inst]["latency_s"] = list(lat[-2048:])
+        for inst, h in self.latency.items():
+            cumulative = list(itertools.accumulate(h[:-1]))
+            out[inst]["latency_s"] = {"buckets": [[b, c] for b, c in zip([*LATENCY_BUCKETS, "+Inf"], cumulative)], "sum": h[-1], "count": cumulative[-1]}
         return dict(out)
 
 
@@ -304,14 +318,13 @@ class JudgeService(Actor):
             if inst.waiting[i] and not inst.flushing[i]:
                 self._flush(inst, i)
         now = time.monotonic()
-        latency = self.metrics.latency[inst.name]
         for job, r in zip(batch, results):
             if job.future.done():
                 continue
             if isinstance(r, GenerateResult):
                 self.metrics.inc(inst.name, "tokens_in", r.prompt_tokens)
                 self.metrics.inc(inst.name, "tokens_out", len(r.token_ids))
-                latency.append(now - job.t0)
+                self.metrics.observe(inst.name, now - job.t0)
                 text = r.text.strip()
                 if job.key is not None:
                     self.cache[job.key] = text

@@ -69,13 +69,17 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
                 m = await r.json()
             inst = m["instances"]["__default__"]
             assert inst["num_engines"] == 1 and inst["requests"] == 3 and inst["cache_hits"] == 1 and inst["rejected_asleep"] == 1
+            lat = inst["latency_s"]  # cumulative histogram of the two calls that reached the engine
+            assert lat["count"] == 2 and lat["buckets"][-1] == ["+Inf", 2] and lat["sum"] > 0
             for i in range(25):  # reward code reports unreadable verdicts: warned past 20%
                 await judge.record_parse.call_one(None, i % 3 != 0)
             async with s.get(f"{url}/genrm/metrics") as r:
                 text = await r.text()
             assert 'genrm_parse_failures_total{instance="__default__"} 9.0' in text
             assert 'genrm_verdicts_total{instance="__default__"} 25.0' in text
-            assert 'genrm_requests_total{instance="__default__"} 3.0' in text and "genrm_latency_seconds_bucket" in text
+            assert 'genrm_requests_total{instance="__default__"} 3.0' in text
+            assert 'genrm_latency_seconds_bucket{instance="__default__",le="+Inf"} 2.0' in text
+            assert 'genrm_latency_seconds_count{instance="__default__"} 2.0' in text
         with pytest.raises(ActorError, match="already served"):
             await judge.serve_http.call_one("127.0.0.1", 0).result(10)
         await judge_procs.stop()
