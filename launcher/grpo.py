@@ -427,12 +427,14 @@ class GRPOJob:
             return {}
         snap = await self.judge.metrics_snapshot.call_one().result(60)
         stats = await self._each(self.judges, "stats")
-        tot: dict = {"requests": 0, "cache_hits": 0, "parse_failures": 0, "latency": [],
+        tot: dict = {"requests": 0, "cache_hits": 0, "parse_failures": 0, "latency_sum": 0.0, "latency_count": 0,
                      "engine_requests": sum(s.get("requests_finished", 0) for s in stats)}
         for inst in snap.values():
             for k in ("requests", "cache_hits", "parse_failures"):
                 tot[k] += inst.get(k, 0)
-            tot["latency"] += inst.get("latency_s", [])
+            hist = inst.get("latency_s") or {}  # cumulative since start
+            tot["latency_sum"] += hist.get("sum", 0.0)
+            tot["latency_count"] += hist.get("count", 0)
         return tot
 
     # ------------------------------------------------------------------ evaluation
@@ -602,11 +604,11 @@ class GRPOJob:
         if judge1:
             calls = judge1["requests"] - judge0["requests"]
             hits = judge1["cache_hits"] - judge0["cache_hits"]
-            lat = judge1["latency"][len(judge0["latency"]) :] if len(judge1["latency"]) >= len(judge0["latency"]) else []
+            lat_n = judge1["latency_count"] - judge0["latency_count"]
             rec.update({"judge/requests": calls, "judge/cache_hits": hits, "judge/engine_calls": calls - hits,
                         "judge/cache_hit_rate": hits / calls if calls else 0.0,
                         "judge/parse_failures": judge1["parse_failures"] - judge0["parse_failures"],
-                        "judge/latency_mean": sum(lat) / len(lat) if lat else 0.0,
+                        "judge/latency_mean": (judge1["latency_sum"] - judge0["latency_sum"]) / lat_n if lat_n else 0.0,
                         "judge/engine_requests": judge1["engine_requests"] - judge0["engine_requests"]})
         rec.update({f"train/{k}": v for k, v in train_stats.items()})
         rec.update({f"time/{k}": v for k, v in phases.items()})

@@ -66,6 +66,7 @@ def check_common(recs: list[dict], samples: int, per_step_judge_counts: bool = T
         assert r["judge/requests"] == samples
         assert r["judge/engine_requests"] == r["judge/requests"] - r["judge/cache_hits"]
         assert r["judge/engine_requests"] > 0
+        assert r["judge/latency_mean"] > 0  # from the service's cumulative latency histogram
     # the judge's verdicts varied within groups, so training had a signal
     assert any(r["train/grad_norm"] > 0 for r in recs)
 
