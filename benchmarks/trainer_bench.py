@@ -91,19 +91,26 @@ async def bench(args, path: str) -> dict:
     # The weight export runs while the trainer is offloaded, as in the colocated loop.
     engines = {"inproc": procs.spawn("engine_local", EngineActor, path, "torch", **ekw)}
     eprocs = None
+    nccl = args.device == "cuda" and torch.cuda.device_count() >= 2
     if args.device == "cuda":
-        eprocs = this_host().spawn_procs(per_host={"gpus": 1})
-        engines["xproc"] = eprocs.spawn("engine_remote", EngineActor, path, "torch", **ekw)
+        eprocs = this_host().spawn_procs(per_host={"gpus": 2 if nccl else 1})
+        remote = eprocs.spawn("engine_remote", EngineActor, path, "torch", **ekw)
+        engines["xproc"] = remote.slice(gpus=0)  # the trainer's GPU, another process: CUDA IPC
+        if nccl:
+            engines["nccl"] = remote.slice(gpus=1)  # another GPU: the NCCL broadcast group
     await asyncio.gather(*(e.initialized(1200) for e in engines.values()))
     for name, e in engines.items():
         await e.sleep.call(["weights", "kv_cache"]).result(600)
         await e.wake.call(["weights"]).result(600)
-        transport = "ipc" if args.device == "cuda" else "relay"
+        transport = ("distributed" if name == "nccl" else "ipc") if args.device == "cuda" else "relay"
+        t0 = time.perf_counter()
         await t.push_weights.call_one([e], 1, args.bucket_mb << 20, 600.0, transport).result(1200)  # warm-up
+        first = time.perf_counter() - t0
         t0 = time.perf_counter()
         sent = await t.push_weights.call_one([e], 2, args.bucket_mb << 20, 600.0, transport).result(1200)
         el = time.perf_counter() - t0
-        key = f"export_{transport}_{name}" if args.device == "cuda" else "export_relay"
+        key = (f"export_{transport}_{name}" if name != "nccl" else "export_nccl") if args.device == "cuda" else "export_relay"
+        out[f"{key}_first_s"] = first  # the first push of a broadcast group also sets it up
         out[f"{key}_s"] = el
         out[f"{key}_s_per_gb"] = el / (sent / GB)
         out["export_gb"] = sent / GB

@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,7 @@ class TorchEngine(Engine):
         self._backup: dict[str, torch.Tensor] | None = None
         self._sync_seen: set[str] = set()  # names updated since the last completed version
         self._sync_groups: dict = {}  # group name -> weight_sync.BroadcastGroup
+        self._engine_id = uuid.uuid4().hex  # lets a trainer keep one broadcast group per set of engines
         self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
         self._next_rid = 0  # request ids, in arrival order
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
@@ -699,7 +701,7 @@ class TorchEngine(Engine):
         """What a trainer needs to pick the transport: CUDA IPC needs the same physical GPU."""
         from .weight_sync import device_uuid
 
-        return {"backend": "torch", "device_type": self.device.type, "uuid": device_uuid(self.device), "pid": os.getpid()}
+        return {"backend": "torch", "device_type": self.device.type, "uuid": device_uuid(self.device), "pid": os.getpid(), "engine_id": self._engine_id}
 
     async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
         """Colocated weight sync, one flat bucket: map the trainer's buffer by its CUDA IPC
@@ -783,6 +785,7 @@ class TorchEngine(Engine):
             "kv_blocks_total": self.num_blocks if self._k is not None else 0,
             "paused": self._paused,
             "cuda_graphs": sorted(self._graphs.graphs) if self._graphs is not None else [],  # captured batch sizes
+            "weight_update_groups": sorted(self._sync_groups),
             "asleep": [t for t, present in (("weights", self._weights_present), ("kv_cache", self._k is not None)) if not present],
         }
 

@@ -47,6 +47,7 @@ class TrainerActor(Actor):
         self.optimizer_kind = optimizer
         self.step = 0
         self.offloaded = False
+        self._bcast: tuple | None = None  # (engine ids, group name, BroadcastGroup, engines): kept across pushes
 
     def setup(self) -> None:
         import torch.distributed as dist
@@ -312,6 +313,7 @@ class TrainerActor(Actor):
             raise ValueError(f"transport must be 'auto', 'ipc', 'distributed' or 'relay', not {transport!r}")
         plan = self._transports(engines, transport, timeout)
         mine = {t: [e for e, (tt, r, _) in zip(engines, plan) if tt == t and r == self.rank] for t in ("ipc", "distributed", "relay")}
+        ids = tuple(i.get("engine_id") for (tt, r, i) in plan if tt == "distributed" and r == self.rank)
         cross_process = any(i.get("pid") != os.getpid() for tt, r, i in plan if tt == "ipc" and r == self.rank)
         sent = 0
         with self._hf_weights(copy=False) as full:
@@ -319,7 +321,7 @@ class TrainerActor(Actor):
             if mine["ipc"]:
                 sent += self._push_ipc(mine["ipc"], bks, version, timeout, cross_process)
             if mine["distributed"]:
-                sent += self._push_broadcast(mine["distributed"], bks, version, timeout)
+                sent += self._push_broadcast(mine["distributed"], ids, bks, version, timeout)
             if mine["relay"]:
                 # copies: the relay may move what it sends into shared memory (never the params)
                 cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in b} for b in bks]
@@ -360,9 +362,32 @@ class TrainerActor(Actor):
         torch.cuda.ipc_collect()
         return sent
 
-    def _push_broadcast(self, engines: list, bks: list, version: int, timeout: float) -> int:
+    def _push_broadcast(self, engines: list, ids: tuple, bks: list, version: int, timeout: float) -> int:
         """A broadcast group of this rank (rank 0) and the engines (1..n), one flat buffer per
-        bucket; made for this push and torn down after it."""
+        bucket. The group is made on the first push to these engines and kept for the next
+        ones (NCCL's set-up is paid once); pushing to another set of engines, a failed push
+        and :meth:`shutdown` tear it down."""
+        if self._bcast is not None and (self._bcast[0] != ids or None in ids):
+            self._drop_broadcast_group(timeout)
+        if self._bcast is None:
+            self._bcast = (ids, *self._new_broadcast_group(engines, timeout), engines)
+        _, name, group, _ = self._bcast
+        sent = 0
+        try:
+            for i, bucket in enumerate(bks):
+                buf, metas = weight_sync.flatten(bucket, self.device)
+                names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
+                recvs = [e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, i == len(bks) - 1) for e in engines]
+                group.broadcast(buf)
+                for f in recvs:
+                    f.get(timeout)
+                sent += buf.numel() * len(engines)
+        except BaseException:
+            self._drop_broadcast_group(timeout)
+            raise
+        return sent
+
+    def _new_broadcast_group(self, engines: list, timeout: float) -> tuple:
         import socket
         import uuid
 
@@ -374,27 +399,33 @@ class TrainerActor(Actor):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         n = len(engines) + 1
         joins = [e.init_weights_update_group.call(addr, port, i + 1, n, name, backend, timeout) for i, e in enumerate(engines)]
-        group = weight_sync.BroadcastGroup(addr, port, 0, n, backend, timeout, name)
-        sent = 0
+        group = None
         try:
+            group = weight_sync.BroadcastGroup(addr, port, 0, n, backend, timeout, name)
             for f in joins:
                 f.get(timeout)
-            for i, bucket in enumerate(bks):
-                buf, metas = weight_sync.flatten(bucket, self.device)
-                names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
-                recvs = [e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, i == len(bks) - 1) for e in engines]
-                group.broadcast(buf)
-                for f in recvs:
-                    f.get(timeout)
-                sent += buf.numel() * len(engines)
-        finally:
-            for f in [e.destroy_weights_update_group.call(name) for e in engines]:
-                try:
-                    f.get(min(timeout, 30.0))
-                except Exception:  # noqa: BLE001 (the push's own error, if any, is the one to report)
-                    pass
-            group.close()
-        return sent
+        except BaseException:
+            self._destroy_on_engines(engines, name, timeout)
+            if group is not None:
+                group.close()
+            raise
+        return name, group
+
+    def _drop_broadcast_group(self, timeout: float) -> None:
+        if self._bcast is None:
+            return
+        _, name, group, engines = self._bcast
+        self._bcast = None
+        self._destroy_on_engines(engines, name, timeout)
+        group.close()
+
+    @staticmethod
+    def _destroy_on_engines(engines: list, name: str, timeout: float) -> None:
+        for f in [e.destroy_weights_update_group.call(name) for e in engines]:
+            try:
+                f.get(min(timeout, 30.0))
+            except Exception:  # noqa: BLE001 (the push's own error, if any, is the one to report)
+                pass
 
     @endpoint
     def offload(self) -> int:
@@ -480,6 +511,7 @@ class TrainerActor(Actor):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        self._drop_broadcast_group(30.0)
         if dist.is_initialized():
             dist.barrier()
             parallel_state.destroy_model_parallel()

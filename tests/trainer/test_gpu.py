@@ -150,14 +150,23 @@ def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
         await t.push_weights.call_one([ref], 1, 1 << 20, 120.0, "relay").result(300)
         await engines.wake.call(["kv_cache"]).result(300)
         outs = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (other, ref)]
+        groups = [(await other.stats.call_one().result(60))["weight_update_groups"]]
+        # a second push of new weights reuses the NCCL group
+        await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        await t.push_weights.call_one([other], 2, 1 << 20, 120.0, "auto").result(300)
+        await t.push_weights.call_one([ref], 2, 1 << 20, 120.0, "relay").result(300)
+        outs2 = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (other, ref)]
+        groups.append((await other.stats.call_one().result(60))["weight_update_groups"])
         events = await other.events.call_one().result(60)
         await t.shutdown.call().result(60)
         await procs.stop()
         await eprocs.stop()
-        return before, outs, plan, events
+        return before, outs, outs2, plan, events, groups
 
-    before, (other, ref), sent, events = run(main(), 880)
+    before, (other, ref), (other2, ref2), sent, events, groups = run(main(), 880)
     assert sent > 0
     assert other.token_ids == ref.token_ids and other.logprobs == ref.logprobs
     assert other.weight_version == 1 and other.logprobs != before.logprobs
-    assert [e[2] for e in events if e[1] == "update_weights"] == [1]
+    assert other2.token_ids == ref2.token_ids and other2.logprobs == ref2.logprobs and other2.weight_version == 2
+    assert len(groups[0]) == 1 and groups[1] == groups[0]
+    assert [e[2] for e in events if e[1] == "update_weights"] == [1, 2]

@@ -83,26 +83,37 @@ def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(p
         e0, e1 = engines.slice(gpus=0), engines.slice(gpus=1)
         relay_bytes = await t.push_weights.call_one([e0], 1, 4096).result(120)  # auto on CPU: relay
         bcast_bytes = await t.push_weights.call_one([e1], 1, 4096, 60.0, "distributed").result(120)  # gloo group, many buckets
+        groups = [(await e1.stats.call_one().result(60))["weight_update_groups"]]
         await engines.wake.call(["kv_cache"]).result(60)
         outs = (await engines.generate.call(SEQS[0][:6], GREEDY).result(60)).values()
         await t.onload.call_one().result(60)
         seq = SEQS[0][:6] + outs[0].token_ids
         trainer_lp = (await t.compute_logprobs.call_one([seq]).result(60))[0][5:]
+        # a second push (new weights) reuses the group: no second set-up
+        await t.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        await t.push_weights.call_one([e1], 2, 4096, 60.0, "distributed").result(120)
+        groups.append((await e1.stats.call_one().result(60))["weight_update_groups"])
+        again = await e1.generate.call_one(SEQS[0][:6], GREEDY).result(60)
+        seq2 = SEQS[0][:6] + again.token_ids
+        trainer_lp2 = (await t.compute_logprobs.call_one([seq2]).result(60))[0][5:]
         events = (await engines.events.call().result(60)).values()
         with pytest.raises(ActorError, match="CUDA IPC"):
             await t.push_weights.call_one([e0], 2, 4096, 60.0, "ipc").result(60)
         await t.shutdown.call().result(60)
+        groups.append((await e1.stats.call_one().result(60))["weight_update_groups"])  # the trainer tore it down
         await tprocs.stop()
         await eprocs.stop()
-        return relay_bytes, bcast_bytes, outs, trainer_lp, events
+        return relay_bytes, bcast_bytes, outs, trainer_lp, events, groups, again, trainer_lp2
 
-    relay_bytes, bcast_bytes, outs, trainer_lp, events = run(main(), 280)
+    relay_bytes, bcast_bytes, outs, trainer_lp, events, groups, again, trainer_lp2 = run(main(), 280)
+    assert len(groups[0]) == 1 and groups[1] == groups[0] and groups[2] == []
+    assert again.weight_version == 2 and max(abs(a - b) for a, b in zip(again.logprobs, trainer_lp2)) < 1e-4
     assert relay_bytes > 0 and bcast_bytes >= relay_bytes  # the flat buffers are padded to ALIGN
     assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
     assert all(r.weight_version == 1 for r in outs)
     assert max(abs(a - b) for a, b in zip(outs[0].logprobs, trainer_lp)) < 1e-4
-    for ev in events:  # one update event per push, after its last bucket
-        assert [e[2] for e in ev if e[1] == "update_weights"] == [1]
+    assert [e[2] for e in events[0] if e[1] == "update_weights"] == [1]  # one event per push, after its last bucket
+    assert [e[2] for e in events[1] if e[1] == "update_weights"] == [1, 2]
 
 
 def test_broadcast_group_times_out_instead_of_hanging(policy):
