@@ -92,12 +92,13 @@ async def bench(args, path: str) -> dict:
     engines = {"inproc": procs.spawn("engine_local", EngineActor, path, "torch", **ekw)}
     eprocs = None
     nccl = args.device == "cuda" and torch.cuda.device_count() >= 2
+    nprocs = None
     if args.device == "cuda":
-        eprocs = this_host().spawn_procs(per_host={"gpus": 2 if nccl else 1})
-        remote = eprocs.spawn("engine_remote", EngineActor, path, "torch", **ekw)
-        engines["xproc"] = remote.slice(gpus=0)  # the trainer's GPU, another process: CUDA IPC
-        if nccl:
-            engines["nccl"] = remote.slice(gpus=1)  # another GPU: the NCCL broadcast group
+        eprocs = this_host().spawn_procs(per_host={"gpus": 1})
+        engines["xproc"] = eprocs.spawn("engine_remote", EngineActor, path, "torch", **ekw)  # GPU 0, another process: CUDA IPC
+        if nccl:  # another GPU ("gpus" is only a label: the process is pointed at GPU 1)
+            nprocs = this_host().spawn_procs(per_host={"gpus": 1}, env={"CUDA_VISIBLE_DEVICES": "1"})
+            engines["nccl"] = nprocs.spawn("engine_nccl", EngineActor, path, "torch", **ekw)  # the NCCL broadcast group
     await asyncio.gather(*(e.initialized(1200) for e in engines.values()))
     for name, e in engines.items():
         await e.sleep.call(["weights", "kv_cache"]).result(600)
@@ -124,8 +125,9 @@ async def bench(args, path: str) -> dict:
     out["onload_s_per_gb"] = on_s / (moved / GB)
     await t.shutdown.call().result(60)
     await procs.stop()
-    if eprocs is not None:
-        await eprocs.stop()
+    for p in (eprocs, nprocs):
+        if p is not None:
+            await p.stop()
     d2h, h2d = pinned_copy_s_per_gb(args.device, min(moved, 2 * GB))
     out["pinned_d2h_s_per_gb"], out["pinned_h2d_s_per_gb"] = d2h, h2d
     out["offload_vs_pinned"] = out["offload_s_per_gb"] / d2h

@@ -138,17 +138,21 @@ def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
         procs = this_host().spawn_procs(per_host={"gpus": 1})  # trainer on GPU 0
         await setup_torch_distributed(procs)
         t = procs.spawn("trainer", TrainerActor, path, lr=1e-2, bf16=True)
-        eprocs = this_host().spawn_procs(per_host={"gpus": 2})
-        engines = eprocs.spawn("engines", EngineActor, path, "torch", **ekw)
-        await asyncio.gather(t.initialized(600), engines.initialized(600))
-        ref, other = engines.slice(gpus=0), engines.slice(gpus=1)
+        # "gpus" is a label: a process sees every GPU and uses the first unless told otherwise
+        rprocs = this_host().spawn_procs(per_host={"gpus": 1})  # the reference engine, on the trainer's GPU 0
+        oprocs = this_host().spawn_procs(per_host={"gpus": 1}, env={"CUDA_VISIBLE_DEVICES": "1"})  # on GPU 1
+        ref = rprocs.spawn("ref", EngineActor, path, "torch", **ekw)
+        other = oprocs.spawn("other", EngineActor, path, "torch", **ekw)
+        await asyncio.gather(t.initialized(600), ref.initialized(600), other.initialized(600))
         before = await other.generate.call_one(SEQS[0][:32], greedy).result(300)
         await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
-        await engines.sleep.call(["weights", "kv_cache"]).result(300)
-        await engines.wake.call(["weights"]).result(300)
+        for e in (ref, other):
+            await e.sleep.call(["weights", "kv_cache"]).result(300)
+            await e.wake.call(["weights"]).result(300)
         plan = await t.push_weights.call_one([other], 1, 1 << 20, 120.0, "auto").result(300)
         await t.push_weights.call_one([ref], 1, 1 << 20, 120.0, "relay").result(300)
-        await engines.wake.call(["kv_cache"]).result(300)
+        for e in (ref, other):
+            await e.wake.call(["kv_cache"]).result(300)
         outs = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (other, ref)]
         groups = [(await other.stats.call_one().result(60))["weight_update_groups"]]
         # a second push of new weights reuses the NCCL group
@@ -160,7 +164,8 @@ def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
         events = await other.events.call_one().result(60)
         await t.shutdown.call().result(60)
         await procs.stop()
-        await eprocs.stop()
+        await rprocs.stop()
+        await oprocs.stop()
         return before, outs, outs2, plan, events, groups
 
     before, (other, ref), (other2, ref2), sent, events, groups = run(main(), 880)
@@ -168,5 +173,5 @@ def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
     assert other.token_ids == ref.token_ids and other.logprobs == ref.logprobs
     assert other.weight_version == 1 and other.logprobs != before.logprobs
     assert other2.token_ids == ref2.token_ids and other2.logprobs == ref2.logprobs and other2.weight_version == 2
-    assert len(groups[0]) == 1 and groups[1] == groups[0]
+    assert len(groups[0]) == 1 and groups[1] == groups[0]  # auto chose the broadcast group, kept for push 2
     assert [e[2] for e in events if e[1] == "update_weights"] == [1, 2]
