@@ -98,8 +98,7 @@ class Gateway:
             self._count("invalid_request")
             return _bad(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
         try:
-            async with asyncio.timeout(self.timeout):
-                text = await self.service.generate(messages, sp, rk)
+            text = await asyncio.wait_for(self.service.submit(messages, sp, rk), self.timeout)
         except JudgeAsleep as e:
             self._count("asleep")
             return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
@@ -109,7 +108,7 @@ class Gateway:
         except JudgeUnavailable as e:
             self._count("engine")
             return _bad(str(e), 502)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             self._count("unavailable")
             return _bad(f"the judge did not answer within {self.timeout:g} s", 503)
         except Exception as e:  # noqa: BLE001 - never a crash, never a 500

@@ -195,8 +195,13 @@ class JudgeService(Actor):
 
     @endpoint(concurrent=True)
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> str:
+        return await self.submit(messages, sampling_params, route_key)
+
+    def submit(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> asyncio.Future:
+        """In this process (the HTTP gateway): admit and render one request now (its errors
+        raise here) and return the future of its response text."""
         inst, sampling, sp, ctk, engine_sp = self._admit(sampling_params, route_key)
-        return await self._judge(inst, sampling, sp, engine_sp, self._render(inst, [messages], ctk)[0])
+        return self._judge(inst, sampling, sp, engine_sp, self._render(inst, [messages], ctk)[0])
 
     @endpoint(concurrent=True)
     async def generate_batch(self, requests: list) -> list:

@@ -246,3 +246,37 @@ def test_a_dead_engine_is_retried_once_on_another_then_reported(judge_model, fau
             await procs.stop()
 
     run(main(), 180)
+
+
+def test_gateway_answers_503_when_the_judge_does_not_answer_in_time(judge_model):
+    """A request the engine holds past the gateway's timeout gets 503 with a reason; the
+    gateway keeps serving (health) meanwhile."""
+    import aiohttp
+    from aiohttp import web
+
+    from reward.gateway import Gateway
+    from tests.launcher.test_launch import free_port
+
+    async def main():
+        engine = this_proc().spawn("gated2", GatedEngine)
+        await engine.initialized(60)
+        svc = JudgeService({"__default__": {"model_path": judge_model, "engines": [engine]}}, cache="off")
+        await svc.setup()  # the service object itself, as its own process's gateway uses it
+        runner = web.AppRunner(Gateway(svc, timeout=0.5).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/genrm/generate", json={"messages": MSG}) as r:
+                    status, body = r.status, await r.json()
+                async with s.get(f"http://127.0.0.1:{port}/genrm/metrics?format=json") as r:
+                    errors = (await r.json())["gateway_errors"]
+        finally:
+            await engine.release.call_one().result(10)
+            await runner.cleanup()
+        return status, body, errors
+
+    status, body, errors = run(main(), 120)
+    assert status == 503 and "did not answer within 0.5 s" in body["error"]
+    assert errors == {"unavailable": 1}
