@@ -178,5 +178,9 @@ async def serve(service, host: str = "127.0.0.1", port: int = 8000, token: str |
     runner (``await runner.cleanup()``). Use :meth:`JudgeService.serve_http` from outside."""
     runner = web.AppRunner(Gateway(service, token).app(), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner

@@ -280,3 +280,22 @@ def test_gateway_answers_503_when_the_judge_does_not_answer_in_time(judge_model)
     status, body, errors = run(main(), 120)
     assert status == 503 and "did not answer within 0.5 s" in body["error"]
     assert errors == {"unavailable": 1}
+
+
+def test_serving_http_on_a_taken_port_says_to_choose_another(judge_model):
+    import socket
+
+    async def main():
+        engine = this_proc().spawn("gated3", GatedEngine)
+        await engine.initialized(60)
+        svc = JudgeService({"__default__": {"model_path": judge_model, "engines": [engine]}}, cache="off")
+        await svc.setup()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*choose another port"):
+                await svc.serve_http("127.0.0.1", port)
+        assert svc._http is None  # nothing half-started
+
+    run(main(), 60)
