@@ -60,10 +60,6 @@ class InstantEngine(Actor):
             self.tok = AutoTokenizer.from_pretrained(model_path)
 
     @endpoint(concurrent=True)
-    async def generate(self, prompt, sampling=None, chat_template_kwargs=None):
-        return GenerateResult([16], "1", [-0.1], "stop", len(prompt), 0)
-
-    @endpoint(concurrent=True)
     async def generate_rendered(self, requests):
         n = [len(ids) for ids in encode_rendered(self.tok, [t for t, _ in requests])] if self.tok else [0] * len(requests)
         return [GenerateResult([16], "1", [-0.1], "stop", k, 0) for k in n]

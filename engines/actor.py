@@ -20,7 +20,6 @@ class EngineActor(Actor):
         self.backend = backend
         self.engine_kwargs = engine_kwargs
         self.engine = None
-        self._tok = None
 
     async def setup(self) -> None:
         if self.backend == "torch":
@@ -54,7 +53,7 @@ class EngineActor(Actor):
         run like :meth:`generate_batch`. Tokenizing in the engines spreads that work over
         them instead of the one process that renders. One item per request, in order."""
         texts = [r[0] if isinstance(r, (list, tuple)) and len(r) == 2 else None for r in requests]
-        tok = self._tokenizer()
+        tok = self.engine.tokenizer  # both backends have one (SGLang's adapter loads it on first use)
         try:
             if sum(len(t) for t in texts if isinstance(t, str)) > INLINE_TOKENIZE_CHARS:
                 ids: list = await asyncio.to_thread(encode_rendered, tok, texts)
@@ -71,14 +70,6 @@ class EngineActor(Actor):
             *(_failed(p) if isinstance(p, Exception) else self.engine.generate(p, r[1]) for p, r in zip(ids, requests)),
             return_exceptions=True,
         )
-
-    def _tokenizer(self):
-        tok = getattr(self.engine, "tokenizer", None) or self._tok
-        if tok is None:  # the SGLang adapter tokenizes in its server; rendered chats are encoded here
-            from transformers import AutoTokenizer
-
-            tok = self._tok = AutoTokenizer.from_pretrained(self.model_path)
-        return tok
 
     @endpoint
     async def sleep(self, tags: tuple = TAGS[:2], drain: str = "abort") -> None:

@@ -73,6 +73,7 @@ class SGLangEngine(Engine):
         self._asleep: set[str] = set()
         self.weight_version = 0
         self._rid = 0
+        self._tok = None  # the HF tokenizer, loaded on first use (see tokenizer)
         self.events: list[tuple] = []
 
     @staticmethod
@@ -150,6 +151,16 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------------------ generation
 
+    @property
+    def tokenizer(self):
+        """The model's HF tokenizer, loaded on first use (chat messages and rendered chats are
+        tokenized here; plain text goes to the server as text)."""
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tok
+
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
         if self._asleep:
             raise RuntimeError(f"{self.name}: asleep ({sorted(self._asleep)}); wake it before generating")
@@ -168,11 +179,7 @@ class SGLangEngine(Engine):
         self._rid += 1
         body = {"rid": f"{self.name}-{self._rid}", "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            from transformers import AutoTokenizer
-
-            tok = getattr(self, "_tok", None) or AutoTokenizer.from_pretrained(self.model_path)
-            self._tok = tok
-            out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
             body["input_ids"] = list(out["input_ids"] if hasattr(out, "keys") else out)
         elif isinstance(prompt, str):
             body["text"] = prompt
