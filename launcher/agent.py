@@ -13,6 +13,11 @@ import relay
 from relay import Actor, MeshFailure, ProcRef, endpoint
 
 
+def worker_log(run_dir: str, node: int, bundle: int) -> str:
+    """Where a worker's stdout and stderr go (Megatron/torch warnings, native logs)."""
+    return os.path.join(run_dir, "logs", f"node{node}-bundle{bundle}.log")
+
+
 @relay.register(name="launcher.BundleSpec")
 @dataclass
 class BundleSpec:
@@ -42,6 +47,7 @@ class NodeAgent(Actor):
         self.specs: list[BundleSpec] = []
         self.controller = None
         self.done = asyncio.Event()
+        self.exit_code = 0  # the job's, from the controller's shutdown: this node's process exits with it
 
     @endpoint
     async def info(self) -> dict:
@@ -62,6 +68,8 @@ class NodeAgent(Actor):
             e = dict(env)
             e["RELAY_BUNDLE"] = str(spec.bundle)
             e["RELAY_NODE"] = str(self.node)
+            if env.get("RELAY_JOB_RUN_DIR"):  # library warnings and native logs go here, not to the console
+                e["RELAY_LOG_FILE"] = worker_log(env["RELAY_JOB_RUN_DIR"], self.node, spec.bundle)
             if self.device == "cuda":
                 e["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
             else:
@@ -83,16 +91,19 @@ class NodeAgent(Actor):
         return True
 
     @endpoint
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop this node's workers; the agent process then exits."""
+    async def shutdown(self, timeout: float = 10.0, exit_code: int = 0) -> None:
+        """Stop this node's workers; the agent process then exits with the job's ``exit_code``."""
+        self.exit_code = exit_code
         if self.procs is not None:
             await self.procs.stop(timeout=timeout)
             self.procs = None
         self.done.set()
 
     @endpoint(concurrent=True)
-    async def wait_done(self) -> None:
+    async def wait_done(self) -> int:
+        """Returns once shut down: the job's exit code."""
         await self.done.wait()
+        return self.exit_code
 
 
 class BundleProbe(Actor):
@@ -103,7 +114,7 @@ class BundleProbe(Actor):
         return {
             "bundle": int(os.environ.get("RELAY_BUNDLE", "-1")),
             "node": int(os.environ.get("RELAY_NODE", "-1")),
-            "host": socket.gethostname(),
+            "host": f"{socket.gethostname()}/{os.environ.get('RELAY_HOST', '127.0.0.1')}",  # name / address others reach it at
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             "master": f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",

@@ -9,8 +9,10 @@ down cleanly.
 
 Health: agents heartbeat to the controller and workers to their agent. A dead or silent
 agent, or a dead worker (reported by its agent), stops the whole job with a message that
-names the node, the bundle and its roles; the controller then exits non-zero. SIGINT and
-SIGTERM stop everything cleanly. No process outlives the job: workers exit with their
+names the node, the bundle and its roles; the controller then exits non-zero. SIGINT stops
+everything cleanly; so do SIGTERM and SIGUSR1, except while GRPO trains, when the job first
+finishes the step in progress and writes a checkpoint (exit code ``EXIT_CHECKPOINTED`` on
+every node; slurm's preemption warning). Every node's process exits with the job's code. No process outlives the job: workers exit with their
 agent, agents exit when the controller stops acknowledging their heartbeats.
 """
 
@@ -27,13 +29,17 @@ from dataclasses import dataclass
 import relay
 from relay import Actor, MeshFailure, ProcMesh, ProcRef, endpoint, this_proc
 
-from .agent import BundleProbe, BundleSpec, NodeAgent
+from .agent import BundleProbe, BundleSpec, NodeAgent, worker_log
 from .allocator import Plan, make_plan, render_plan
 from .config import JobConfig
+from .grpo import StoppedWithCheckpoint
 from .rendezvous import Rendezvous, node_address
 
 #: An agent exits when the controller has not acknowledged its heartbeats for this long.
 AGENT_PARENT_TIMEOUT = "10"
+#: Every node's exit code after a SIGTERM/SIGUSR1 made the job checkpoint and stop
+#: (EX_TEMPFAIL): the sbatch script requeues the job, which then resumes.
+EXIT_CHECKPOINTED = 75
 
 
 @dataclass
@@ -76,6 +82,9 @@ def _roles_by_bundle(plan: Plan) -> dict[int, list[str]]:
 def _prepare_process_env(rank: int) -> None:
     os.environ["RELAY_LISTEN"] = "tcp"
     os.environ.setdefault("RELAY_HOST", node_address())
+    # Slurm signals every process of a job step at once: only the controller acts on
+    # SIGTERM / SIGUSR1 (it checkpoints first); the processes this one spawns ignore them.
+    os.environ["RELAY_IGNORE_SIGTERM"] = "1"
 
 
 # ---------------------------------------------------------------------------- controller
@@ -91,6 +100,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             f"--nnodes {plan.nnodes}, or set --nnodes / --gpus-per-node to match"
         )
     rdzv = Rendezvous()
+    run_dir = os.path.abspath(cfg.run_dir)
     _prepare_process_env(0)
     os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
     os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
@@ -101,7 +111,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
     rt = relay.current_runtime()
     stop_signal = asyncio.Event()
     got_signal: list[str] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         rt.loop.add_signal_handler(sig, lambda s=sig: (got_signal.append(signal.Signals(s).name), stop_signal.set()))
 
     here = this_proc()
@@ -129,7 +139,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         for idx in sorted(roles):
             node, gpu = divmod(idx, plan.gpus_per_node)
             specs[node].append(BundleSpec(idx, gpu, roles[idx]))
-        env = {"RELAY_JOB_RUN_DIR": os.path.abspath(cfg.run_dir)}
+        env = {"RELAY_JOB_RUN_DIR": run_dir}
         per_node = await asyncio.gather(*(agents[n].spawn_workers.call_one(specs[n], sink, env).result(180) for n in range(plan.nnodes)))
         workers = sorted((w for ws in per_node for w in ws), key=lambda w: w.bundle)
         procs = ProcMesh.attach([w.proc for w in workers], name="bundles", dims={"bundles": len(workers)})
@@ -140,11 +150,11 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         probes = procs.spawn("probe", BundleProbe)
         where = (await probes.where.call().result(120)).values()
         print(f"\nplaced a probe actor on every bundle in {time.monotonic() - t0:.2f} s:", file=out)
-        print(f"{'bundle':>6}  {'node':>4}  {'host':<16} {'pid':>7}  {'CUDA_VISIBLE_DEVICES':<20} {'actor rank':<10} roles", file=out)
+        print(f"{'bundle':>6}  {'node':>4}  {'host/address':<24} {'pid':>7}  {'CUDA_VISIBLE_DEVICES':<20} {'actor rank':<10} roles", file=out)
         for w, info in zip(workers, where):
             cvd = info["cuda_visible_devices"] or "(cpu)"
-            print(f"{w.bundle:>6}  {w.node:>4}  {info['host']:<16} {info['pid']:>7}  {cvd:<20} {info['rank'] or '-':<10} {', '.join(w.roles)}", file=out)
-        out.flush()
+            print(f"{w.bundle:>6}  {w.node:>4}  {info['host']:<24} {info['pid']:>7}  {cvd:<20} {info['rank'] or '-':<10} {', '.join(w.roles)}", file=out)
+        print(f"workers' own output (library warnings, native logs): {os.path.join(run_dir, 'logs')}/", file=out, flush=True)
         if hold > 0:
             print(f"holding the job for {hold:g} s", file=out, flush=True)
             await asyncio.sleep(hold)
@@ -162,10 +172,25 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
     task = asyncio.ensure_future(body())
     waiter = asyncio.ensure_future(failures.get())
     stopper = asyncio.ensure_future(stop_signal.wait())
-    done, _ = await asyncio.wait({task, waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    while True:
+        done, _ = await asyncio.wait({task, waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        # SIGTERM / SIGUSR1 while GRPO trains (slurm's warning before preemption or the time
+        # limit): finish the step in progress, write a checkpoint, then stop. A second
+        # signal stops at once.
+        preempt = stopper in done and len(done) == 1 and got_signal[-1] in ("SIGTERM", "SIGUSR1") and len(got_signal) == 1
+        if preempt and jobs and getattr(jobs[0], "request_stop", lambda: False)():
+            print(f"relay: {got_signal[-1]}: writing a checkpoint after the step in progress, then stopping "
+                  f"(exit code {EXIT_CHECKPOINTED}; send the signal again to stop at once)", file=sys.stderr, flush=True)
+            stop_signal.clear()
+            stopper = asyncio.ensure_future(stop_signal.wait())
+            continue
+        break
     message = None
-    if waiter in done:
-        message = _describe(waiter.result(), plan, agent_refs)
+    if task in done and isinstance(task.exception(), StoppedWithCheckpoint):
+        message = f"{got_signal[0]}: {task.exception()}"
+        code = EXIT_CHECKPOINTED
+    elif waiter in done:
+        message = _describe(waiter.result(), plan, agent_refs, run_dir)
         code = 1
     elif stopper in done:
         message = f"stopped by {got_signal[0] if got_signal else 'a signal'}; shutting down"
@@ -174,7 +199,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         # A start-up step failed; if it failed because a process died, the supervision
         # report says so more precisely (it may arrive a moment later).
         try:
-            message = _describe(await asyncio.wait_for(asyncio.shield(waiter), 1.0), plan, agent_refs)
+            message = _describe(await asyncio.wait_for(asyncio.shield(waiter), 1.0), plan, agent_refs, run_dir)
         except asyncio.TimeoutError:
             exc = task.exception()
             message = f"{type(exc).__name__}: {exc}"
@@ -186,22 +211,22 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         print(f"relay: job {'failed' if code == 1 else 'stopped'}: {message}", file=sys.stderr, flush=True)
     for job in jobs:
         try:
-            await asyncio.wait_for(job.close(graceful=code == 0), 90)
+            await asyncio.wait_for(job.close(graceful=code in (0, EXIT_CHECKPOINTED)), 90)
         except Exception as e:  # noqa: BLE001 (the workers are stopped next in any case)
             print(f"relay: closing the job: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    await _shutdown(agents, agent_refs, rt)
+    await _shutdown(agents, agent_refs, rt, exit_code=code)
     if code == 0:
         print("shut down cleanly", file=out, flush=True)
     return code
 
 
-def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef]) -> str:
+def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef], run_dir: str) -> str:
     kind, node, bundle, failure = item
     roles = _roles_by_bundle(plan)
     if kind == "worker":
         return (
             f"node {node} (host {failure.host}): the worker of bundle {bundle} "
-            f"(roles: {', '.join(roles.get(bundle, ['?']))}; pid {failure.pid}) {failure.reason}"
+            f"(roles: {', '.join(roles.get(bundle, ['?']))}; pid {failure.pid}) {failure.reason}; its output: {worker_log(run_dir, node, bundle)}"
         )
     if failure.mesh == "agents":
         return f"node {failure.rank} agent (host {failure.host}, pid {failure.pid}) {failure.reason}; its workers (bundles {_bundles_of_node(plan, failure.rank)}) are lost"
@@ -213,11 +238,12 @@ def _bundles_of_node(plan: Plan, node: int) -> str:
     return f"{start}..{start + plan.gpus_per_node - 1}"
 
 
-async def _shutdown(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], rt) -> None:
-    """Stop every agent's workers, then the agents themselves (best effort, bounded)."""
+async def _shutdown(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], rt, exit_code: int) -> None:
+    """Stop every agent's workers, then the agents themselves (best effort, bounded); every
+    node's process exits with the job's ``exit_code``."""
     for r in list(agent_refs):
         rt.unwatch_remote(f"agent{r}")
-    calls = [a.shutdown.call_one(10.0).result(20) for a in agents.values()]
+    calls = [a.shutdown.call_one(10.0, exit_code).result(20) for a in agents.values()]
     results = await asyncio.gather(*calls, return_exceptions=True)
     del results  # a dead agent cannot be stopped; its own watchdog ends its workers
 
@@ -234,7 +260,8 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
     os.environ["RELAY_PARENT_TIMEOUT"] = os.environ.get("RELAY_AGENT_TIMEOUT", AGENT_PARENT_TIMEOUT)
     _prepare_process_env(rank)
     rt = relay.current_runtime()
-    rt.loop.add_signal_handler(signal.SIGINT, lambda: None)  # the controller decides
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the controller decides (it checkpoints first)
+        rt.loop.add_signal_handler(sig, lambda: None)
     agent = this_proc().spawn("agent", NodeAgent, rank, cfg.device)
     await agent.initialized()
     ctrl = await rdzv.get("controller")
@@ -244,5 +271,7 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
 
     Heartbeater(zmq.Context.instance(), ctrl["hb"], f"agent{rank}", parent_pid=0).start()
     rdzv.set(f"agent/{rank}", {"addr": rt.address, "host": os.environ["RELAY_HOST"], "pid": os.getpid()})
-    await agent.wait_done.call_one().result(timeout=10 * 24 * 3600)
-    return 0
+    code = await agent.wait_done.call_one().result(timeout=10 * 24 * 3600)
+    if code:
+        print(f"relay: node {rank}: the job ended with exit code {code} (the head node's log says why)", file=sys.stderr, flush=True)
+    return code

@@ -31,6 +31,10 @@ class _DistEnv(Actor):
             "LOCAL_WORLD_SIZE": str(extent[last]),
         }
         os.environ.update(env)
+        # Under torchrun, workers inherit TORCHELASTIC_USE_AGENT_STORE=True, which makes
+        # torch's env:// rendezvous wait for a store hosted by torchrun's agent at
+        # MASTER_ADDR:MASTER_PORT. Here rank 0 hosts the store at the port picked above.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         return env
 
 

@@ -3,7 +3,9 @@
 Environment (set by the spawner): RELAY_PROC_ID, RELAY_BIND (inbox address to bind),
 RELAY_PARENT_ADDR (spawner's inbox, for hello and events), RELAY_PARENT_HB (heartbeat
 monitor), RELAY_PARENT_PID, RELAY_SYS_PATH (the spawner's sys.path, so actor classes import
-the same way), RELAY_MAIN_FILE (the spawner's __main__ script, for classes defined there).
+the same way), RELAY_MAIN_FILE (the spawner's __main__ script, for classes defined there); optional
+RELAY_LOG_FILE (where this process's output goes instead of the console); RELAY_IGNORE_SIGTERM=1
+(SIGTERM and SIGUSR1 are ignored: the spawner stops this process).
 """
 
 from __future__ import annotations
@@ -22,9 +24,25 @@ def _prepare_imports() -> None:
             sys.path.insert(0, p)
 
 
+def _redirect_output() -> None:
+    """RELAY_LOG_FILE set: this process's stdout and stderr (Python's and native code's,
+    warnings included) are appended to that file instead of the spawner's console."""
+    path = os.environ.get("RELAY_LOG_FILE")
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def main() -> None:
     # Ctrl-C in a terminal reaches the whole process group: the root decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _redirect_output()
     import zmq
 
     from ._heartbeat import Heartbeater
@@ -46,7 +64,14 @@ def main() -> None:
         rt = Runtime(loop, bind=os.environ["RELAY_BIND"])
         install_runtime(rt)
         addr = rt.ensure_inbox()
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(rt._on_stop(b"", 0)))
+        if os.environ.get("RELAY_IGNORE_SIGTERM") == "1":
+            # The spawner decides when this process stops (slurm signals every process of a
+            # job step at once; the controller then checkpoints first). Relay itself stops
+            # workers with a message, then SIGKILL; a dead spawner ends them by heartbeat.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        else:
+            loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(rt._on_stop(b"", 0)))
         rt.send_to(os.environ["RELAY_PARENT_ADDR"], [K_HELLO, proc_id, addr, os.getpid(), socket.gethostname()])
         await rt.stopped
 

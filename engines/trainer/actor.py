@@ -27,6 +27,45 @@ from .loss import LossConfig, policy_loss
 _PROCESS_SETUP = threading.Lock()
 
 
+def _init_process_group(dist, backend: str) -> None:
+    """Join the trainer's torch.distributed group (MASTER_ADDR/PORT, RANK, WORLD_SIZE from
+    relay.setup_torch_distributed; rank 0 hosts the store). The rendezvous is bounded by
+    ``RELAY_DIST_INIT_TIMEOUT`` seconds (default 60): every rank announces itself in the
+    store, and a rank that cannot see all of them in time raises, naming itself and the
+    ranks (bundle, node, host) that never came, instead of waiting out torch's 30-minute
+    default. Collectives afterwards keep torch's long default timeout."""
+    import datetime
+    import time
+
+    from torch.distributed import TCPStore
+
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    limit = float(env.get("RELAY_DIST_INIT_TIMEOUT", "60"))
+    me = f"bundle {env.get('RELAY_BUNDLE', '?')}, node {env.get('RELAY_NODE', '?')}, host {env.get('RELAY_HOST', '?')}"
+    where = f"trainer rank {rank} of {world} ({me})"
+    hint = ("Check that every node is up and reaches that address (RELAY_HOST / the network interface); "
+            "RELAY_DIST_INIT_TIMEOUT sets the limit")
+    deadline = time.monotonic() + limit
+    try:
+        store = TCPStore(addr, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=limit), wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 (re-raised with who and where)
+        raise RuntimeError(f"{where}: torch.distributed did not form within {limit:g} s: could not join the store of rank 0 at {addr}:{port} "
+                           f"({e}). {hint}") from None
+    store.set(f"relay/joined/{rank}", where)
+    while True:
+        missing = [r for r in range(world) if not store.check([f"relay/joined/{r}"])]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            expected = "; ".join(f"rank {r}" for r in missing)
+            raise RuntimeError(f"{where}: torch.distributed did not form within {limit:g} s: not every rank joined the store at {addr}:{port} "
+                               f"(missing: {expected}; the controller's placement table says which bundle each rank is). {hint}")
+        time.sleep(0.05)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
 class TrainerActor(Actor):
     def __init__(self, model_path: str, tp: int = 1, lr: float = 1e-6, weight_decay: float = 0.0, clip_grad: float = 1.0,
                  lr_decay_style: str = "constant", lr_warmup_iters: int = 0, total_iters: int = 1000, seed: int = 1234, loss: dict | None = None,
@@ -93,7 +132,7 @@ class TrainerActor(Actor):
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method="env://")
+            _init_process_group(dist, "nccl" if self.device.type == "cuda" else "gloo")
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
         elif parallel_state.get_tensor_model_parallel_world_size() != self.tp:
