@@ -2,7 +2,8 @@
 
 Prints one JSON line: tok_s_b{1,8,64,256}_builtin and _hf (generated tokens/s at a fixed
 output length, ignore_eos), on GPU roofline_frac_b{64,256} (bytes a decode step must read
-— weights + KV — over the step time, against the copy bandwidth measured in the same run),
+— weights + KV — over the step time, against the device's READ bandwidth measured in the
+same run with read-only kernels: benchmarks/_bandwidth.py),
 and sleep/wake seconds (sleep_s_backup, wake_s_backup, sleep_s_discard, pinned_copy_s).
 
     python benchmarks/engine_bench.py                      # CPU: tiny Qwen3, prompt 16, 32 new
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks._bandwidth import copy_bandwidth, read_bandwidth  # noqa: E402
 from engines.model_builder import make_model  # noqa: E402
 from engines.torch_engine import TorchEngine  # noqa: E402
 
@@ -71,19 +73,6 @@ def matmul_flops(device: str, n: int = 8192) -> float:
         a @ b
     sync(device)
     return 10 * 2 * n**3 / (time.perf_counter() - t)
-
-
-def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
-    """Device copy bandwidth in bytes/s (read + write counted), measured now."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    sync(device)
-    return 5 * 2 * a.numel() / (time.perf_counter() - t)
 
 
 async def swap_times(path: str, device: str, dtype: str) -> dict:
@@ -139,7 +128,10 @@ def main() -> None:
     result = {"bench": "engine", "device": dev, "model": f"qwen3-{a.size}", "dtype": dtype, "prompt": prompt, "new_tokens": new}
     if dev == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-        result["copy_gb_s"] = round(copy_bandwidth(dev) / 1e9, 1)
+        result["copy_gb_s"] = round(copy_bandwidth(dev) / 1e9, 1)  # read + write counted; not the roofline's
+        read = read_bandwidth(dev)
+        result["read_gb_s"] = round(read["best"] / 1e9, 1)
+        result["read_gb_s_by_kernel"] = {k: round(v / 1e9, 1) for k, v in read.items() if k != "best"}
         result["matmul_tflops"] = round(matmul_flops(dev) / 1e12, 1)
     if a.swap_only:
         result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
@@ -197,7 +189,7 @@ def main() -> None:
     hf = None  # release the transformers model before the sleep/wake figures
     if dev == "cuda":
         # Roofline of a decode step at the mean context: the bytes it must read (weights +
-        # KV) at the copy bandwidth's read half, and its FLOPs at the measured matmul rate.
+        # KV) at the READ bandwidth measured above, and its FLOPs at the measured matmul rate.
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         params = weight_bytes / 2
         for b in (64, 256):
@@ -207,7 +199,7 @@ def main() -> None:
                 bytes_step = weight_bytes + b * ctx * kv_per_token
                 flops_step = 2 * params * b + 4 * b * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
                 result[f"step_ms_b{b}"] = round(step_s * 1e3, 2)
-                result[f"roofline_frac_b{b}"] = round(bytes_step / step_s / (result["copy_gb_s"] * 1e9 / 2), 3)
+                result[f"roofline_frac_b{b}"] = round(bytes_step / step_s / (result["read_gb_s"] * 1e9), 3)
                 result[f"flops_frac_b{b}"] = round(flops_step / step_s / (result["matmul_tflops"] * 1e12), 4)
     if not a.no_swap:
         result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})

@@ -122,7 +122,7 @@ class JobConfig:
     # ---- data and model
     prompt_data: str | None = _opt(None, help="training prompts (JSONL)")
     eval_prompt_data: str | None = _opt(None, help="evaluation prompts (JSONL)")
-    eval_interval: int | None = _opt(None, help="evaluate every N steps", minimum=1)
+    eval_interval: int | None = _opt(None, help="evaluate every N steps (0 or unset: no periodic evaluation; with --eval-prompt-data the job still evaluates before training and after the last step)", minimum=0)
     n_samples_per_eval_prompt: int = _opt(1, help="samples per evaluation prompt", minimum=1)
     eval_max_response_len: int | None = _opt(None, help="max new tokens per evaluation sample (default: --rollout-max-response-len)", minimum=1)
     eval_temperature: float = _opt(0.0, help="evaluation sampling temperature (0: greedy)", minimum=0.0)
@@ -132,6 +132,7 @@ class JobConfig:
     chat_template_kwargs: dict = _opt({}, help='JSON passed to the policy\'s chat template, e.g. {"enable_thinking": false}')
     hf_checkpoint: str | None = _opt(None, help="policy checkpoint directory (HF format)")
     save_interval: int | None = _opt(None, help="save a checkpoint every N steps", minimum=1)
+    keep_checkpoints: int = _opt(0, help="keep only the newest N complete checkpoints in RUN_DIR/checkpoints (0: keep all)", minimum=0)
     resume: bool = _opt(False, help="continue from the latest checkpoint in --run-dir (same data order and step numbers)")
     sft_steps: int | None = _opt(None, help="relay sft: optimizer steps (default: one pass over --prompt-data)", minimum=1)
     save_hf: str | None = _opt(None, help="relay sft: write the trained model here as an HF checkpoint (default: RUN_DIR/hf)")

@@ -21,6 +21,7 @@ A step whose rewards failed is not trained on: the job stops with the error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -40,12 +41,47 @@ CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "state.json"
 
 
+class StoppedWithCheckpoint(Exception):
+    """The loop stopped on request (SIGTERM, e.g. slurm preemption) after writing a
+    checkpoint; ``--resume`` continues at ``next_step``."""
+
+    def __init__(self, path: str, next_step: int):
+        super().__init__(f"stopped on request after writing {path}; --resume continues at step {next_step}")
+        self.path = path
+        self.next_step = next_step
+
+
 @dataclass
 class Engine:
     role: str  # "rollout" or "genrm"
     instance: str
     mesh: relay.ActorMesh
     outstanding: int = 0
+
+
+def _describe_sample(sample: dict) -> str:
+    """Which sample, for error messages: its row, question and label."""
+    q = question_text(sample.get("prompt", ""))
+    return f"the sample of row {sample.get('index')} ({sample.get('dataset', 'train')} data; question {q[:80]!r}, label {sample.get('label')!r})"
+
+
+def _correct(sample: dict) -> bool:
+    """Whether a sample counts as correct, for ``reward/accuracy`` and ``eval/accuracy``
+    alike: the reward's own ``acc`` when it returns a dict with one, else reward > 0."""
+    info = sample.get("reward_info")
+    if isinstance(info, dict) and "acc" in info:
+        return bool(info["acc"])
+    return sample["reward"] > 0
+
+
+def _union_seconds(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) spans."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _groups(xs: list, n: int) -> list[list]:
@@ -77,6 +113,9 @@ class GRPOJob:
         self.judge_procs = None  # the judge service's own process
         self.rollout: list[Engine] = []
         self.judges: list[Engine] = []
+        self._reward_spans: list[tuple[float, float]] = []  # (start, end) of reward calls since the last step record
+        self._training = False  # run() has begun: a stop request is answered with a checkpoint
+        self._stop_requested = False
 
     # ------------------------------------------------------------------ start-up
 
@@ -159,7 +198,8 @@ class GRPOJob:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
-        self._prompt_ids: dict[int, list[int]] = {}
+        # Keyed by the prompt itself, never by row index: train and eval rows share indices.
+        self._prompt_ids: dict[tuple[str, str], list[int]] = {}
         if self.defer:
             for name in cfg.genrm:
                 await self.judge.set_awake.call_one(name, False).result(60)
@@ -204,8 +244,9 @@ class GRPOJob:
         the judge service (and its gateway); with ``graceful``, also leave torch.distributed
         cleanly."""
         try:
-            await self._dump_events()
-        except Exception as e:  # noqa: BLE001 (a dead engine has no log to give)
+            # after a failure an engine may be on a dead node: wait for its log only briefly
+            await self._dump_events(timeout=30 if graceful else 3)
+        except Exception as e:  # noqa: BLE001 (best effort)
             print(f"relay: engine event logs not written: {e}", file=self.out, flush=True)
         if self.judge_procs is not None:
             await self.judge_procs.stop()
@@ -217,13 +258,16 @@ class GRPOJob:
         except Exception as e:  # noqa: BLE001 (best effort: the workers are stopped next anyway)
             print(f"relay: trainer shutdown: {type(e).__name__}: {e}", file=self.out, flush=True)
 
-    async def _dump_events(self) -> None:
-        """One line per engine event: engine, role, instance, t (monotonic, host-wide), event, detail."""
+    async def _dump_events(self, timeout: float) -> None:
+        """One line per engine event: engine, role, instance, t (monotonic, host-wide), event,
+        detail. An engine that does not answer within ``timeout`` (dead) is left out."""
         engines = self.rollout + self.judges
-        logs = await asyncio.gather(*(e.mesh.events.call_one().result(30) for e in engines))
+        logs = await asyncio.gather(*(e.mesh.events.call_one().result(timeout) for e in engines), return_exceptions=True)
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "engine_events.jsonl"), "a") as f:
             for i, (e, events) in enumerate(zip(engines, logs)):
+                if isinstance(events, BaseException):
+                    continue
                 for t, what, detail in events:
                     f.write(json.dumps({"engine": f"{e.role}{i if e.role == 'rollout' else i - len(self.rollout)}", "role": e.role,
                                         "instance": e.instance, "t": t, "event": what, "detail": detail}) + "\n")
@@ -259,12 +303,14 @@ class GRPOJob:
         return int(sum(v for s in stats for k, v in s["bytes"].items() if k != "cpu_backup"))
 
     def _prompt(self, row: Row) -> list[int]:
-        ids = self._prompt_ids.get(row.index)
+        """The row's prompt token ids (cached by the prompt's content)."""
+        key = ("text", row.prompt) if isinstance(row.prompt, str) else ("chat", json.dumps(row.prompt, sort_keys=True))
+        ids = self._prompt_ids.get(key)
         if ids is None:
-            ids = self._prompt_ids[row.index] = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
+            ids = self._prompt_ids[key] = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
         return ids
 
-    async def _generate_group(self, row: Row, n: int, sampling: dict, seed: int, score: bool) -> list[dict]:
+    async def _generate_group(self, row: Row, n: int, sampling: dict, seed: int, score: bool, dataset: str = "train") -> list[dict]:
         """n samples of one prompt on the least-loaded rollout engine; scored inline if asked."""
         eng = min(self.rollout, key=lambda e: e.outstanding)
         eng.outstanding += n
@@ -277,7 +323,7 @@ class GRPOJob:
         samples = []
         for r in results:
             samples.append({
-                "index": row.index, "prompt": row.prompt, "label": row.label, "metadata": {**row.metadata, "label": row.label, "question": question_text(row.prompt)},
+                "index": row.index, "dataset": dataset, "prompt": row.prompt, "label": row.label, "metadata": {**row.metadata, "label": row.label, "question": question_text(row.prompt)},
                 "prompt_ids": prompt_ids, "response_ids": list(r.token_ids), "response": r.text, "rollout_logprobs": list(r.logprobs),
                 "finish_reason": r.finish_reason, "weight_version": r.weight_version,
             })
@@ -285,23 +331,43 @@ class GRPOJob:
             await asyncio.gather(*(self._score(s) for s in samples))
         return samples
 
+    def _reward_name(self) -> str:
+        c = self.cfg
+        return f"--custom-rm-path {c.custom_rm_path}" if c.custom_rm_path else f"--rm-type {c.rm_type}"
+
     async def _score(self, sample: dict) -> None:
+        """The sample's reward; an error names the reward function and the sample."""
         from reward.rewards import reward_value
 
-        result = await self.reward_fn(sample)
-        sample["reward_info"] = result
-        sample["reward"] = reward_value(result, self.cfg.reward_key)
+        t = time.monotonic()
+        try:
+            result = await self.reward_fn(sample)
+            sample["reward_info"] = result
+            sample["reward"] = reward_value(result, self.cfg.reward_key)
+        except Exception as e:
+            raise RuntimeError(f"the reward ({self._reward_name()}) failed on {_describe_sample(sample)}: {type(e).__name__}: {e}") from e
+        finally:
+            self._reward_spans.append((t, time.monotonic()))
 
-    async def _score_deferred(self, samples: list[dict]) -> float:
+    async def _score_deferred(self, samples: list[dict], group_size: int) -> float:
         """Defer-swap: rollout sleeps, the judge wakes, the batch is scored, the judge sleeps
-        again whatever happened. Returns the seconds spent swapping."""
+        again whatever happened. The post-process hook sees ``args.n_samples_per_prompt ==
+        group_size`` (the eval's k for an eval batch), so it groups the batch as it was
+        generated. Returns the seconds spent swapping."""
         t = time.monotonic()
         await self._each(self.rollout, "sleep", ["weights", "kv_cache"])
         await self._judge_wake()
         swap = time.monotonic() - t
         try:
             if self.post_process is not None:
-                raw, normalized = await self.post_process(self.cfg, samples)
+                args = self.cfg if group_size == self.cfg.n_samples_per_prompt else dataclasses.replace(self.cfg, n_samples_per_prompt=group_size)
+                try:
+                    raw, normalized = await self.post_process(args, samples)
+                except Exception as e:
+                    rows = sorted({s["index"] for s in samples})
+                    raise RuntimeError(f"the post-process hook (--custom-reward-post-process-path {self.cfg.custom_reward_post_process_path}) "
+                                       f"failed on a batch of {len(samples)} samples (rows {rows[:8]}{' ...' if len(rows) > 8 else ''}, "
+                                       f"first: {_describe_sample(samples[0])}): {type(e).__name__}: {e}") from e
                 if len(raw) != len(samples) or len(normalized) != len(samples):
                     raise ValueError(f"the post-process hook returned {len(raw)}/{len(normalized)} rewards for {len(samples)} samples")
                 for s, r, a in zip(samples, raw, normalized):
@@ -415,7 +481,7 @@ class GRPOJob:
         rewards = [s["reward"] for s in samples]
         mean = sum(rewards) / len(rewards)
         std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-        accs = [bool(s["reward_info"].get("acc", s["reward"] > 0)) if isinstance(s.get("reward_info"), dict) else s["reward"] > 0 for s in samples]
+        accs = [_correct(s) for s in samples]
         infos = [s["reward_info"] for s in samples if isinstance(s.get("reward_info"), dict)]
         errs = sum(1 for i in infos if i.get("format_error"))
         judged = sum(1 for i in infos if i.get("judge_response"))  # samples whose reward is a judge's verdict
@@ -437,6 +503,20 @@ class GRPOJob:
             tot["latency_count"] += hist.get("count", 0)
         return tot
 
+    @staticmethod
+    def _judge_deltas(judge0: dict, judge1: dict) -> dict:
+        """The judge's work between two :meth:`_judge_counts` snapshots, as ``judge/*`` metrics."""
+        if not judge1:
+            return {}
+        calls = judge1["requests"] - judge0["requests"]
+        hits = judge1["cache_hits"] - judge0["cache_hits"]
+        lat_n = judge1["latency_count"] - judge0["latency_count"]
+        return {"judge/requests": calls, "judge/cache_hits": hits, "judge/engine_calls": calls - hits,
+                "judge/cache_hit_rate": hits / calls if calls else 0.0,
+                "judge/parse_failures": judge1["parse_failures"] - judge0["parse_failures"],
+                "judge/latency_mean": (judge1["latency_sum"] - judge0["latency_sum"]) / lat_n if lat_n else 0.0,
+                "judge/engine_requests": judge1["engine_requests"] - judge0["engine_requests"]}
+
     # ------------------------------------------------------------------ evaluation
 
     async def evaluate(self, step: int) -> dict:
@@ -448,14 +528,14 @@ class GRPOJob:
 
         k = self.cfg.n_samples_per_eval_prompt
         t = time.monotonic()
-        groups = await asyncio.gather(*(self._generate_group(r, k, self._sampling(True), self._seed(-1, r.index) * 64, score=not self.defer)
+        groups = await asyncio.gather(*(self._generate_group(r, k, self._sampling(True), self._seed(-1, r.index) * 64, score=not self.defer, dataset="eval")
                                          for r in self.eval_rows))
         samples = [s for g in groups for s in g]
         if self.defer:
-            await self._score_deferred(samples)
+            await self._score_deferred(samples, k)
             await self._each(self.rollout, "wake", ["weights", "kv_cache"])
             await self._push()
-        correct = [s["reward"] > 0 for s in samples]
+        correct = [_correct(s) for s in samples]
         exact = [final_answer(s["response"]).strip() == s["label"].strip() for s in samples]
         rec = {
             "kind": "eval", "step": step, "eval/accuracy": sum(correct) / len(correct),
@@ -482,13 +562,28 @@ class GRPOJob:
         with open(tmp, "w") as f:
             json.dump({"next_step": step + 1, "weight_version": self.version}, f)
         os.replace(tmp, os.path.join(path, STATE_FILE))
+        if self.cfg.keep_checkpoints:
+            self._prune_checkpoints(self.cfg.keep_checkpoints)
 
-    def latest_checkpoint(self) -> str | None:
+    def _complete_checkpoints(self) -> list[str]:
+        """Complete checkpoints (those with ``state.json``), oldest first."""
         root = os.path.join(self.run_dir, CHECKPOINT_DIR)
         if not os.path.isdir(root):
-            return None
-        done = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, STATE_FILE)))
-        return os.path.join(root, done[-1]) if done else None
+            return []
+        return [os.path.join(root, d) for d in sorted(os.listdir(root)) if os.path.exists(os.path.join(root, d, STATE_FILE))]
+
+    def _prune_checkpoints(self, keep: int) -> None:
+        """``--keep-checkpoints``: delete all but the newest ``keep`` complete checkpoints
+        (the newest one is complete before any older one goes)."""
+        import shutil
+
+        for path in self._complete_checkpoints()[:-keep]:
+            os.remove(os.path.join(path, STATE_FILE))  # incomplete first, so a crash mid-delete is never resumed from
+            shutil.rmtree(path, ignore_errors=True)
+
+    def latest_checkpoint(self) -> str | None:
+        done = self._complete_checkpoints()
+        return done[-1] if done else None
 
     async def _load_checkpoint(self) -> None:
         """``--resume``: the newest complete checkpoint into the trainer (the rollout engines
@@ -511,6 +606,7 @@ class GRPOJob:
         log = MetricsLog(self.run_dir, cfg.num_rollout, self.out)
         last: dict = {}
         try:
+            self._training = True
             if self.eval_rows and not cfg.skip_eval_before_train and self.start_step == 0:
                 rec = await self.evaluate(0)
                 log.write(rec)
@@ -525,13 +621,27 @@ class GRPOJob:
             log.close()
         return last
 
+    def request_stop(self) -> bool:
+        """Ask the loop to checkpoint after the step in progress and stop (raising
+        :class:`StoppedWithCheckpoint`); False when the loop has not started training yet
+        (nothing to save: the caller stops at once)."""
+        if not self._training:
+            return False
+        self._stop_requested = True
+        return True
+
     async def _after_step(self, step: int, rec: dict, log: MetricsLog) -> None:
         log.write(rec)
         log.progress(step, rec)
         cfg = self.cfg
-        if cfg.save_interval and (step + 1) % cfg.save_interval == 0:
+        last = step + 1 == cfg.num_rollout
+        saved = bool(cfg.save_interval) and (step + 1) % cfg.save_interval == 0
+        if saved or self._stop_requested:
             await self._save(step)
-        if self.eval_rows and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+        if self._stop_requested and not last:
+            raise StoppedWithCheckpoint(self._ckpt_dir(step), step + 1)
+        periodic = bool(cfg.eval_interval) and (step + 1) % cfg.eval_interval == 0
+        if self.eval_rows and (periodic or last):  # the last step is always evaluated
             ev = await self.evaluate(step + 1)
             log.write(ev)
             print(f"eval after step {step + 1}: accuracy {ev['eval/accuracy']:.3f} (exact {ev['eval/exact_accuracy']:.3f}, pass@{ev['eval/k']} {ev['eval/pass@k']:.3f})",
@@ -539,6 +649,7 @@ class GRPOJob:
 
     async def _step(self, step: int) -> dict:
         t_step = time.monotonic()
+        self._reward_spans.clear()  # e.g. the evaluation's, before this step
         phases: dict[str, float] = {}
         judge0 = await self._judge_counts()
         t = time.monotonic()
@@ -551,7 +662,7 @@ class GRPOJob:
         swap = 0.0
         if self.defer:
             t = time.monotonic()
-            swap += await self._score_deferred(samples)
+            swap += await self._score_deferred(samples, self.cfg.n_samples_per_prompt)
             phases["reward"] = time.monotonic() - t - swap
             self._check_judged(samples, f"step {step}")
         judge1 = await self._judge_counts()
@@ -601,17 +712,14 @@ class GRPOJob:
         rec["rollout/truncated"] = sum(s["finish_reason"] == "length" for s in samples) / len(samples)
         versions = [s["weight_version"] for s in samples]
         rec["rollout/min_weight_version"] = min(versions)
-        if judge1:
-            calls = judge1["requests"] - judge0["requests"]
-            hits = judge1["cache_hits"] - judge0["cache_hits"]
-            lat_n = judge1["latency_count"] - judge0["latency_count"]
-            rec.update({"judge/requests": calls, "judge/cache_hits": hits, "judge/engine_calls": calls - hits,
-                        "judge/cache_hit_rate": hits / calls if calls else 0.0,
-                        "judge/parse_failures": judge1["parse_failures"] - judge0["parse_failures"],
-                        "judge/latency_mean": (judge1["latency_sum"] - judge0["latency_sum"]) / lat_n if lat_n else 0.0,
-                        "judge/engine_requests": judge1["engine_requests"] - judge0["engine_requests"]})
+        rec.update(self._judge_deltas(judge0, judge1))
         rec.update({f"train/{k}": v for k, v in train_stats.items()})
         rec.update({f"time/{k}": v for k, v in phases.items()})
+        if "reward" not in phases:
+            # inline rewards overlap the rollout: the seconds during which any reward call ran
+            # (not a phase of its own, so not in the orchestration sum below)
+            rec["time/reward"] = _union_seconds(self._reward_spans)
+        self._reward_spans.clear()
         rec["time/step"] = total
         rec["time/orchestration"] = max(0.0, total - sum(phases.values()))
         rec.update(mem)
@@ -621,73 +729,114 @@ class GRPOJob:
 
     async def _run_async(self, log: MetricsLog) -> dict:
         """A producer generates and scores groups in data order without waiting for the
-        trainer; the trainer takes ``--rollout-batch-size`` groups per step, dropping any
-        group older than ``--max-staleness`` weight versions, then syncs the new weights."""
+        trainer; the trainer takes ``--rollout-batch-size`` groups per step, drops any group
+        older than ``--max-staleness`` weight versions, then syncs the new weights.
+
+        Bound (invariant): a group holds one of ``(max_staleness + 1) * rollout_batch_size``
+        slots from the moment its generation starts until it has been trained on and the
+        weights synced (or it was dropped), so a group starts at most ``max_staleness``
+        versions before the step that trains it, and stale drops are rare. Each step record
+        counts all judge work since the previous record; a final ``summary`` record counts
+        the rest (the producer is drained first), so the records' ``judge/requests`` add up
+        to the judge service's own counter."""
         cfg = self.cfg
         n = cfg.n_samples_per_prompt
-        queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.rollout_batch_size * (cfg.max_staleness + 1))
-        cursor = self.start_step * cfg.rollout_batch_size  # group index in data order
+        bound = cfg.rollout_batch_size * (cfg.max_staleness + 1)
+        slots = asyncio.Semaphore(bound)
+        queue: asyncio.Queue = asyncio.Queue()
+        flow = {"in_flight": 0, "in_flight_max": 0, "generated": 0, "dropped": 0}
+        stopping = asyncio.Event()
+        inflight: set = set()
+
+        def release(groups: int) -> None:
+            flow["in_flight"] -= groups
+            for _ in range(groups):
+                slots.release()
+
+        async def one(k: int) -> None:
+            try:
+                row = self.order.batch(k, 1)[0]
+                item = await self._generate_group(row, n, self._sampling(), self._seed(k, 0) * 64, score=True)
+                flow["generated"] += 1
+            except Exception as e:  # noqa: BLE001 (handed to the trainer loop, which stops the job)
+                item = e
+            queue.put_nowait(item)
 
         async def produce() -> None:
-            sem = asyncio.Semaphore(cfg.rollout_batch_size)
-            inflight: set = set()
-
-            async def one(k: int) -> None:
-                try:
-                    row = self.order.batch(k, 1)[0]
-                    group = await self._generate_group(row, n, self._sampling(), self._seed(k, 0) * 64, score=True)
-                except Exception as e:  # noqa: BLE001 (handed to the trainer loop, which stops the job)
-                    group = e
-                finally:
-                    sem.release()
-                await queue.put(group)
-
-            k = cursor
-            try:
-                while True:
-                    await sem.acquire()
-                    task = asyncio.ensure_future(one(k))
-                    inflight.add(task)
-                    task.add_done_callback(inflight.discard)
-                    k += 1
-            finally:
-                for task in list(inflight):
-                    task.cancel()
-                await asyncio.gather(*inflight, return_exceptions=True)
+            k = self.start_step * cfg.rollout_batch_size  # group index in data order
+            while not stopping.is_set():
+                await slots.acquire()
+                if stopping.is_set():
+                    break
+                flow["in_flight"] += 1
+                flow["in_flight_max"] = max(flow["in_flight_max"], flow["in_flight"])
+                task = asyncio.ensure_future(one(k))
+                inflight.add(task)
+                task.add_done_callback(inflight.discard)
+                k += 1
 
         producer = asyncio.ensure_future(produce())
+        judge_prev = await self._judge_counts()
         last: dict = {}
         try:
             for step in range(self.start_step, cfg.num_rollout):
                 t_step = time.monotonic()
-                judge0 = await self._judge_counts()
                 batch, stale = [], 0
                 t = time.monotonic()
                 while len(batch) < cfg.rollout_batch_size:
-                    item = await queue.get()
+                    get = asyncio.ensure_future(queue.get())
+                    done, _ = await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
+                    if get not in done:
+                        get.cancel()
+                        producer.result()  # the producer failed: raise its error
+                        raise RuntimeError("fully-async: the group producer stopped")
+                    item = get.result()
                     if isinstance(item, BaseException):
                         raise item
                     if min(s["weight_version"] for s in item) < self.version - cfg.max_staleness:
                         stale += 1
+                        flow["dropped"] += 1
+                        release(1)
                         continue
                     batch.append(item)
                 wait = time.monotonic() - t
                 samples = [s for g in batch for s in g]
-                judge1 = await self._judge_counts()
                 t = time.monotonic()
                 train_stats = await self._train(samples, self._advantages(samples))
                 train_s = time.monotonic() - t
                 t = time.monotonic()
                 synced = await self._sync()
                 sync_s = time.monotonic() - t
+                in_flight_max = flow["in_flight_max"]
+                release(len(batch))  # trained on and synced: these groups' slots go to new groups
+                flow["in_flight_max"] = flow["in_flight"]
+                judge_now = await self._judge_counts()
                 phases = {"rollout": wait, "train": train_s, "sync": sync_s}
-                last = self._record(step, samples, train_stats, phases, {}, judge0, judge1, time.monotonic() - t_step)
+                last = self._record(step, samples, train_stats, phases, {}, judge_prev, judge_now, time.monotonic() - t_step)
+                judge_prev = judge_now
                 last.update(synced)
                 last["rollout/stale_groups_dropped"] = stale
+                last["rollout/groups_in_flight_max"] = in_flight_max
+                last["rollout/groups_in_flight_bound"] = bound
                 last["rollout/staleness_max"] = self.version - 1 - last["rollout/min_weight_version"]
                 await self._after_step(step, last, log)
-        finally:
+        except BaseException:
+            stopping.set()
             producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-            await self._each(self.rollout, "abort")
+            for task in list(inflight):
+                task.cancel()
+            await asyncio.gather(producer, *inflight, return_exceptions=True)
+            raise
+        stopping.set()
+        slots.release()  # wake a producer waiting for a slot, so it sees ``stopping``
+        await producer
+        # drain: in-flight generations end at once ("abort") and are still scored
+        await self._each(self.rollout, "abort", timeout=60)
+        await asyncio.wait_for(asyncio.gather(*inflight, return_exceptions=True), 120)
+        judge_now = await self._judge_counts()
+        summary = {"kind": "summary", "step": cfg.num_rollout, "rollout/groups_generated": flow["generated"],
+                   "rollout/groups_dropped": flow["dropped"], "rollout/groups_unused": queue.qsize(),
+                   "judge/requests_total": judge_now.get("requests", 0)}
+        summary.update(self._judge_deltas(judge_prev, judge_now))
+        log.write(summary)
         return last

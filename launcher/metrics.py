@@ -65,6 +65,22 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _figures(train: list[dict], evals: list[dict]) -> list[tuple[str, str, list[tuple]]]:
+    """(file, y label, [(records, key, label, line style)]) per figure. Lines that can
+    coincide get distinct styles, and pass@k is drawn only when k > 1 (with k = 1 it equals
+    the held-out accuracy and would hide it)."""
+    accuracy = [(train, "reward/accuracy", "train accuracy (reward)", {}),
+                (evals, "eval/accuracy", "held-out accuracy (reward)", {"linewidth": 2.5, "zorder": 3}),
+                (evals, "eval/exact_accuracy", "held-out exact match (no judge)", {"linestyle": "--", "zorder": 4})]
+    if any(r.get("eval/k", 1) > 1 for r in evals):
+        accuracy.append((evals, "eval/pass@k", f"held-out pass@{max(r.get('eval/k', 1) for r in evals)}", {"linestyle": ":", "zorder": 2}))
+    return [
+        ("reward.png", "reward", [(train, "reward/mean", "reward mean", {}), (train, "reward/std", "reward std", {})]),
+        ("accuracy.png", "accuracy", accuracy),
+        ("phases.png", "seconds", [(train, k, k.split("/", 1)[1], {}) for k in ("time/rollout", "time/reward", "time/swap", "time/train", "time/sync", "time/orchestration")]),
+    ]
+
+
 def plot(run_dir: str) -> list[str]:
     """Write reward.png, accuracy.png, eval.png and phases.png into ``run_dir``; returns the paths."""
     import matplotlib
@@ -81,19 +97,14 @@ def plot(run_dir: str) -> list[str]:
         pts = [(r["step"], r[key]) for r in rs if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    figures = [
-        ("reward.png", "reward", [(train, "reward/mean", "reward mean"), (train, "reward/std", "reward std")]),
-        ("accuracy.png", "accuracy", [(train, "reward/accuracy", "train accuracy (judge)"), (evals, "eval/accuracy", "held-out accuracy"),
-                                       (evals, "eval/pass@k", "held-out pass@k"), (evals, "eval/exact_accuracy", "held-out exact match (no judge)")]),
-        ("phases.png", "seconds", [(train, k, k.split("/", 1)[1]) for k in ("time/rollout", "time/reward", "time/swap", "time/train", "time/sync", "time/orchestration")]),
-    ]
+    figures = _figures(train, evals)
     for name, ylabel, lines in figures:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         drawn = 0
-        for rs, key, label in lines:
+        for rs, key, label, style in lines:
             x, y = series(rs, key)
             if x:
-                ax.plot(x, y, marker="o" if len(x) < 30 else None, label=label)
+                ax.plot(x, y, label=label, **({"marker": "o"} if len(x) < 30 else {}), **style)
                 drawn += 1
         if drawn:
             ax.set_xlabel("step")

@@ -23,16 +23,30 @@ def relay_sft(cache: str, config: str, *extra: str) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """{cache, data paths, judge, policy, judge_sft_stdout}: models under ``cache/demo``."""
+    """{cache, data paths, judge, policy, judge_sft_stdout}: models under ``cache/demo``.
+
+    ``RELAY_E2E_CACHE=DIR`` (for developers iterating on e2e tests; CI leaves it unset) keeps
+    the models in DIR and reuses them when a complete earlier build is there."""
     from engines.model_builder import make_model
     from launcher.demo_task import write_demo_data
 
-    cache = str(tmp_path_factory.mktemp("e2e-cache"))
+    cache = os.environ.get("RELAY_E2E_CACHE") or str(tmp_path_factory.mktemp("e2e-cache"))
     root = os.path.join(cache, "demo")
+    done = os.path.join(root, "e2e-models-complete.txt")  # the judge SFT's stdout, written last
     paths = write_demo_data(os.path.join(root, "data"))
-    make_model("qwen3", "tiny", os.path.join(root, "policy-base"), seed=1)
-    make_model("qwen3", "tiny", os.path.join(root, "judge-base"), seed=7)
-    judge = relay_sft(cache, "demo-judge-sft", "--sft-steps", "300", "--eval-interval", "150")
-    relay_sft(cache, "demo-policy-sft")
+    if not os.path.exists(done):
+        make_model("qwen3", "tiny", os.path.join(root, "policy-base"), seed=1)
+        make_model("qwen3", "tiny", os.path.join(root, "judge-base"), seed=7)
+        judge = relay_sft(cache, "demo-judge-sft", "--sft-steps", "300", "--eval-interval", "150")
+        relay_sft(cache, "demo-policy-sft")
+        with open(done, "w") as f:
+            f.write(judge.stdout)
+    with open(done) as f:
+        judge_stdout = f.read()
     return {**paths, "cache": cache, "judge": os.path.join(root, "judge"), "policy": os.path.join(root, "policy-warm"),
-            "judge_sft_stdout": judge.stdout, "judge_sft_run": os.path.join(root, "runs", "judge-sft")}
+            "judge_sft_stdout": judge_stdout, "judge_sft_run": os.path.join(root, "runs", "judge-sft")}
+
+
+@pytest.fixture
+def data(trained):
+    return trained

@@ -21,11 +21,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300, func_only=True)]
 TEMPLATE = "Answer: {answer}\nReference: {label}"
 
 
-@pytest.fixture
-def data(trained):
-    return trained
-
-
 def train_cmd(config: str, data: dict, run_dir: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "launcher.cli", "train", "--config", config, "--prompt-data", data["train"], "--run-dir", run_dir,
             "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--global-batch-size", "32",

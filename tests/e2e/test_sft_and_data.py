@@ -86,3 +86,20 @@ def test_relay_plot_writes_pngs(tmp_path):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     bad = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr
+
+
+@pytest.mark.unit
+def test_plot_keeps_the_held_out_line_visible():
+    """With one sample per eval prompt pass@k equals the held-out accuracy and drew right over
+    it: it is left out then; with k > 1 both are drawn, in different line styles."""
+    from launcher.metrics import _figures
+
+    def accuracy_lines(k):
+        evals = [{"kind": "eval", "step": s, "eval/accuracy": 0.5, "eval/pass@k": 0.5 if k == 1 else 0.7, "eval/k": k} for s in range(3)]
+        figures = {name: lines for name, _, lines in _figures([], evals)}
+        return {label: style for _, _, label, style in figures["accuracy.png"]}
+
+    one = accuracy_lines(1)
+    assert "held-out accuracy (reward)" in one and not any("pass@" in label for label in one)
+    four = accuracy_lines(4)
+    assert four["held-out pass@4"] != four["held-out accuracy (reward)"]
