@@ -1,4 +1,5 @@
-"""Real launches on localhost: relay train, a 2-"node" torchrun job, faults, signals, sbatch."""
+"""Real launches on localhost: relay train, a 2-"node" torchrun job, faults, signals (the
+slurm script: test_sbatch.py)."""
 
 from __future__ import annotations
 
@@ -177,21 +178,3 @@ def test_invalid_layout_fails_before_starting_anything():
     p = relay_cli("train", "--config", "tiny-cpu-split", "--rollout-num-gpus", "3")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "GPU allocation must satisfy one of" in err and "placed" not in out
-
-
-def test_sbatch_script(tmp_path):
-    dest = tmp_path / "job.sbatch"
-    p = relay_cli("sbatch", "--config", "qwen35-35b-a3b-16gpu-genrm-397b-split", "--nodes", "2", "--partition", "gpu", "--time", "24:00:00", "--output", str(dest), "--lr", "2e-6")
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    text = dest.read_text()
-    for needle in [
-        "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-        "#SBATCH --time=24:00:00", 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "torchrun --nnodes 2 --nproc-per-node 1", "--rdzv-backend c10d", '--rdzv-endpoint "$HEAD_NODE:29500"',
-        "-m launcher --config qwen35-35b-a3b-16gpu-genrm-397b-split --nnodes 2 --gpus-per-node 8 --lr 2e-6",
-    ]:
-        assert needle in text, needle
-    bad = relay_cli("sbatch", "--config", "tiny-cpu-split", "--nodes", "1", "--colocat")
-    _, err = bad.communicate(timeout=60)
-    assert bad.returncode == 2 and "did you mean 'colocate'" in err
