@@ -178,3 +178,28 @@ def test_invalid_layout_fails_before_starting_anything():
     p = relay_cli("train", "--config", "tiny-cpu-split", "--rollout-num-gpus", "3")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "GPU allocation must satisfy one of" in err and "placed" not in out
+
+
+def test_network_interface_sets_the_address_and_nccl_gloo_interfaces_of_every_worker():
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--network-interface", "lo", "--hold", "120")
+    try:
+        read_until(p, "holding the job", 60)
+        workers = set(procs_with_env("RELAY_BUNDLE"))
+        assert len(workers) == 4
+        assert workers <= set(procs_with_env("NCCL_SOCKET_IFNAME", "lo")) & set(procs_with_env("GLOO_SOCKET_IFNAME", "lo"))
+        assert workers <= set(procs_with_env("RELAY_HOST", "127.0.0.1"))
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143
+
+
+def test_an_interface_without_an_address_is_refused_naming_the_host_and_its_interfaces():
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--network-interface", "nosuch0")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "placed" not in out
+    assert f"--network-interface 'nosuch0': that interface has no IPv4 address on {socket.gethostname()}" in err
+    assert "interfaces with one: lo (127.0.0.1)" in err
