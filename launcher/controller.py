@@ -30,6 +30,7 @@ from relay import Actor, MeshFailure, ProcMesh, ProcRef, endpoint, this_proc
 from .agent import BundleProbe, BundleSpec, NodeAgent
 from .allocator import Plan, make_plan, render_plan
 from .config import JobConfig
+from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
 
 #: An agent exits when the controller has not acknowledged its heartbeats for this long.
@@ -124,6 +125,9 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             agent_refs[r] = ref
             rt.watch_remote(ref)  # silence for the heartbeat timeout stops the job
             agents[r] = ProcMesh.attach([ref], name=f"agent{r}").actors("agent", NodeAgent)
+        missing = await check_inputs_on_every_node(cfg, mode, agents)  # before any worker starts
+        if missing:
+            raise JobFailed(missing)
         t0 = time.monotonic()
         specs: dict[int, list[BundleSpec]] = {n: [] for n in range(plan.nnodes)}
         for idx in sorted(roles):
@@ -177,7 +181,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             message = _describe(await asyncio.wait_for(asyncio.shield(waiter), 1.0), plan, agent_refs)
         except asyncio.TimeoutError:
             exc = task.exception()
-            message = f"{type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, JobFailed) else f"{type(exc).__name__}: {exc}"
         code = 1
     for f in (task, waiter, stopper):
         if not f.done():

@@ -203,3 +203,43 @@ def test_an_interface_without_an_address_is_refused_naming_the_host_and_its_inte
     assert p.returncode == 2 and "placed" not in out
     assert f"--network-interface 'nosuch0': that interface has no IPv4 address on {socket.gethostname()}" in err
     assert "interfaces with one: lo (127.0.0.1)" in err
+
+
+def test_a_missing_input_stops_the_job_before_any_worker_starts_naming_node_and_flag(tmp_path):
+    data, model = tmp_path / "nope.jsonl", tmp_path / "no-model"
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--prompt-data", str(data), "--hf-checkpoint", str(model))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "placed a probe actor" not in out
+    host = socket.gethostname()
+    # the judge (under .cache, built on first use by the tiny configs) is not reported
+    assert f"relay: job failed: node 0 (host {host}): missing {model} (--hf-checkpoint); node 0 (host {host}): missing {data} (--prompt-data)\n" in err
+
+
+def test_a_model_missing_on_another_node_names_that_node(tmp_path):
+    """Two "nodes" in two working directories: the relative model path exists only in the
+    controller's; the agent's check (its workers would load it) names node 1."""
+    here, there = tmp_path / "node0", tmp_path / "node1"
+    (here / "models" / "policy").mkdir(parents=True)
+    (here / "models" / "policy" / "config.json").write_text("{}")
+    there.mkdir()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    port = free_port()
+    args = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "missing-model", "-m", "launcher", "--config", "tiny-cpu-split", "--gpus-per-node", "2",
+            "--hf-checkpoint", "models/policy", "--prompt-data", str(prompts)]
+    # the first torchrun hosts the store and gets rank 0 (see test_killing_an_agent_stops_the_job_within_10_s)
+    nodes = [subprocess.Popen(args, cwd=here, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    try:
+        wait_for(lambda: _listening(port), 30, "the rendezvous store")
+        nodes.append(subprocess.Popen(args, cwd=there, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [n.communicate(timeout=120) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+            n.communicate()
+    assert [n.returncode for n in nodes] == [1, 0], [o[1][-2000:] for o in outs]
+    assert f"relay: job failed: node 1 (host {socket.gethostname()}): missing models/policy (--hf-checkpoint)\n" in outs[0][1]
+    assert "placed a probe actor" not in outs[0][0]
