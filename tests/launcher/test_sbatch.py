@@ -204,3 +204,28 @@ def test_launcher_writes_its_exit_code_for_the_script(tmp_path):
     p = subprocess.run([sys.executable, "-m", "launcher", "--config", "tiny-cpu-split", "--colocat"], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and dest.read_text() == "2\n"
+
+
+@pytest.mark.timeout(180)
+def test_the_script_places_a_real_two_node_job(tmp_path):
+    """The real torchrun and launcher on two "nodes" of this host (stub srun and scontrol):
+    the rendezvous, the quoted arguments and the exit-code files work end to end."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).symlink_to(STUBS / tool)
+    p = render(tmp_path, "--config", "tiny-cpu-split", "--nodes", "2", "--gpus-per-node", "2", "-o", "job.sbatch",
+               *OVERRIDES, "--network-interface", "lo")
+    assert p.returncode == 0, p.stderr
+    env = slurm_env(tmp_path, 31337, SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1")
+    env["PATH"] = env["PATH"].replace(str(STUBS), str(bin_dir), 1)  # the real torchrun
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    logs = [(tmp_path / "logs" / f"relay-31337-node{n}.log").read_text() for n in (0, 1)]
+    assert done.returncode == 0, done.stderr + "\n".join(log[-3000:] for log in logs)
+    controller = next(log for log in logs if "placed a probe actor" in log)
+    assert "shut down cleanly" in controller
+    rows = [line.split() for line in controller.splitlines() if line.strip() and line.split()[0].isdigit() and "(cpu)" in line]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(0, 0), (1, 0), (2, 1), (3, 1)]  # 2 bundles on each node
+    assert [(tmp_path / "logs" / f"relay-31337-node{n}.exit").read_text() for n in (0, 1)] == ["0\n", "0\n"]
+    assert requeues(tmp_path) == []
