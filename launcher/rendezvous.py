@@ -57,9 +57,12 @@ def interface_address(name: str) -> str | None:
     import fcntl
     import struct
 
+    raw = os.fsencode(name)
+    if not 0 < len(raw) < 16 or b"\0" in raw:  # not an interface name (IFNAMSIZ is 16 with the NUL)
+        return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", raw))  # SIOCGIFADDR
         except OSError:
             return None
     return socket.inet_ntoa(packed[20:24])

@@ -35,5 +35,6 @@ def test_network_interface_sets_what_the_environment_does_not(clean_env):
     clean_env.setenv("RELAY_HOST", "10.9.0.3")
     assert rendezvous.use_network_interface("lo") == "10.9.0.3"  # the environment wins
     assert rendezvous.os.environ["NCCL_SOCKET_IFNAME"] == "^docker0"
-    with pytest.raises(ConfigError, match="no IPv4 address"):
-        rendezvous.use_network_interface("x" * 40)
+    for bad in ("x" * 40, "lo\0junk", "", "\udcff"):  # too long, NUL, empty, not UTF-8
+        with pytest.raises(ConfigError, match="no IPv4 address"):
+            rendezvous.use_network_interface(bad)
