@@ -112,14 +112,21 @@ def cached_model(arch: str = "qwen3", size: str = "tiny", seed: int = 0, cache_d
     return path
 
 
+def builds_on_first_use(path: str) -> bool:
+    """Whether :func:`ensure_model` builds a missing ``path``: it lies under the cache
+    directory (``$RELAY_CACHE``, default ``.cache``, relative to the working directory)."""
+    cache = os.path.abspath(os.environ.get("RELAY_CACHE", ".cache"))
+    return os.path.abspath(path).startswith(cache + os.sep)
+
+
 def ensure_model(path: str, seed: int = 7) -> str:
     """``path`` if it holds a checkpoint; else, when ``path`` lies under the cache directory
     (``$RELAY_CACHE``, default ``.cache``), build a tiny random Qwen3 there (the tiny configs'
     models: no download) and return it. Anything else is a FileNotFoundError."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    cache = os.path.abspath(os.environ.get("RELAY_CACHE", ".cache"))
-    if not os.path.abspath(path).startswith(cache + os.sep):
+    if not builds_on_first_use(path):
+        cache = os.path.abspath(os.environ.get("RELAY_CACHE", ".cache"))
         raise FileNotFoundError(f"model {path!r} not found (only models under {cache} are built on first use)")
     tmp = path + f".tmp{os.getpid()}"
     make_model("qwen3", "tiny", tmp, seed=seed)

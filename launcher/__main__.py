@@ -3,14 +3,21 @@
     torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint HEAD:29500 -m launcher --config X.yaml
 
-Rank 0 becomes the controller (and its node's agent); every other rank an agent.
+Rank 0 becomes the controller (and its node's agent); every other rank an agent. The exit
+code is also written to ``$RELAY_EXIT_CODE_FILE`` when set (see ``launcher/exitcodes.py``).
 """
 
 from __future__ import annotations
 
 import sys
 
+from launcher.exitcodes import record_exit_code
 from launcher.job import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = 1  # an exception escaping main() exits 1, as Python does
+    try:
+        code = main(sys.argv[1:])
+    finally:
+        record_exit_code(code)
+    sys.exit(code)

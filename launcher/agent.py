@@ -54,6 +54,14 @@ class NodeAgent(Actor):
         return {"node": self.node, "host": socket.gethostname(), "pid": os.getpid()}
 
     @endpoint
+    async def check_paths(self, inputs: list) -> dict:
+        """Which of ``inputs`` ([flag, path, kind], see launcher/paths.py) are missing on this
+        node, resolved against this agent's working directory: {"host", "missing": [[flag, path]]}."""
+        from .paths import missing_here
+
+        return {"host": socket.gethostname(), "missing": missing_here(inputs)}
+
+    @endpoint
     async def spawn_workers(self, specs: list, controller, env: dict) -> list:
         """Start one worker per bundle; return their WorkerInfo once all said hello."""
         if self.procs is not None:

@@ -65,16 +65,26 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _sbatch(args: argparse.Namespace) -> int:
-    from launcher.config import ConfigError, load_config
+    from launcher.allocator import PlanError, make_plan
+    from launcher.config import ConfigError, load_config, parse_overrides
     from launcher.sbatch import render_sbatch
 
     try:
-        load_config(args.config, args.overrides)  # fail here, not on the cluster
-    except ConfigError as e:
+        if "nnodes" in parse_overrides(args.overrides):
+            raise ConfigError("relay sbatch sets --nnodes from --nodes; remove --nnodes")
+        cfg = load_config(args.config, args.overrides)  # fail here, not on the cluster
+        gpus = cfg.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+        try:  # the plan the job will make: the config with the nodes and GPUs the script passes
+            make_plan(load_config(args.config, [*args.overrides, "--nnodes", str(args.nodes), "--gpus-per-node", str(gpus)]))
+        except PlanError as e:
+            raise ConfigError(f"invalid layout on {args.nodes} node(s) x {gpus} GPUs:\n{e}") from None
+        script = render_sbatch(args.config, args.nodes, gpus, args.overrides, device=cfg.device, partition=args.partition,
+                               time=args.time, job_name=args.job_name, port=args.port, log_dir=args.log_dir,
+                               signal_grace=args.signal_grace)
+    except (ConfigError, ValueError) as e:
         print(f"relay sbatch: {e}", file=sys.stderr)
         return 2
-    script = render_sbatch(args.config, args.nodes, args.overrides, partition=args.partition, time=args.time,
-                           gpus_per_node=args.gpus_per_node, job_name=args.job_name, port=args.port)
+    os.makedirs(os.path.abspath(args.log_dir), exist_ok=True)  # slurm does not create --output's directory
     if args.output == "-":
         sys.stdout.write(script)
     else:
@@ -160,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--nodes", type=int, required=True, help="number of nodes")
     sb.add_argument("--partition", help="slurm partition")
     sb.add_argument("--time", help="time limit, e.g. 24:00:00")
-    sb.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node to request (default 8)")
+    sb.add_argument("--gpus-per-node", type=int, help="GPUs per node to request and use (default: the config's gpus_per_node, 8)")
     sb.add_argument("--job-name", default="relay", help="slurm job name")
-    sb.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node")
+    sb.add_argument("--port", type=int, help="rendezvous port on the head node (default: a free one from 20000 + job id %% 10000)")
+    sb.add_argument("--log-dir", default="logs", help="batch and per-node logs, on a filesystem all nodes share (default: logs; created now)")
+    sb.add_argument("--signal-grace", type=int, default=300,
+                    help="seconds before the time limit at which slurm sends SIGTERM so the job checkpoints and requeues (default 300; 0: none)")
     sb.add_argument("--output", "-o", default="-", help="where to write the script (default: stdout)")
     sb.set_defaults(func=_sbatch, takes_overrides=True)
     jd = sub.add_parser("judge", help="run only the judge (engines + HTTP gateway) until Ctrl-C")

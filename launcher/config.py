@@ -65,6 +65,7 @@ class JobConfig:
     gpus_per_node: int = _opt(8, help="GPU bundles per node (on cpu: virtual bundles)", minimum=1)
     nnodes: int | None = _opt(None, help="number of nodes (default: torchrun's, or the fewest that fit --resource)", minimum=1)
     engine: str = _opt("torch", help="inference engine backend", choices=("torch", "sglang"))
+    network_interface: str | None = _opt(None, help="network interface (e.g. ib0) for relay's sockets (RELAY_HOST) and NCCL/Gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) on every node")
     # ---- rollout
     rollout_num_gpus: int | None = _opt(None, help="GPUs for rollout engines (default: from --resource)", minimum=0)
     rollout_num_gpus_per_engine: int = _opt(1, help="GPUs per rollout engine (tensor parallel size)", minimum=1)

@@ -11,7 +11,7 @@ Health: agents heartbeat to the controller and workers to their agent. A dead or
 agent, or a dead worker (reported by its agent), stops the whole job with a message that
 names the node, the bundle and its roles; the controller then exits non-zero. SIGINT stops
 everything cleanly; so do SIGTERM and SIGUSR1, except while GRPO trains, when the job first
-finishes the step in progress and writes a checkpoint (exit code ``EXIT_CHECKPOINTED`` on
+finishes the step in progress and writes a checkpoint (exit code ``EXIT_CHECKPOINTED_ON_SIGNAL`` on
 every node; slurm's preemption warning). Every node's process exits with the job's code. No process outlives the job: workers exit with their
 agent, agents exit when the controller stops acknowledging their heartbeats.
 """
@@ -32,14 +32,13 @@ from relay import Actor, MeshFailure, ProcMesh, ProcRef, endpoint, this_proc
 from .agent import BundleProbe, BundleSpec, NodeAgent, worker_log
 from .allocator import Plan, make_plan, render_plan
 from .config import JobConfig
+from .exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from .grpo import StoppedWithCheckpoint
+from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
 
 #: An agent exits when the controller has not acknowledged its heartbeats for this long.
 AGENT_PARENT_TIMEOUT = "10"
-#: Every node's exit code after a SIGTERM/SIGUSR1 made the job checkpoint and stop
-#: (EX_TEMPFAIL): the sbatch script requeues the job, which then resumes.
-EXIT_CHECKPOINTED = 75
 
 
 @dataclass
@@ -134,6 +133,9 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             agent_refs[r] = ref
             rt.watch_remote(ref)  # silence for the heartbeat timeout stops the job
             agents[r] = ProcMesh.attach([ref], name=f"agent{r}").actors("agent", NodeAgent)
+        missing = await check_inputs_on_every_node(cfg, mode, agents)  # before any worker starts
+        if missing:
+            raise JobFailed(missing)
         t0 = time.monotonic()
         specs: dict[int, list[BundleSpec]] = {n: [] for n in range(plan.nnodes)}
         for idx in sorted(roles):
@@ -172,29 +174,35 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
     task = asyncio.ensure_future(body())
     waiter = asyncio.ensure_future(failures.get())
     stopper = asyncio.ensure_future(stop_signal.wait())
+    checkpointing = False
     while True:
         done, _ = await asyncio.wait({task, waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         # SIGTERM / SIGUSR1 while GRPO trains (slurm's warning before preemption or the time
-        # limit): finish the step in progress, write a checkpoint, then stop. A second
-        # signal stops at once.
-        preempt = stopper in done and len(done) == 1 and got_signal[-1] in ("SIGTERM", "SIGUSR1") and len(got_signal) == 1
-        if preempt and jobs and getattr(jobs[0], "request_stop", lambda: False)():
-            print(f"relay: {got_signal[-1]}: writing a checkpoint after the step in progress, then stopping "
-                  f"(exit code {EXIT_CHECKPOINTED}; send the signal again to stop at once)", file=sys.stderr, flush=True)
-            stop_signal.clear()
-            stopper = asyncio.ensure_future(stop_signal.wait())
-            continue
+        # limit): finish the step in progress, write a checkpoint, then stop. Repeats are
+        # expected (slurm signals the launcher and torchrun, which forwards it again) and
+        # ignored; SIGINT (Ctrl-C) stops at once.
+        if stopper in done and len(done) == 1 and got_signal[-1] in ("SIGTERM", "SIGUSR1"):
+            if checkpointing:
+                print(f"relay: {got_signal[-1]} again: still finishing the step and its checkpoint (SIGINT stops at once)", file=sys.stderr, flush=True)
+            elif jobs and getattr(jobs[0], "request_stop", lambda: False)():
+                checkpointing = True
+                print(f"relay: {got_signal[-1]}: writing a checkpoint after the step in progress, then stopping "
+                      f"(exit code {EXIT_CHECKPOINTED_ON_SIGNAL}; SIGINT stops at once)", file=sys.stderr, flush=True)
+            if checkpointing:
+                stop_signal.clear()
+                stopper = asyncio.ensure_future(stop_signal.wait())
+                continue
         break
     message = None
     if task in done and isinstance(task.exception(), StoppedWithCheckpoint):
         message = f"{got_signal[0]}: {task.exception()}"
-        code = EXIT_CHECKPOINTED
+        code = EXIT_CHECKPOINTED_ON_SIGNAL
     elif waiter in done:
         message = _describe(waiter.result(), plan, agent_refs, run_dir)
         code = 1
     elif stopper in done:
-        message = f"stopped by {got_signal[0] if got_signal else 'a signal'}; shutting down"
-        code = 130 if got_signal and got_signal[0] == "SIGINT" else 143
+        message = f"stopped by {got_signal[-1] if got_signal else 'a signal'}; shutting down"
+        code = 130 if got_signal and got_signal[-1] == "SIGINT" else 143
     elif task.exception() is not None:
         # A start-up step failed; if it failed because a process died, the supervision
         # report says so more precisely (it may arrive a moment later).
@@ -202,7 +210,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             message = _describe(await asyncio.wait_for(asyncio.shield(waiter), 1.0), plan, agent_refs, run_dir)
         except asyncio.TimeoutError:
             exc = task.exception()
-            message = f"{type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, JobFailed) else f"{type(exc).__name__}: {exc}"
         code = 1
     for f in (task, waiter, stopper):
         if not f.done():
@@ -211,7 +219,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         print(f"relay: job {'failed' if code == 1 else 'stopped'}: {message}", file=sys.stderr, flush=True)
     for job in jobs:
         try:
-            await asyncio.wait_for(job.close(graceful=code in (0, EXIT_CHECKPOINTED)), 90)
+            await asyncio.wait_for(job.close(graceful=code in (0, EXIT_CHECKPOINTED_ON_SIGNAL)), 90)
         except Exception as e:  # noqa: BLE001 (the workers are stopped next in any case)
             print(f"relay: closing the job: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     await _shutdown(agents, agent_refs, rt, exit_code=code)

@@ -10,7 +10,7 @@ import sys
 from .allocator import PlanError
 from .config import ConfigError, load_config
 from .controller import JobFailed, run_agent, run_controller
-from .rendezvous import Rank, torchrun_rank
+from .rendezvous import Rank, torchrun_rank, use_network_interface
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -38,6 +38,12 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    if cfg.network_interface:
+        try:
+            use_network_interface(cfg.network_interface)
+        except ConfigError as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return 2
     rank = Rank(0, 1) if single_node else (torchrun_rank() or Rank(0, 1))
     if cfg.nnodes is None:
         cfg = dataclasses.replace(cfg, nnodes=rank.world_size)

@@ -14,6 +14,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from .config import ConfigError
+
 
 @dataclass
 class Rank:
@@ -31,17 +33,67 @@ def torchrun_rank() -> Rank | None:
 
 
 def node_address() -> str:
-    """The address other nodes reach this one at: RELAY_HOST, else loopback for a
-    single-host job, else this host's resolved address."""
+    """The address other nodes reach this one at: RELAY_HOST (set from --network-interface,
+    see :func:`use_network_interface`), else loopback for a single-host job, else this host's
+    resolved address unless that is a loopback one, else the first non-loopback IPv4 address
+    of its interfaces (what ``hostname -I`` prints first)."""
     if os.environ.get("RELAY_HOST"):
         return os.environ["RELAY_HOST"]
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     if master in ("localhost", "127.0.0.1", "::1"):
         return "127.0.0.1"
     try:
-        return socket.gethostbyname(socket.gethostname())
+        resolved = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        resolved = "127.0.0.1"
+    if not resolved.startswith("127."):
+        return resolved
+    others = [a for a in interface_addresses().values() if not a.startswith("127.")]
+    return others[0] if others else "127.0.0.1"
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` (Linux), or None if it has none."""
+    import fcntl
+    import struct
+
+    raw = os.fsencode(name)
+    if not 0 < len(raw) < 16 or b"\0" in raw:  # not an interface name (IFNAMSIZ is 16 with the NUL)
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", raw))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_addresses() -> dict[str, str]:
+    """{interface: IPv4 address} for every interface of this host that has one."""
+    out = {}
+    for _, name in socket.if_nameindex():
+        addr = interface_address(name)
+        if addr:
+            out[name] = addr
+    return out
+
+
+def use_network_interface(name: str) -> str:
+    """``--network-interface NAME``: this process and the workers it starts use interface
+    ``NAME``: RELAY_HOST becomes its IPv4 address, NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
+    become ``NAME`` (each unless already set in the environment, which wins). Returns
+    RELAY_HOST; raises ConfigError naming this host and its interfaces if ``NAME`` has no address."""
+    addr = interface_address(name)
+    if addr is None:
+        have = ", ".join(f"{n} ({a})" for n, a in interface_addresses().items()) or "none"
+        raise ConfigError(
+            f"--network-interface {name!r}: that interface has no IPv4 address on {socket.gethostname()}; "
+            f"interfaces with one: {have}"
+        )
+    os.environ.setdefault("RELAY_HOST", addr)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    return os.environ["RELAY_HOST"]
 
 
 class Rendezvous:
