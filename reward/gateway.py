@@ -20,10 +20,15 @@ import time
 
 from aiohttp import web
 
+import relay
+
 from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
 
 MAX_BODY = 1 << 20  # bytes
 MAX_MESSAGES = 256
+# Counters of the serving process's relay runtime shown in /genrm/metrics: what reached the
+# judge's ZeroMQ inbox without the job's secret, and the answers to such handshakes.
+RELAY_STATS = ("dropped_unauthenticated", "dropped_malformed", "auth_handshakes", "auth_rejections_sent", "auth_rejections_suppressed")
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
@@ -131,9 +136,11 @@ class Gateway:
 
     async def metrics(self, request: web.Request) -> web.Response:
         snap = await self.service.metrics_snapshot()
+        transport = relay.transport_stats()
+        rstats = {k: transport.get(k, 0) for k in RELAY_STATS}
         if request.query.get("format") == "json":
-            return web.json_response({"service": "genrm", "instances": snap, "gateway_errors": self.errors})
-        return web.Response(text=prometheus_text(snap, self.errors), content_type="text/plain")
+            return web.json_response({"service": "genrm", "instances": snap, "gateway_errors": self.errors, "relay": rstats})
+        return web.Response(text=prometheus_text(snap, self.errors, rstats), content_type="text/plain")
 
     def app(self) -> web.Application:
         # Without a token no middleware runs at all (each one costs every request a wrapper).
@@ -144,7 +151,7 @@ class Gateway:
         return app
 
 
-def prometheus_text(snap: dict, gateway_errors: dict) -> str:
+def prometheus_text(snap: dict, gateway_errors: dict, relay_stats: dict | None = None) -> str:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     from prometheus_client.core import HistogramMetricFamily
 
@@ -159,6 +166,8 @@ def prometheus_text(snap: dict, gateway_errors: dict) -> str:
             c.labels(inst).inc(float(vals.get(k, 0)))
     for kind, n in gateway_errors.items():
         errs.labels(kind).inc(n)
+    for k, n in (relay_stats or {}).items():
+        Counter(f"genrm_relay_{k}", f"judge process relay runtime: {k.replace('_', ' ')}", registry=reg).inc(n)
 
     class _Latency:  # the service's cumulative histogram, as it is
         def collect(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -203,13 +204,16 @@ def test_relay_judge_serves_the_tiny_config_and_stops_on_sigint(tmp_path):
     from tests.launcher.test_launch import read_until
 
     port = free_port()
-    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32), XDG_CACHE_HOME=str(tmp_path / "xdg"))
     p = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "judge", "--config", "tiny-cpu-split", "--port", str(port)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        read_until(p, "judge ready", 120)
+        out = read_until(p, "judge ready", 120)
+        # An exported secret is the one clients need; no file is written.
+        assert "relay secret: RELAY_JOB_SECRET as exported here; reward code outside this process needs the same value: export RELAY_GENRM_ADDR=" in out
+        assert not os.path.exists(tmp_path / "xdg")
         health = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/genrm/health"], capture_output=True, text=True, timeout=30)
         assert json.loads(health.stdout) == {"status": "healthy", "service": "genrm"}
         gen = subprocess.run(
