@@ -9,7 +9,7 @@ controller, or ``relay judge``).
 Bad input never crashes it and never yields a 5xx: invalid JSON, wrong types, empty or
 malformed messages, unknown ``route_key``, bad sampling parameters and bodies over the size
 limit get a 4xx whose message says what is wrong. A sleeping judge gives 503 with
-``Retry-After: 1``; failed engines give 502.
+``Retry-After: 1`` (and ``"sleeping": true`` in its health); failed engines give 502.
 """
 
 from __future__ import annotations
@@ -129,7 +129,9 @@ class Gateway:
         healthy = all(v["status"] == "healthy" for v in inst.values())
         out = {"status": "healthy" if healthy else "unhealthy", "service": "genrm"}
         if len(inst) > 1:
-            out["instances"] = inst
+            out["instances"] = inst  # each asleep one has "sleeping": true
+        elif any(v.get("sleeping") for v in inst.values()):
+            out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
         if not healthy:
             out["error"] = "; ".join(f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy")
         return web.json_response(out)

@@ -65,7 +65,11 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
             await judge.set_awake.call_one(None, False)
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG}) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
+            async with s.get(f"{url}/genrm/health") as r:  # says why generate answers 503
+                assert await r.json() == {"status": "healthy", "service": "genrm", "sleeping": True}
             await judge.set_awake.call_one(None, True)
+            async with s.get(f"{url}/genrm/health") as r:
+                assert await r.json() == {"status": "healthy", "service": "genrm"}
             async with s.get(f"{url}/genrm/metrics?format=json") as r:
                 m = await r.json()
             inst = m["instances"]["__default__"]
@@ -142,6 +146,10 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
             async with s.get(f"{url}/genrm/health", headers=h) as r:
                 body = await r.json()
             assert body["status"] == "healthy" and set(body["instances"]) == {"quality", "safety"}
+            await judge.set_awake.call_one("safety", False)
+            async with s.get(f"{url}/genrm/health", headers=h) as r:
+                assert (await r.json())["instances"] == {"quality": {"status": "healthy"}, "safety": {"status": "healthy", "sleeping": True}}
+            await judge.set_awake.call_one("safety", True)
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG}, headers=h) as r:
                 assert r.status == 400 and "route_key='__default__'" in (await r.json())["error"]  # several: must choose
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "route_key": "safety"}, headers=h) as r:
