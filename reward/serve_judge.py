@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
 import sys
 
@@ -25,7 +24,7 @@ import relay
 from engines.actor import EngineActor
 from engines.model_builder import ensure_model
 from launcher.config import JobConfig
-from relay._auth import SECRET_ENV, SECRET_FILE_ENV, read_secret_file, write_secret_file
+from relay._auth import SECRET_ENV, SECRET_FILE_ENV, job_secret, read_secret_file, write_secret_file
 
 from .judge import start_judge_service
 
@@ -36,33 +35,28 @@ def secret_file_path(port: int) -> str:
     return os.path.join(cache, "relay", f"judge-{port}.secret")
 
 
-def _choose_secret() -> str | None:
-    """Settle this job's secret before any relay process exists (they inherit it). Returns
-    the secret when it was generated here (to be written to a file once the port is
-    known), else None. Raises ValueError (what to change) for a bad variable or file."""
-    if os.environ.get(SECRET_ENV):
-        try:
-            bytes.fromhex(os.environ[SECRET_ENV])
-        except ValueError:
-            raise ValueError(f"{SECRET_ENV} must be a hex string (e.g. from: python -c 'import secrets; print(secrets.token_hex(32))')") from None
-        return None
-    if os.environ.get(SECRET_FILE_ENV):
-        os.environ[SECRET_ENV] = read_secret_file(os.environ[SECRET_FILE_ENV])
-        return None
-    os.environ[SECRET_ENV] = value = secrets.token_hex(32)
-    return value
+def _choose_secret() -> tuple[str, str]:
+    """Settle this job's secret before any relay process exists (they inherit it):
+    ``("env", "")``, ``("file", path)`` or ``("generated", secret)`` (to be written to a file
+    once the port is known). Raises ValueError (what to change) for a bad variable or file."""
+    exported, path = os.environ.get(SECRET_ENV), os.environ.get(SECRET_FILE_ENV)
+    job_secret()  # validates RELAY_JOB_SECRET, else reads the file, else makes one and exports it
+    if exported:
+        return "env", ""
+    if path:
+        return "file", path
+    return "generated", os.environ[SECRET_ENV]
 
 
-def _secret_lines(addr: str, generated_path: str | None) -> list[str]:
+def _secret_lines(addr: str, source: str, path: str) -> list[str]:
     """How reward code outside this process reaches the judge: copy-pasteable exports."""
-    if generated_path is not None:
+    if source == "generated":
         return [
-            f"relay secret: written to {generated_path} (readable by you only; a new one each start)",
-            f"  reward code outside this process: export RELAY_GENRM_ADDR={addr} {SECRET_FILE_ENV}={generated_path}",
-            f"  (or instead of the file: export {SECRET_ENV}=$(cat {generated_path}))",
+            f"relay secret: written to {path} (readable by you only; a new one each start)",
+            f"  reward code outside this process: export RELAY_GENRM_ADDR={addr} {SECRET_FILE_ENV}={path}",
+            f"  (or instead of the file: export {SECRET_ENV}=$(cat {path}))",
         ]
-    path = os.environ.get(SECRET_FILE_ENV)
-    if path and os.environ.get(SECRET_ENV) == read_secret_file(path):
+    if source == "file":
         return [f"relay secret: from {path}; reward code outside this process: export RELAY_GENRM_ADDR={addr} {SECRET_FILE_ENV}={path}"]
     return [
         f"relay secret: {SECRET_ENV} as exported here; reward code outside this process needs the same value: "
@@ -75,7 +69,7 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
         print("relay judge: the config has no judge (set genrm_model_path or genrm_instances)", file=sys.stderr)
         return 2
     try:
-        generated = _choose_secret()
+        secret_source, detail = _choose_secret()  # detail: the file's path, or the generated secret
     except ValueError as e:
         print(f"relay judge: {e}", file=sys.stderr)
         return 2
@@ -105,11 +99,11 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
         for procs in meshes:
             await procs.stop()
         return 2
-    secret_path = None
-    if generated is not None:
+    secret_path = detail if secret_source == "file" else ""
+    if secret_source == "generated":
         secret_path = secret_file_path(port)
-        write_secret_file(secret_path, generated)
-    for line in _secret_lines(judge_procs.procs[0].addr, secret_path):
+        write_secret_file(secret_path, detail)
+    for line in _secret_lines(judge_procs.procs[0].addr, secret_source, secret_path):
         print(line, flush=True)
     print(f"judge ready: http://{host}:{port}/genrm/health  (relay address for reward code: {judge_procs.procs[0].addr})", flush=True)
     if ready is not None:
@@ -121,8 +115,8 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     await stop.wait()
     for procs in meshes:
         await procs.stop()
-    if secret_path is not None:
-        _remove_secret_file(secret_path, generated)
+    if secret_source == "generated":
+        _remove_secret_file(secret_path, detail)
     print("judge stopped", flush=True)
     return 0
 

@@ -133,3 +133,30 @@ def test_relay_judge_with_an_unusable_secret_says_what_to_change(tmp_path, env_c
     )
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert not os.path.exists(tmp_path / "cache")  # nothing was started or built
+
+
+def test_relay_judge_takes_its_secret_from_the_variable_else_the_file_else_makes_one(tmp_path, monkeypatch):
+    import relay._auth
+    from reward.serve_judge import _choose_secret, _secret_lines
+
+    key = secrets.token_hex(32)
+    monkeypatch.setattr(relay._auth, "_generated", None)
+    monkeypatch.setattr(relay._auth, "_from_file", None)
+    monkeypatch.setenv("RELAY_JOB_SECRET", key)
+    assert _choose_secret() == ("env", "")
+    assert _secret_lines("ipc:///a", "env", "") == [
+        "relay secret: RELAY_JOB_SECRET as exported here; reward code outside this process needs the same value: "
+        "export RELAY_GENRM_ADDR=ipc:///a RELAY_JOB_SECRET=<the same value>"
+    ]
+    path = tmp_path / "judge.secret"
+    path.write_text(key + "\n")
+    monkeypatch.delenv("RELAY_JOB_SECRET")
+    monkeypatch.setenv("RELAY_JOB_SECRET_FILE", str(path))
+    assert _choose_secret() == ("file", str(path)) and os.environ["RELAY_JOB_SECRET"] == key  # children inherit it
+    assert _secret_lines("ipc:///a", "file", str(path)) == [
+        f"relay secret: from {path}; reward code outside this process: export RELAY_GENRM_ADDR=ipc:///a RELAY_JOB_SECRET_FILE={path}"
+    ]
+    monkeypatch.delenv("RELAY_JOB_SECRET")
+    monkeypatch.delenv("RELAY_JOB_SECRET_FILE")
+    source, made = _choose_secret()
+    assert source == "generated" and os.environ["RELAY_JOB_SECRET"] == made and len(bytes.fromhex(made)) == 32
