@@ -21,7 +21,7 @@ See docs/relay.md for semantics (ordering, errors, supervision, wire, security).
 
 from ._actor import Actor, Context, context, endpoint
 from ._distributed import setup_torch_distributed
-from ._errors import ActorError, CallTimeout, MeshFailure, SupervisionError
+from ._errors import ActorError, AuthenticationError, CallTimeout, MeshFailure, SupervisionError
 from ._mesh import (
     ActorMesh,
     EndpointRef,
@@ -40,7 +40,9 @@ __version__ = "0.1.0"
 
 
 def transport_stats() -> dict[str, int]:
-    """Counters of this process's runtime: dropped_unauthenticated, dropped_malformed, ..."""
+    """Counters of this process's runtime: dropped_unauthenticated, dropped_malformed,
+    auth_handshakes (hellos acked), auth_rejections_sent / auth_rejections_suppressed
+    (rejections of unauthenticated hellos, and those withheld by the rate limit), ..."""
     return dict(current_runtime().stats)
 
 
@@ -48,6 +50,7 @@ __all__ = [
     "Actor",
     "ActorError",
     "ActorMesh",
+    "AuthenticationError",
     "CallTimeout",
     "Context",
     "EndpointRef",

@@ -66,3 +66,12 @@ class SupervisionError(Exception):
 
 class CallTimeout(TimeoutError):
     """No reply within the timeout; the call may still complete (awaiting again is allowed)."""
+
+
+class AuthenticationError(ConnectionError):
+    """The peer does not share this process's job secret (it rejected the authentication
+    handshake), or no authenticated answer came within the handshake's timeout."""
+
+    def __init__(self, addr: str, message: str):
+        self.addr = addr
+        super().__init__(message)

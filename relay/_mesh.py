@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 from . import _wire
 from ._actor import EndpointSpec, _current, class_path, endpoints_of
 from ._errors import CallTimeout, SupervisionError
-from ._runtime import K_SPAWN, ProcRef, Runtime, current_runtime
+from ._runtime import AUTH_TIMEOUT, K_SPAWN, ProcRef, Runtime, current_runtime
 from ._shape import Point, View
 
 R = TypeVar("R")
@@ -590,6 +590,14 @@ class ProcMesh:
         ready = rt.loop.create_future()
         ready.set_result(None)
         return cls(name, View(dims or {"procs": len(procs)}, list(procs)), rt, ready, owned=False)
+
+    async def authenticate(self, timeout: float = AUTH_TIMEOUT) -> None:
+        """Check that every process of this mesh shares this process's job secret, by an
+        authenticated handshake (for meshes reached from outside the job, e.g. attached by
+        address). Raises :class:`AuthenticationError` when one rejects it or none answers
+        within ``timeout``, naming RELAY_JOB_SECRET / RELAY_JOB_SECRET_FILE; without it, a
+        call signed with another secret is dropped and only its own timeout ends it."""
+        await asyncio.gather(*(self._rt.authenticate(p.addr, timeout) for p in self._view.members))
 
     def actors(self, name: str, cls: type) -> ActorMesh:
         """A reference to the actors named ``name`` (of class ``cls``) already running on

@@ -7,7 +7,10 @@ msgpack list whose first item is the message kind. Invariants:
 - ORDER: one DEALER per (this process, peer inbox) pair, so messages from one sender to one
   process arrive in send order (per-sender FIFO); an actor's mailbox preserves it.
 - AUTH: every frame set is verified (relay/_auth.py) before it is decoded; failures are
-  dropped and counted in ``stats``.
+  dropped, counted in ``stats`` and logged at most once per ``RELAY_AUTH_LOG_INTERVAL``
+  seconds. The one answer an unauthenticated sender can get is the constant AUTH_REJECTED,
+  and only to a hello (``authenticate``), at most ``_REJECT_BURST`` at once and
+  ``_REJECT_RATE`` per second.
 - NO-HANG: every call in flight is failed with SupervisionError when its target process is
   known dead (pidfd exit, missed heartbeats, lost connection, owner event) or stopped.
 """
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,12 +45,19 @@ import zmq
 
 from . import _shm, _wire
 from ._actor import _current, _message_rank, endpoints_of
-from ._auth import MAC_SIZE, Signer
-from ._errors import ActorError, MeshFailure, SupervisionError
+from ._auth import AUTH_REJECTED, MAC_SIZE, Signer, TokenBucket, secret_advice, secret_origin
+from ._errors import ActorError, AuthenticationError, MeshFailure, SupervisionError
 from ._heartbeat import STARTUP_GRACE, HeartbeatMonitor
 from ._shape import Point
 
-K_CALL, K_REPLY, K_SPAWN, K_STOP, K_HELLO, K_EVENT = 1, 2, 3, 4, 5, 6
+K_CALL, K_REPLY, K_SPAWN, K_STOP, K_HELLO, K_EVENT, K_AUTH = 1, 2, 3, 4, 5, 6, 7
+# A hello's header, [K_AUTH, rid, nonce] with a 32-character hex nonce, packs to a fixarray
+# of 3 whose first item is the fixint K_AUTH, 37..45 bytes in all: an unauthenticated
+# message is recognized as a hello by these bytes alone, without decoding it.
+_HELLO_PREFIX = bytes([0x93, K_AUTH])
+_HELLO_MAX = 45
+_REJECT_RATE, _REJECT_BURST = 1.0, 10  # AUTH_REJECTED replies: per second, at once
+AUTH_TIMEOUT = 5.0  # seconds a handshake waits for its ack
 _SMALL_HEADER = 4096  # headers up to this size share a frame with their MAC
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 # Encoded arguments/results up to this size ride inside the (fully MAC'd) header; larger
@@ -137,6 +148,28 @@ def _hostname() -> str:
     return os.environ.get("RELAY_HOST", "127.0.0.1")
 
 
+def _log_interval() -> float:
+    raw = os.environ.get("RELAY_AUTH_LOG_INTERVAL", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"RELAY_AUTH_LOG_INTERVAL must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+def _no_ack_message(addr: str, timeout: float) -> str:
+    nothing = ""
+    if addr.startswith("ipc://") and not os.path.exists(addr[len("ipc://"):]):
+        nothing = f" (nothing listens there: no socket file {addr[len('ipc://'):]})"
+    return (
+        f"no authenticated answer from the relay process at {addr} within {timeout:g} s{nothing}: "
+        f"either no relay process runs there, or it does not share this process's secret "
+        f"({secret_origin()}). {secret_advice()}."
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # Fault hook (root of the supervision tree)
 
@@ -190,6 +223,11 @@ class Runtime:
         self._hb: HeartbeatMonitor | None = None
         self._closed = False
         self._inbox_local = False
+        self._rejects = TokenBucket(_REJECT_RATE, _REJECT_BURST)
+        self._unauth_log_interval = _log_interval()
+        self._unauth_unlogged = 0  # dropped since the last log line
+        self._unauth_log_at = 0.0  # monotonic time before which no line is written
+        self._unauth_log_handle: asyncio.TimerHandle | None = None
         if "RELAY_JOB_ID" not in os.environ:  # this process is the job's root
             os.environ["RELAY_JOB_ID"] = secrets.token_hex(8)
         self._shm_min = _shm.min_bytes() if _shm.enabled() else 0
@@ -272,6 +310,11 @@ class Runtime:
         self._closed = True
         if self._hb is not None:
             self._hb.stop()
+        if self._unauth_log_handle is not None:
+            self._unauth_log_handle.cancel()
+            self._unauth_log_handle = None
+            if self._unauth_unlogged:
+                self._log_unauthenticated()
         for fd in list(self._monitors):
             self._remove_reader(fd)
         self._monitors.clear()
@@ -393,6 +436,79 @@ class Runtime:
         self._send(peer.sock, [], _packb([kind, rid, *header_tail]), [], peer)
         return fut
 
+    # ---- authentication handshake ------------------------------------------------------------
+
+    async def authenticate(self, addr: str, timeout: float = AUTH_TIMEOUT) -> None:
+        """Prove that the process at ``addr`` shares this job's secret: send a signed hello
+        and wait for its signed ack of a fresh nonce. Raises AuthenticationError when the
+        peer rejects the hello (it has another secret) or no ack comes within ``timeout``;
+        SupervisionError when the peer is known dead."""
+        dead = self._dead.get(addr)
+        if dead is not None:
+            raise SupervisionError(dead)
+        fut = self.loop.create_future()
+        peer = self.peer(addr)
+        rid = next(self._ids)
+        nonce = secrets.token_hex(16)
+        self._pending[rid] = _Pending(fut, peer, "", "<auth>")
+        peer.pending.add(rid)
+        self._send(peer.sock, [], _packb([K_AUTH, rid, nonce]), [], peer)
+        try:
+            echoed = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            self._pending.pop(rid, None)
+            peer.pending.discard(rid)
+            raise AuthenticationError(addr, _no_ack_message(addr, timeout)) from None
+        if echoed != nonce:  # a signed ack of another hello: a replay
+            raise AuthenticationError(addr, f"the process at {addr} answered the authentication handshake with a wrong nonce")
+
+    def _on_auth_rejected(self, peer: _Peer) -> None:
+        """The peer rejected our hello (AUTH_REJECTED): fail the handshakes waiting on it."""
+        waiting = [rid for rid in peer.pending if getattr(self._pending.get(rid), "method", "") == "<auth>"]
+        if not waiting:
+            self._unauthenticated()  # unsolicited: dropped like any unsigned message
+            return
+        err = AuthenticationError(
+            peer.addr,
+            f"the relay process at {peer.addr} rejected this process: not authenticated, its secret "
+            f"differs from the server's ({secret_origin()}). {secret_advice()}.",
+        )
+        for rid in waiting:
+            self._fail_reply(rid, err)
+
+    def _reject_hello(self, ident: bytes) -> None:
+        """Answer a hello that did not verify with AUTH_REJECTED, rate-limited. Safe to
+        send: a constant that carries nothing, shorter than the hello it answers, to the
+        connected peer only (ZeroMQ runs over TCP or a local socket: no spoofed sender)."""
+        if not self._rejects.take():
+            self.stats["auth_rejections_suppressed"] += 1
+            return
+        try:
+            self._inbox.send_multipart([ident, AUTH_REJECTED], zmq.NOBLOCK)
+            self.stats["auth_rejections_sent"] += 1
+        except zmq.ZMQError:
+            self.stats["reply_unroutable"] += 1
+
+    def _unauthenticated(self) -> None:
+        """Count a dropped unauthenticated message; log the count at most once per interval."""
+        self.stats["dropped_unauthenticated"] += 1
+        self._unauth_unlogged += 1
+        if self._unauth_log_handle is None and not self._closed and not self.loop.is_closed():
+            delay = max(0.0, self._unauth_log_at - time.monotonic())
+            self._unauth_log_handle = self.loop.call_later(delay, self._log_unauthenticated)
+
+    def _log_unauthenticated(self) -> None:
+        self._unauth_log_handle = None
+        n, self._unauth_unlogged = self._unauth_unlogged, 0
+        self._unauth_log_at = time.monotonic() + self._unauth_log_interval
+        sys.stderr.write(
+            f"relay: process {self.proc_id!r} (pid {os.getpid()}, {self.address or 'no inbox'}) dropped {n} "
+            f"unauthenticated message(s) (total {self.stats['dropped_unauthenticated']}): a peer without "
+            f"this job's secret (RELAY_JOB_SECRET) is sending to it; at most one such line per "
+            f"{self._unauth_log_interval:g} s\n"
+        )
+        sys.stderr.flush()
+
     # ---- receiving replies ------------------------------------------------------------------
 
     def _drain_peer(self, peer: _Peer) -> None:
@@ -404,6 +520,9 @@ class Runtime:
                 frames = _recv_frames(sock, 0)
             except zmq.ZMQError:  # Again: drained
                 return
+            if len(frames) == 1 and frames[0] == AUTH_REJECTED:
+                self._on_auth_rejected(peer)
+                continue
             msg = self._verify(frames, 0)
             if msg is None:
                 continue
@@ -433,7 +552,9 @@ class Runtime:
             self.stats["dropped_malformed"] += 1
             return None
         if not self.signer.verify(mac, hbuf, [b.buffer for b in bufs] if bufs else ()):
-            self.stats["dropped_unauthenticated"] += 1
+            self._unauthenticated()
+            if skip == 1 and not bufs and len(hbuf) <= _HELLO_MAX and hbuf[:2] == _HELLO_PREFIX:
+                self._reject_hello(frames[0])
             return None
         try:
             decoded = _unpack_header(hbuf)
@@ -586,6 +707,10 @@ class Runtime:
             self._on_spawn(ident, header)
         elif kind == K_STOP:
             self.loop.create_task(self._on_stop(ident, header[1]))
+        elif kind == K_AUTH:  # a verified hello: ack its nonce (signed, so it proves our secret)
+            _, rid, nonce = header
+            self.stats["auth_handshakes"] += 1
+            self.reply(ident, rid, R_OK, nonce)
         elif kind == K_HELLO:
             _, proc_id, addr, pid, host = header
             o = self._owned.get(proc_id)

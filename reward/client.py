@@ -9,7 +9,13 @@ One client per process and event loop (``get_genrm_client`` caches it). Errors a
 :class:`~reward.judge.JudgeAsleep` at once while the judge sleeps (no waiting on a sleeping
 judge), ``ValueError`` / :class:`~reward.judge.UnknownRouteKey` for bad requests (never
 retried), :class:`~reward.judge.JudgeUnavailable` after bounded retries of transport
-failures. Outside a job, pass ``address`` and set ``RELAY_JOB_SECRET`` to the job's secret.
+failures. Outside a job, pass ``address`` and give the process the judge's secret
+(``RELAY_JOB_SECRET``, or ``RELAY_JOB_SECRET_FILE`` naming the file ``relay judge`` printed).
+
+The first call proves the secret with relay's authenticated handshake
+(``ProcMesh.authenticate``): a wrong or missing secret raises
+:class:`relay.AuthenticationError`, which says what to set, within seconds (not after the
+call timeout); it is never retried.
 
 Calls made in the same event-loop turn (concurrent reward coroutines, ``generate_many``)
 travel to the service as one relay message (:class:`JudgeBatcher`); each call still gets
@@ -21,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from relay import ActorError, CallTimeout, ProcMesh, ProcRef, SupervisionError
+from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
 from .judge import JudgeAsleep, JudgeService, JudgeUnavailable
 
@@ -84,18 +90,43 @@ class JudgeBatcher:
 
 
 class GenRMClient:
-    def __init__(self, address: str, actor: str = "genrm", timeout: float = 600.0, retries: int = 2):
+    def __init__(self, address: str, actor: str = "genrm", timeout: float = 600.0, retries: int = 2, auth_timeout: float = 5.0):
         self.address = address
         self.timeout = timeout
         self.retries = retries
-        procs = ProcMesh.attach([ProcRef("genrm", address, "genrm", 0)], name="genrm")
-        self._mesh = procs.actors(actor, JudgeService)
+        self.auth_timeout = auth_timeout
+        self._procs = ProcMesh.attach([ProcRef("genrm", address, "genrm", 0)], name="genrm")
+        self._mesh = self._procs.actors(actor, JudgeService)
         self._batcher = JudgeBatcher(self._mesh)
+        self._authenticated = False
+        self._auth: asyncio.Future | None = None  # the handshake in progress, shared by concurrent calls
+
+    async def _authenticate(self) -> None:
+        """One handshake for all calls waiting on it; a failed one is tried again by the next call."""
+        if self._auth is None:
+            self._auth = asyncio.ensure_future(self._handshake())
+        auth = self._auth
+        try:
+            await asyncio.shield(auth)
+        finally:
+            if auth.done() and self._auth is auth and (auth.cancelled() or auth.exception() is not None):
+                self._auth = None
+
+    async def _handshake(self) -> None:
+        try:
+            await self._procs.authenticate(self.auth_timeout)
+        except AuthenticationError as e:
+            raise AuthenticationError(
+                e.addr, f"judge client: {e} `relay judge` prints the file that holds its secret: use RELAY_JOB_SECRET_FILE=<that file>."
+            ) from None
+        self._authenticated = True
 
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None, timeout: float | None = None) -> str:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
+                if not self._authenticated:
+                    await self._authenticate()
                 return await self._batcher.call(messages, sampling_params, route_key, timeout or self.timeout)
             except ActorError as e:
                 if isinstance(e.exception, JudgeUnavailable):

@@ -9,7 +9,7 @@ controller, or ``relay judge``).
 Bad input never crashes it and never yields a 5xx: invalid JSON, wrong types, empty or
 malformed messages, unknown ``route_key``, bad sampling parameters and bodies over the size
 limit get a 4xx whose message says what is wrong. A sleeping judge gives 503 with
-``Retry-After: 1``; failed engines give 502.
+``Retry-After: 1`` (and ``"sleeping": true`` in its health); failed engines give 502.
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ import time
 
 from aiohttp import web
 
+import relay
+
 from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
 
 MAX_BODY = 1 << 20  # bytes
 MAX_MESSAGES = 256
+# Counters of the serving process's relay runtime shown in /genrm/metrics: what reached the
+# judge's ZeroMQ inbox without the job's secret, and the answers to such handshakes.
+RELAY_STATS = ("dropped_unauthenticated", "dropped_malformed", "auth_handshakes", "auth_rejections_sent", "auth_rejections_suppressed")
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
@@ -124,16 +129,20 @@ class Gateway:
         healthy = all(v["status"] == "healthy" for v in inst.values())
         out = {"status": "healthy" if healthy else "unhealthy", "service": "genrm"}
         if len(inst) > 1:
-            out["instances"] = inst
+            out["instances"] = inst  # each asleep one has "sleeping": true
+        elif any(v.get("sleeping") for v in inst.values()):
+            out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
         if not healthy:
             out["error"] = "; ".join(f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy")
         return web.json_response(out)
 
     async def metrics(self, request: web.Request) -> web.Response:
         snap = await self.service.metrics_snapshot()
+        transport = relay.transport_stats()
+        rstats = {k: transport.get(k, 0) for k in RELAY_STATS}
         if request.query.get("format") == "json":
-            return web.json_response({"service": "genrm", "instances": snap, "gateway_errors": self.errors})
-        return web.Response(text=prometheus_text(snap, self.errors), content_type="text/plain")
+            return web.json_response({"service": "genrm", "instances": snap, "gateway_errors": self.errors, "relay": rstats})
+        return web.Response(text=prometheus_text(snap, self.errors, rstats), content_type="text/plain")
 
     def app(self) -> web.Application:
         # Without a token no middleware runs at all (each one costs every request a wrapper).
@@ -144,7 +153,7 @@ class Gateway:
         return app
 
 
-def prometheus_text(snap: dict, gateway_errors: dict) -> str:
+def prometheus_text(snap: dict, gateway_errors: dict, relay_stats: dict | None = None) -> str:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     from prometheus_client.core import HistogramMetricFamily
 
@@ -159,6 +168,8 @@ def prometheus_text(snap: dict, gateway_errors: dict) -> str:
             c.labels(inst).inc(float(vals.get(k, 0)))
     for kind, n in gateway_errors.items():
         errs.labels(kind).inc(n)
+    for k, n in (relay_stats or {}).items():
+        Counter(f"genrm_relay_{k}", f"judge process relay runtime: {k.replace('_', ' ')}", registry=reg).inc(n)
 
     class _Latency:  # the service's cumulative histogram, as it is
         def collect(self):

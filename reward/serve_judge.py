@@ -2,6 +2,12 @@
 engines and the judge service (a process of its own, which serves the HTTP gateway) — on
 this machine, until SIGINT/SIGTERM.
 
+The judge's relay secret (which reward code outside this process needs, to reach the judge
+over ZeroMQ): ``RELAY_JOB_SECRET`` when exported, else the file ``RELAY_JOB_SECRET_FILE``
+names, else a new one each start, written to ``${XDG_CACHE_HOME:-~/.cache}/relay/
+judge-<port>.secret`` (mode 0600, removed at a clean stop). It says which, and how a
+client gets it, when ready.
+
 A judge model path that does not exist yet and sits under the cache directory (the tiny
 configs' ``${RELAY_CACHE:-.cache}/models/tiny-judge``) is built on first use (a tiny random
 Qwen3 with a local tokenizer: no download) and reused afterwards.
@@ -10,6 +16,7 @@ Qwen3 with a local tokenizer: no download) and reused afterwards.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 
@@ -17,13 +24,54 @@ import relay
 from engines.actor import EngineActor
 from engines.model_builder import ensure_model
 from launcher.config import JobConfig
+from relay._auth import SECRET_ENV, SECRET_FILE_ENV, job_secret, read_secret_file, write_secret_file
 
 from .judge import start_judge_service
+
+
+def secret_file_path(port: int) -> str:
+    """Where ``relay judge`` on HTTP port ``port`` writes the secret it generates."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "relay", f"judge-{port}.secret")
+
+
+def _choose_secret() -> tuple[str, str]:
+    """Settle this job's secret before any relay process exists (they inherit it):
+    ``("env", "")``, ``("file", path)`` or ``("generated", secret)`` (to be written to a file
+    once the port is known). Raises ValueError (what to change) for a bad variable or file."""
+    exported, path = os.environ.get(SECRET_ENV), os.environ.get(SECRET_FILE_ENV)
+    job_secret()  # validates RELAY_JOB_SECRET, else reads the file, else makes one and exports it
+    if exported:
+        return "env", ""
+    if path:
+        return "file", path
+    return "generated", os.environ[SECRET_ENV]
+
+
+def _secret_lines(addr: str, source: str, path: str) -> list[str]:
+    """How reward code outside this process reaches the judge: copy-pasteable exports."""
+    if source == "generated":
+        return [
+            f"relay secret: written to {path} (readable by you only; a new one each start)",
+            f"  reward code outside this process: export RELAY_GENRM_ADDR={addr} {SECRET_FILE_ENV}={path}",
+            f"  (or instead of the file: export {SECRET_ENV}=$(cat {path}))",
+        ]
+    if source == "file":
+        return [f"relay secret: from {path}; reward code outside this process: export RELAY_GENRM_ADDR={addr} {SECRET_FILE_ENV}={path}"]
+    return [
+        f"relay secret: {SECRET_ENV} as exported here; reward code outside this process needs the same value: "
+        f"export RELAY_GENRM_ADDR={addr} {SECRET_ENV}=<the same value>"
+    ]
 
 
 async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, ready=None) -> int:
     if not cfg.genrm:
         print("relay judge: the config has no judge (set genrm_model_path or genrm_instances)", file=sys.stderr)
+        return 2
+    try:
+        secret_source, detail = _choose_secret()  # detail: the file's path, or the generated secret
+    except ValueError as e:
+        print(f"relay judge: {e}", file=sys.stderr)
         return 2
     specs, meshes = {}, []
     for name, inst in cfg.genrm.items():
@@ -51,6 +99,12 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
         for procs in meshes:
             await procs.stop()
         return 2
+    secret_path = detail if secret_source == "file" else ""
+    if secret_source == "generated":
+        secret_path = secret_file_path(port)
+        write_secret_file(secret_path, detail)
+    for line in _secret_lines(judge_procs.procs[0].addr, secret_source, secret_path):
+        print(line, flush=True)
     print(f"judge ready: http://{host}:{port}/genrm/health  (relay address for reward code: {judge_procs.procs[0].addr})", flush=True)
     if ready is not None:
         ready.set()
@@ -61,5 +115,16 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     await stop.wait()
     for procs in meshes:
         await procs.stop()
+    if secret_source == "generated":
+        _remove_secret_file(secret_path, detail)
     print("judge stopped", flush=True)
     return 0
+
+
+def _remove_secret_file(path: str, value: str) -> None:
+    """Remove the secret file we wrote, unless another judge has since rewritten it."""
+    try:
+        if read_secret_file(path) == value:
+            os.unlink(path)
+    except (OSError, ValueError):
+        pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -64,7 +65,11 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
             await judge.set_awake.call_one(None, False)
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG}) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
+            async with s.get(f"{url}/genrm/health") as r:  # says why generate answers 503
+                assert await r.json() == {"status": "healthy", "service": "genrm", "sleeping": True}
             await judge.set_awake.call_one(None, True)
+            async with s.get(f"{url}/genrm/health") as r:
+                assert await r.json() == {"status": "healthy", "service": "genrm"}
             async with s.get(f"{url}/genrm/metrics?format=json") as r:
                 m = await r.json()
             inst = m["instances"]["__default__"]
@@ -141,6 +146,10 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
             async with s.get(f"{url}/genrm/health", headers=h) as r:
                 body = await r.json()
             assert body["status"] == "healthy" and set(body["instances"]) == {"quality", "safety"}
+            await judge.set_awake.call_one("safety", False)
+            async with s.get(f"{url}/genrm/health", headers=h) as r:
+                assert (await r.json())["instances"] == {"quality": {"status": "healthy"}, "safety": {"status": "healthy", "sleeping": True}}
+            await judge.set_awake.call_one("safety", True)
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG}, headers=h) as r:
                 assert r.status == 400 and "route_key='__default__'" in (await r.json())["error"]  # several: must choose
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "route_key": "safety"}, headers=h) as r:
@@ -203,13 +212,16 @@ def test_relay_judge_serves_the_tiny_config_and_stops_on_sigint(tmp_path):
     from tests.launcher.test_launch import read_until
 
     port = free_port()
-    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32), XDG_CACHE_HOME=str(tmp_path / "xdg"))
     p = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "judge", "--config", "tiny-cpu-split", "--port", str(port)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        read_until(p, "judge ready", 120)
+        out = read_until(p, "judge ready", 120)
+        # An exported secret is the one clients need; no file is written.
+        assert "relay secret: RELAY_JOB_SECRET as exported here; reward code outside this process needs the same value: export RELAY_GENRM_ADDR=" in out
+        assert not os.path.exists(tmp_path / "xdg")
         health = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/genrm/health"], capture_output=True, text=True, timeout=30)
         assert json.loads(health.stdout) == {"status": "healthy", "service": "genrm"}
         gen = subprocess.run(
