@@ -50,3 +50,14 @@ def trained(tmp_path_factory):
 @pytest.fixture
 def data(trained):
     return trained
+
+
+@pytest.fixture(scope="session")
+def split_run(trained, tmp_path_factory) -> str:
+    """The run directory of one default ``relay train --config tiny-cpu-split`` run (2 steps),
+    shared by the tests that read it (the Split checks, the 2-node comparison)."""
+    from tests.e2e.test_grpo_modes import run_train
+
+    run_dir = str(tmp_path_factory.mktemp("split-run") / "run")
+    run_train("tiny-cpu-split", trained, run_dir)
+    return run_dir

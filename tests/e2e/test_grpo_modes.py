@@ -94,15 +94,19 @@ def check_rollout_order(evs: list[dict], n_rollout: int) -> None:
 
 
 @pytest.mark.parametrize("config", ["tiny-cpu-split", "tiny-cpu-shared"])
-def test_colocate_inline_rewards(config, data, tmp_path):
-    run_dir = str(tmp_path / "run")
-    run_train(config, data, run_dir)
+def test_colocate_inline_rewards(config, data, tmp_path, request):
+    if config == "tiny-cpu-split":
+        run_dir = request.getfixturevalue("split_run")
+    else:
+        run_dir = str(tmp_path / "run")
+        run_train(config, data, run_dir)
     recs = records(run_dir)
     check_common(recs, samples=32)
     check_weights_changed(recs)
     for r in recs:
         assert r["mem/engine_bytes_training"] == 0, "engines must hold no memory while the trainer trains"
         assert r["mem/rollout_bytes_generating"] > 0
+        assert r["time/reward"] > 0  # inline rewards: the seconds any reward call ran
     evs = events(run_dir)
     n_rollout = len(recs[0]["sync/engine_versions"])
     check_rollout_order(evs, n_rollout)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.e2e.test_grpo_modes import ROOT, records, run_train, train_cmd
+from tests.e2e.test_grpo_modes import ROOT, records, train_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500, func_only=True)]
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -23,10 +23,8 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def test_two_node_torchrun_grpo_matches_one_node(data, tmp_path):
-    one = str(tmp_path / "one-node")
-    run_train("tiny-cpu-split", data, one)
-    expected = records(one)
+def test_two_node_torchrun_grpo_matches_one_node(data, split_run, tmp_path):
+    expected = records(split_run)  # the same job on one node
 
     two = str(tmp_path / "two-nodes")
     args = train_cmd("tiny-cpu-split", data, two)[4:]  # after "python -m launcher.cli train"
