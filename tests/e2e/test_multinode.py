@@ -23,18 +23,24 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def test_two_node_torchrun_grpo_matches_one_node(data, split_run, tmp_path):
-    expected = records(split_run)  # the same job on one node
-
-    two = str(tmp_path / "two-nodes")
-    args = train_cmd("tiny-cpu-split", data, two)[4:]  # after "python -m launcher.cli train"
+def start_two_nodes(data: dict, run_dir: str, rdzv_id: str, *extra: str) -> list[subprocess.Popen]:
+    """One torchrun per "node" (127.0.0.2 and 127.0.0.3) running the e2e GRPO job, 2 bundles each."""
+    args = train_cmd("tiny-cpu-split", data, run_dir, *extra)[4:]  # after "python -m launcher.cli train"
     port = free_port("127.0.0.2")
     nodes = []
     for host in ("127.0.0.2", "127.0.0.3"):
         env = dict(os.environ, RELAY_CACHE=data["cache"], RELAY_HOST=host)
         cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.2:{port}",
-               "--rdzv-id", "grpo-two-nodes", "-m", "launcher", *args, "--gpus-per-node", "2"]
+               "--rdzv-id", rdzv_id, "-m", "launcher", *args, "--gpus-per-node", "2"]
         nodes.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    return nodes
+
+
+def test_two_node_torchrun_grpo_matches_one_node(data, split_run, tmp_path):
+    expected = records(split_run)  # the same job on one node
+
+    two = str(tmp_path / "two-nodes")
+    nodes = start_two_nodes(data, two, "grpo-two-nodes")
     try:
         outs = [n.communicate(timeout=400) for n in nodes]
     finally:
@@ -64,14 +70,7 @@ def test_killing_a_node_agent_mid_training_stops_the_job_promptly(data, tmp_path
     import time
 
     run_dir = str(tmp_path / "run")
-    args = train_cmd("tiny-cpu-split", data, run_dir, "--num-rollout", "50")[4:]
-    port = free_port("127.0.0.2")
-    nodes = []
-    for host in ("127.0.0.2", "127.0.0.3"):
-        env = dict(os.environ, RELAY_CACHE=data["cache"], RELAY_HOST=host)
-        cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.2:{port}",
-               "--rdzv-id", "grpo-kill-agent", "-m", "launcher", *args, "--gpus-per-node", "2"]
-        nodes.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    nodes = start_two_nodes(data, run_dir, "grpo-kill-agent", "--num-rollout", "50")
     try:
         deadline = time.monotonic() + 300
         while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and records(run_dir)) and time.monotonic() < deadline:
