@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 
 from launcher.job import main
+from reward.rewards import use_working_directory
 
 if __name__ == "__main__":
+    use_working_directory()  # already first under -m; also exported to the processes it starts
     sys.exit(main(sys.argv[1:]))

@@ -8,7 +8,7 @@ import dataclasses
 import sys
 
 from .allocator import PlanError
-from .config import ConfigError, load_config
+from .config import ConfigError, check_job, load_config
 from .controller import JobFailed, run_agent, run_controller
 from .rendezvous import Rank, torchrun_rank
 
@@ -35,6 +35,7 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
     args, rest = _parser(prog).parse_known_args(argv)
     try:
         cfg = load_config(args.config, rest)
+        check_job(cfg, sft=args.sft)  # before any process starts: a bad hook fails here, not after start-up
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
