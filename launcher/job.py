@@ -14,7 +14,10 @@ from .rendezvous import Rank, torchrun_rank
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run a job from a config; any config key can be overridden with its flag.")
+    from .cli import config_flags_help
+
+    p = argparse.ArgumentParser(prog=prog, description="Run a job from a config; any config key can be overridden with its flag.",
+                                epilog=config_flags_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     p.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds before shutting down")
     p.add_argument("--sft", action="store_true", help="supervised fine-tuning (relay sft) instead of GRPO")
