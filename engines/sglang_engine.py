@@ -1,5 +1,5 @@
 """The SGLang adapter: the Engine interface over a ``python -m sglang.launch_server``
-process and its documented HTTP API (reference: rl-peers.md §3, sglang 0.5.x).
+process and its documented HTTP API (docs/engines.md, "The SGLang adapter"; sglang 0.5.x).
 
 Pitfalls it handles: release asserts the server is idle, so sleep first pauses (abort
 mode), aborts everything and retries ``/flush_cache`` while it answers 400 (busy), then

@@ -13,8 +13,10 @@ import sys
 
 from launcher.exitcodes import record_exit_code
 from launcher.job import main
+from reward.rewards import use_working_directory
 
 if __name__ == "__main__":
+    use_working_directory()  # already first under -m; also exported to the processes it starts
     code = 1  # an exception escaping main() exits 1, as Python does
     try:
         code = main(sys.argv[1:])

@@ -5,7 +5,7 @@ node (``index = node * gpus_per_node + gpu``). A *pool* is a run of bundles owne
 controller; a *claim* puts a role (and judge instance) on a slice of a pool for some
 phases, split into engines of ``gpus_per_engine`` bundles.
 
-Layouts (see reference relax.md §2):
+Layouts (docs/launcher.md, "Layouts and relay plan"):
 - colocate + GenRM, **Split**: rollout + genrm == actor total; disjoint slices of the actor pool.
 - colocate + GenRM, **Shared**: rollout == genrm == actor total; the same bundles. Co-resident
   by default (both engines awake: their memory fractions must sum below 1.0), or

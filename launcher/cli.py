@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
+import textwrap
 
 
 def _version(_: argparse.Namespace) -> int:
@@ -26,10 +29,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from launcher.allocator import make_plan, render_plan
-    from launcher.config import ConfigError, load_config
+    from launcher.config import ConfigError, check_job, load_config
 
     try:
-        plan = make_plan(load_config(args.config, args.overrides), train_only=args.sft)
+        cfg = load_config(args.config, args.overrides)
+        check_job(cfg, sft=args.sft)
+    except ConfigError as e:
+        print(f"relay plan: {e}", file=sys.stderr)
+        return 2
+    try:
+        plan = make_plan(cfg, train_only=args.sft)
     except ConfigError as e:
         print(f"relay plan: invalid layout:\n{e}", file=sys.stderr)
         return 2
@@ -66,13 +75,14 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _sbatch(args: argparse.Namespace) -> int:
     from launcher.allocator import PlanError, make_plan
-    from launcher.config import ConfigError, load_config, parse_overrides
+    from launcher.config import ConfigError, check_job, load_config, parse_overrides
     from launcher.sbatch import render_sbatch
 
     try:
         if "nnodes" in parse_overrides(args.overrides):
             raise ConfigError("relay sbatch sets --nnodes from --nodes; remove --nnodes")
         cfg = load_config(args.config, args.overrides)  # fail here, not on the cluster
+        check_job(cfg)
         gpus = cfg.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
         try:  # the plan the job will make: the config with the nodes and GPUs the script passes
             make_plan(load_config(args.config, [*args.overrides, "--nnodes", str(args.nodes), "--gpus-per-node", str(gpus)]))
@@ -119,6 +129,36 @@ def _judge(args: argparse.Namespace) -> int:
     return asyncio.run(run_judge(cfg, args.host, args.port, args.token))
 
 
+def config_flags_help(width: int = 100) -> str:
+    """Every config key as its flag, with its help, allowed values and default (from
+    ``launcher/config.py``), for the epilog of the subcommands that take config flags."""
+    from launcher.config import FIELDS
+
+    metavars = {"bool": "[true|false]", "int": "INT", "float": "FLOAT", "dict": "JSON", "str": "TEXT"}
+    lines = ["config flags (any YAML key; precedence: defaults < --config YAML < flags; booleans may be bare,",
+             "JSON-valued keys take JSON):"]
+    for name, f in FIELDS.items():
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        shown = "unset" if default is None else json.dumps(default) if isinstance(default, (bool, dict, list)) else str(default)
+        text = f.metadata.get("help", "")
+        choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
+        if choices:
+            text += f" (one of: {', '.join(map(str, choices))})"
+        if f.metadata.get("min") is not None:
+            text += f" (>= {f.metadata['min']:g})"
+        text += f" [default: {shown}]"
+        kind = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
+        lines.append(f"  --{name.replace('_', '-')} {metavars.get(kind, 'VALUE')}")
+        lines.extend(textwrap.wrap(text, width=width, initial_indent=" " * 8, subsequent_indent=" " * 8))
+    return "\n".join(lines)
+
+
+def _config_command(sub, name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+    """A subcommand that takes config flags: its help lists every one of them."""
+    return sub.add_parser(name, help=help, description=textwrap.fill(description or help, 100),
+                          epilog=config_flags_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relay",
@@ -132,12 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the main demo: a tiny judge and policy, then GRPO with the judge through the whole stack (CPU, minutes)",
     )
     d.add_argument("--fresh", action="store_true", help="rebuild everything (the trained judge is cached otherwise)")
-    d.add_argument("--steps", type=int, help="GRPO steps (default: the config's, 40)")
+    d.add_argument("--steps", type=int, help="GRPO steps (default: the demo-grpo config's num_rollout, 60)")
     d.add_argument("--runtime", action="store_true", help="instead: a short tour of the relay runtime (process mesh, errors, failures)")
     d.add_argument("--procs", type=int, default=4, help="--runtime: number of worker processes (default 4)")
     d.set_defaults(func=_demo)
-    pl = sub.add_parser(
-        "plan",
+    pl = _config_command(
+        sub, "plan",
         help="print the GPU-bundle plan of a config (exit 2 with the error if the layout is invalid)",
         description="Print the plan: bundle -> node/GPU -> roles and judge instances, phases, memory "
         "fractions. Any config key can be overridden with its seed flag, e.g. --resource '{...}' --colocate.",
@@ -145,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     pl.add_argument("--sft", action="store_true", help="the placement of relay sft (the actor's GPUs only)")
     pl.set_defaults(func=_plan, takes_overrides=True)
-    tr = sub.add_parser(
-        "train",
+    tr = _config_command(
+        sub, "train",
         help="run a job on this machine (one node) without typing torchrun",
         description="Start the controller and this node's agent and workers, report the placement, then run "
         "GRPO when the config has --prompt-data (otherwise only place the job and stop).",
@@ -154,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")
     tr.set_defaults(func=_train, takes_overrides=True)
-    st = sub.add_parser(
-        "sft",
+    st = _config_command(
+        sub, "sft",
         help="supervised fine-tuning (cross-entropy on response tokens) with the same trainer",
         description="Train on JSONL rows {prompt, response} (--prompt-data), --sft-steps steps of --global-batch-size rows; "
         "held-out exact-match accuracy on --eval-prompt-data; writes an HF checkpoint to --save-hf.",
@@ -165,7 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     pt = sub.add_parser("plot", help="write PNG curves (reward, accuracy, eval, phase times) of a run directory")
     pt.add_argument("run_dir", help="the run directory (--run-dir of the job)")
     pt.set_defaults(func=_plot)
-    sb = sub.add_parser("sbatch", help="write a slurm script that runs the job with one torchrun per node")
+    sb = _config_command(sub, "sbatch", help="write a slurm script that runs the job with one torchrun per node",
+                         description="Write a slurm script that runs the job's torchrun on every node. Config flags after "
+                         "the options below go into the script (--gpus-per-node here is the slurm request and also "
+                         "the job's).")
     sb.add_argument("--config", required=True, help="YAML config")
     sb.add_argument("--nodes", type=int, required=True, help="number of nodes")
     sb.add_argument("--partition", help="slurm partition")
@@ -178,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds before the time limit at which slurm sends SIGTERM so the job checkpoints and requeues (default 300; 0: none)")
     sb.add_argument("--output", "-o", default="-", help="where to write the script (default: stdout)")
     sb.set_defaults(func=_sbatch, takes_overrides=True)
-    jd = sub.add_parser("judge", help="run only the judge (engines + HTTP gateway) until Ctrl-C")
+    jd = _config_command(sub, "judge", help="run only the judge (engines + HTTP gateway) until Ctrl-C",
+                         description="Run only the judge of a config: its engines and the judge service with the HTTP "
+                         "gateway, until SIGINT/SIGTERM. Config flags override the judge's keys (--genrm-*).")
     jd.add_argument("--config", required=True, help="YAML config with a GenRM judge")
     jd.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     jd.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -203,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    from reward.rewards import use_working_directory
+
+    # The console script starts with its own directory on sys.path, not the working one:
+    # resolve --custom-rm-path and the other module.func flags as `python -m` would.
+    use_working_directory()
     return int(args.func(args) or 0)
 
 

@@ -27,8 +27,10 @@ class ConfigError(ValueError):
     """A configuration the user must change; the message says what."""
 
 
-def _opt(default: Any = None, *, help: str = "", choices: tuple | None = None, minimum: float | None = None, **kw):
-    meta = {"help": help, "choices": choices, "min": minimum}
+def _opt(default: Any = None, *, help: str = "", choices: tuple | None = None, minimum: float | None = None,
+         user_code: bool = False, **kw):
+    """A config field; ``user_code``: its value is a ``module.func`` path imported at validation."""
+    meta = {"help": help, "choices": choices, "min": minimum, "user_code": user_code}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
     return field(default=default, metadata=meta, **kw)
@@ -90,8 +92,9 @@ class JobConfig:
     # ---- rewards
     rm_type: str | None = _opt(None, help="reward type", choices=(None, "dapo", "dapo-genrm", "dummy"))
     reward_key: str | None = _opt(None, help="key of the reward dict to train on")
-    custom_rm_path: str | None = _opt(None, help="module.func of a custom reward (args, sample) -> float | dict")
-    custom_reward_post_process_path: str | None = _opt(None, help="module.func hook (args, samples) -> (raw, normalized), used by defer-swap")
+    custom_rm_path: str | None = _opt(None, help="module.func of a custom reward (args, sample) -> float | dict; imported from the working directory first", user_code=True)
+    custom_reward_post_process_path: str | None = _opt(
+        None, help="module.func hook (args, samples) -> (raw, normalized), used by defer-swap; imported from the working directory first", user_code=True)
     defer_reward_to_post_process: bool = _opt(False, help="score the whole batch after rollout (Shared layout: defer-swap)")
     reward_max_concurrency: int = _opt(64, help="reward calls in flight at most", minimum=1)
     genrm_prompt_template: str | None = _opt(None, help="dapo-genrm judge prompt: a format string with {question}, {label}, {answer} (default: the dapo-genrm prompt)")
@@ -364,6 +367,39 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             raise ConfigError(str(e)) from None
     _ = cfg.genrm  # normalize now: errors surface at load time, not at launch
     return cfg
+
+
+def user_code_flags() -> list[str]:
+    """The fields whose value is a ``module.func`` path (imported by :func:`check_job`)."""
+    return [name for name, f in FIELDS.items() if f.metadata.get("user_code")]
+
+
+def check_job(cfg: JobConfig, sft: bool = False) -> None:
+    """What a job needs beyond well-formed values, checked by every entry point (``relay
+    plan / train / sbatch``, ``python -m launcher``) before any process starts: a judge for
+    ``--rm-type dapo-genrm``, a reward when it trains, and every ``module.func`` flag
+    importable now (from ``sys.path``: the entry points put the working directory first, as
+    ``python -m`` does). ``sft``: only the trainer runs, so rewards and hooks are not used."""
+    if sft:
+        return
+    if cfg.rm_type == "dapo-genrm" and not cfg.custom_rm_path and not cfg.genrm:
+        raise ConfigError(
+            "--rm-type dapo-genrm scores every sample with a judge, and this config has none: add a genrm model "
+            "(--genrm-model-path PATH with a 'genrm' entry in --resource or --genrm-num-gpus N) or judge instances "
+            "(--genrm-instances '{\"route_key\": {\"model_path\": ..., \"num_gpus\": N}}'), "
+            "or use a reward without a judge (--rm-type dapo)"
+        )
+    if cfg.prompt_data and not cfg.custom_rm_path and cfg.rm_type is None:
+        raise ConfigError("training needs a reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func")
+    from reward.rewards import load_callable
+
+    for name in user_code_flags():
+        path = getattr(cfg, name)
+        if path is not None:
+            try:
+                load_callable(path, "--" + name.replace("_", "-"))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 def parse_overrides(argv: list[str]) -> dict[str, Any]:

@@ -24,7 +24,9 @@ import time
 
 #: the issue's bar: held-out accuracy must rise by at least this much (absolute)
 TARGET_RISE = 0.10
-JUDGE_TARGET = 0.95
+#: the judge's held-out accuracy below which the demo warns: every token of its reply must be
+#: right (teacher forced), and a fifth of the held-out answers are junk it must restate
+JUDGE_TARGET = 0.85
 
 
 def _root() -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import string
 
 JUDGE_TEMPLATE = "Answer: {answer}\nReference: {label}"
 
@@ -28,17 +29,31 @@ def _write(path: str, rows: list[dict]) -> str:
     return path
 
 
+#: Characters a drifting policy emits instead of a digit (its tokenizer's printable
+#: characters without digits and whitespace): the judge must answer 0 to each of them.
+JUNK = string.ascii_letters + string.punctuation
+
+
 def _judge_answer(rng: random.Random, label: str) -> str:
-    """40% matching answers; the rest other digits, two-character strings or junk, the
-    kinds of mistakes a tiny policy makes."""
+    """40% matching answers; the rest other digits, two-digit strings, and junk: nothing,
+    non-digit characters, or a digit with something around it. A policy trained against
+    the judge looks for answers the judge wrongly accepts, so every kind of output a tiny
+    policy can produce must be in the judge's training data."""
     r = rng.random()
     if r < 0.4:
         return label
-    if r < 0.85:
+    if r < 0.72:
         return rng.choice([d for d in "0123456789" if d != label])
-    if r < 0.93:
+    if r < 0.8:
         return rng.choice("0123456789") + rng.choice("0123456789")
-    return rng.choice(["", "?", "a", label + label, "1" + label, label + "0"])
+    k = rng.random()
+    if k < 0.15:
+        return ""
+    if k < 0.55:
+        return rng.choice(JUNK)
+    if k < 0.75:
+        return rng.choice(JUNK) + rng.choice(JUNK + "0123456789")
+    return rng.choice([label + label, "1" + label, label + "0", label + rng.choice(JUNK), rng.choice(JUNK) + label])
 
 
 def judge_response(answer: str, label: str) -> str:

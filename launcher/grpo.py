@@ -6,7 +6,7 @@ bundle of its slice), the ``JudgeService`` in a process of its own on the contro
 host, serving the HTTP gateway from that process, and the reward function, which calls
 the judge through the ZeroMQ client.
 
-One colocated step (DESIGN.md; the order matters):
+One colocated step (docs/training.md, "One step"; the order matters):
   rollout (+ inline rewards in Split / Co-resident)
   -> [Defer-swap: rollout sleeps, judge wakes, batch score, judge sleeps (in a finally)]
   -> engines sleep -> trainer onloads, trains, offloads

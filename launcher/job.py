@@ -8,13 +8,16 @@ import dataclasses
 import sys
 
 from .allocator import PlanError
-from .config import ConfigError, load_config
+from .config import ConfigError, check_job, load_config
 from .controller import JobFailed, run_agent, run_controller
 from .rendezvous import Rank, torchrun_rank, use_network_interface
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run a job from a config; any config key can be overridden with its flag.")
+    from .cli import config_flags_help
+
+    p = argparse.ArgumentParser(prog=prog, description="Run a job from a config; any config key can be overridden with its flag.",
+                                epilog=config_flags_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     p.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds before shutting down")
     p.add_argument("--sft", action="store_true", help="supervised fine-tuning (relay sft) instead of GRPO")
@@ -35,6 +38,7 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
     args, rest = _parser(prog).parse_known_args(argv)
     try:
         cfg = load_config(args.config, rest)
+        check_job(cfg, sft=args.sft)  # before any process starts: a bad hook fails here, not after start-up
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2

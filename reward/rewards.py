@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,18 +21,50 @@ from . import dapo_genrm, math_grader
 RewardFn = Callable[[dict], Awaitable[Any]]
 
 
+#: The directory user code (``--custom-rm-path`` and other ``module.func`` flags) resolves
+#: from, as ``python -m`` does: the working directory the job was started in.
+USER_PATH_ENV = "RELAY_USER_PATH"
+
+
+def use_working_directory() -> str:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does, so that a
+    ``module.func`` flag such as ``examples.post_process_genrm_swap.f`` imports the same way
+    under the ``relay`` console script as under ``python -m launcher``. Processes started
+    afterwards inherit it: relay workers through the spawner's ``sys.path``, any other
+    process through ``PYTHONPATH`` (and ``RELAY_USER_PATH`` names the directory). Idempotent."""
+    cwd = os.environ.get(USER_PATH_ENV) or os.getcwd()
+    if not sys.path or sys.path[0] != cwd:
+        if cwd in sys.path:
+            sys.path.remove(cwd)
+        sys.path.insert(0, cwd)
+    os.environ[USER_PATH_ENV] = cwd
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not parts or parts[0] != cwd:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *(p for p in parts if p != cwd)])
+    return cwd
+
+
 def load_callable(path: str, what: str) -> Callable:
-    """``module.func`` (or ``module:func``) -> the function, with an error that says what is wrong."""
-    module, sep, name = path.replace(":", ".").rpartition(".")
-    if not sep or not module:
-        raise ValueError(f"{what} must look like 'package.module.function', got {path!r}")
+    """``module.func`` (or ``module:func``) -> the function, imported from ``sys.path`` (the
+    working directory first under relay's entry points); the error names the flag
+    (``what``), the module and the directories searched, and says what to change."""
+    module, sep, name = str(path).strip().replace(":", ".").rpartition(".")
+    if not sep or not module or not name:
+        raise ValueError(f"{what} {path}: must look like 'package.module.function' (a module's import path, then the function)")
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"{what}: cannot import module {module!r}: {e}") from None
+        searched = [p for p in sys.path if p] or ["(empty)"]
+        raise ValueError(
+            f"{what} {path}: cannot import module {module!r}: {e}; searched (in order): {', '.join(searched)}. "
+            "Run relay from the directory that contains the module's top-level package, or add that "
+            f"directory to PYTHONPATH ({USER_PATH_ENV} is the directory searched first)"
+        ) from None
+    except Exception as e:  # the module itself failed while importing (a bug in user code)
+        raise ValueError(f"{what} {path}: importing module {module!r} raised {type(e).__name__}: {e}") from e
     fn = getattr(mod, name, None)
     if not callable(fn):
-        raise ValueError(f"{what}: {module!r} has no function {name!r}")
+        raise ValueError(f"{what} {path}: module {module!r} ({getattr(mod, '__file__', '?')}) has no function {name!r}")
     return fn
 
 

@@ -1,4 +1,4 @@
-"""The small shims megatron-core needs on CPU/gloo (see reference cpu-feasibility.md).
+"""The small shims megatron-core needs on CPU/gloo (docs/trainer.md).
 
 ``install()`` is a no-op when CUDA is available. On CPU it makes
 ``torch.cuda.current_device()`` return the CPU device (Megatron calls it in ~175 places)

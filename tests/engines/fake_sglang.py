@@ -1,6 +1,6 @@
 """A protocol-faithful stand-in for ``python -m sglang.launch_server`` (SGLang cannot be
 installed on CPU machines). Same arguments, same routes, same JSON shapes and the refusals
-the adapter must cope with (rl-peers.md §3):
+the adapter must cope with (docs/engines.md, "The SGLang adapter"):
 
 - ``/generate``: ``max_new_tokens`` defaults to 128; the reply carries ``text``,
   ``output_ids`` and ``meta_info`` with ``finish_reason`` {type, ...},
