@@ -123,3 +123,10 @@ def test_trainer_precision_and_optimizer_flags():
     assert c.bf16 is True and c.optimizer_impl == "megatron"
     with pytest.raises(ConfigError, match="--optimizer-impl must be one of"):
         load_config(None, {**BASE, "optimizer_impl": "sgd"})
+
+
+def test_periodic_eval_can_be_turned_off_and_checkpoints_kept_to_a_number():
+    cfg = load_config("tiny-cpu-split", ["--eval-interval", "0", "--keep-checkpoints", "2"])
+    assert cfg.eval_interval == 0 and cfg.keep_checkpoints == 2
+    with pytest.raises(ConfigError, match="--keep-checkpoints must be >= 0"):
+        load_config("tiny-cpu-split", ["--keep-checkpoints", "-1"])
