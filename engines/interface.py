@@ -8,11 +8,42 @@ each chosen token under ``softmax(logits / T)`` where ``T`` is the request's tem
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 
 import relay
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+#: Limits of SamplingParams.validate (docs/engines.md).
+GREEDY_BELOW = 1e-5
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+MAX_NEW_TOKENS = 1 << 20
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _show(value, limit: int = 40) -> str:
+    """A short, safe rendering of a user value for an error message."""
+    text = repr(value)
+    return (text[:limit] + f"... ({len(text)} characters)") if len(text) > limit else text
+
+
+def _number(name: str, value, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be {allowed}, got {_show(value)} ({type(value).__name__})")
+    return float(value)
+
+
+def _integer(name: str, value, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be {allowed}, got {_show(value)} ({type(value).__name__})")
+    if not -MAX_INT64 - 1 <= value <= MAX_INT64:
+        raise ValueError(f"{name} must be {allowed}; got an integer of {value.bit_length()} bits (more than 64)")
+    return value
 
 
 @relay.register(name="engines.SamplingParams")
@@ -28,18 +59,46 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> SamplingParams:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        """Check every field's exact type and range, so that no value reaching an engine can
+        break its step or the batch it travels in (a bool is not a number, numbers are finite,
+        integers fit the sampler's int64, lists and strings are bounded). Raises ValueError
+        naming the field and what is allowed (echoing at most a short prefix of the value).
+        A temperature below ``GREEDY_BELOW`` means greedy (as in SGLang): it becomes 0."""
+        t = _number("temperature", self.temperature, "a finite number >= 0 (0: greedy)")
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {_show(t)}")
+        self.temperature = 0.0 if t < GREEDY_BELOW else t
+        p = _number("top_p", self.top_p, "a number in (0, 1]")
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {_show(p)}")
+        k = _integer("top_k", self.top_k, "-1 (off) or an integer >= 1")
+        if k == 0 or k < -1 or k > MAX_INT32:
+            raise ValueError(f"top_k must be -1 (off) or an integer in [1, {MAX_INT32}], got {_show(k)}")
+        n = _integer("max_new_tokens", self.max_new_tokens, f"an integer in [1, {MAX_NEW_TOKENS}]")
+        if not 1 <= n <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens (max_response_len) must be an integer in [1, {MAX_NEW_TOKENS}], got {_show(n)}")
+        if isinstance(self.stop, str):  # one stop string, as SGLang and OpenAI accept
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOPS:
+            raise ValueError(f"stop must be a string or a list of at most {MAX_STOPS} strings, got {_show(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise ValueError(f"stop: each entry must be a non-empty string of at most {MAX_STOP_CHARS} characters, got {_show(s)}")
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {_show(self.stop_token_ids)}")
+        for i in self.stop_token_ids:
+            if _integer("stop_token_ids", i, "token ids (integers >= 0)") < 0 or i > MAX_INT32:
+                raise ValueError(f"stop_token_ids: each entry must be an integer in [0, {MAX_INT32}], got {_show(i)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
+        if self.seed is not None and not 0 <= _integer("seed", self.seed, "an integer >= 0, or null") <= MAX_INT64:
+            raise ValueError(f"seed must be an integer in [0, {MAX_INT64}] or null, got {_show(self.seed)}")
         return self
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"sampling parameters must be an object, got {_show(d)}")
         d = dict(d or {})
         if "max_response_len" in d and "max_new_tokens" not in d:
             d["max_new_tokens"] = d.pop("max_response_len")

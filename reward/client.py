@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from engines.interface import SamplingParams
 from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
 from .judge import JudgeAsleep, JudgeService, JudgeUnavailable
@@ -122,6 +123,9 @@ class GenRMClient:
         self._authenticated = True
 
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None, timeout: float | None = None) -> str:
+        # a bad value fails this call alone, here, before it is batched with other calls
+        # (an integer past 64 bits would make the whole batch's message unsendable)
+        SamplingParams.from_dict(sampling_params)
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:

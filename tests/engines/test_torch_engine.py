@@ -390,3 +390,67 @@ def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(model
     picks = (torch.log_softmax(logits, 0)[None] - torch.log(-torch.log(u))).argmax(1)
     freq = torch.bincount(picks, minlength=5).double() / n
     assert torch.allclose(freq, probs, atol=0.015), (freq, probs)
+
+
+#: Sampling values that used to break an engine step (and so the engine, for good) or the
+#: batch they travelled in: NaN/Inf, a too-small temperature, a float top_k, seeds and ids
+#: beyond 64 bits, non-bool flags, non-integer lengths.
+ENGINE_KILLERS = [
+    {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_k": 2.5, "temperature": 1.0},
+    {"seed": 2**63, "temperature": 1.0}, {"seed": 2**64}, {"max_new_tokens": float("nan")}, {"max_new_tokens": 2.5},
+    {"max_new_tokens": True}, {"top_k": 2**64}, {"stop_token_ids": [2**64]}, {"ignore_eos": "no"}, {"top_p": float("nan")},
+    {"stop": [""]}, {"stop": ["x"] * 65}, {"stop": 5}, {"seed": -1},
+]
+
+
+@pytest.mark.parametrize("bad", ENGINE_KILLERS, ids=[repr(b) for b in ENGINE_KILLERS])
+def test_a_bad_sampling_value_fails_only_its_request_and_names_the_field(models, bad):
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
+        good = asyncio.ensure_future(eng.generate(prompts()[0], GREEDY))
+        with pytest.raises(ValueError) as err:
+            await eng.generate(prompts()[1], {**GREEDY, **bad})
+        again = await eng.generate(prompts()[2], GREEDY)
+        health = await eng.health()
+        out = (await good, again, health)
+        await eng.close()
+        return err.value, out
+
+    err, (good, again, health) = run(main())
+    field = next(k for k in bad if k != "temperature") if len(bad) > 1 else next(iter(bad))
+    assert field in str(err) and len(str(err)) < 300, str(err)
+    assert len(good.token_ids) == len(again.token_ids) == GREEDY["max_new_tokens"]
+    assert health["status"] == "healthy"
+
+
+def test_sampling_values_that_are_fine_but_unusual():
+    sp = SamplingParams.from_dict({"temperature": 1e-50, "stop": "abc", "max_response_len": 7, "top_p": 1})
+    assert sp.temperature == 0.0 and sp.stop == ["abc"] and sp.max_new_tokens == 7  # tiny temperature = greedy, as in SGLang
+    with pytest.raises(ValueError, match="sampling parameters must be an object"):
+        SamplingParams.from_dict(["temperature", 1])
+    with pytest.raises(ValueError, match=r"seed must be an integer >= 0, or null; got an integer of 299 bits \(more than 64\)"):
+        SamplingParams.from_dict({"seed": 10**90})
+
+
+@pytest.mark.unit
+def test_any_json_value_for_any_field_is_accepted_safely_or_refused_with_a_value_error():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=8)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+    fields = st.sampled_from(["temperature", "top_p", "top_k", "max_new_tokens", "max_response_len", "stop", "stop_token_ids", "ignore_eos", "seed"])
+
+    @settings(max_examples=1500, deadline=None)
+    @given(st.dictionaries(fields, values, max_size=4))
+    def check(d):
+        try:
+            sp = SamplingParams.from_dict(d)
+        except ValueError:
+            return
+        assert isinstance(sp.temperature, float) and sp.temperature >= 0 and sp.temperature == sp.temperature
+        assert type(sp.top_k) is int and type(sp.max_new_tokens) is int and type(sp.ignore_eos) is bool
+        assert all(type(i) is int and 0 <= i < 2**31 for i in sp.stop_token_ids) and all(type(s) is str and s for s in sp.stop)
+        assert sp.seed is None or (type(sp.seed) is int and 0 <= sp.seed < 2**63)
+
+    check()

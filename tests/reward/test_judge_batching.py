@@ -4,6 +4,7 @@ service -> engine), yet each request keeps its own result or error, in its own p
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -77,6 +78,64 @@ def test_generate_batch_keeps_order_and_each_requests_own_error(judge_model):
         assert isinstance(asleep, JudgeAsleep)
 
     run(main(), 120)
+
+
+#: Values an engine's wire cannot carry (integers past 64 bits) or its sampler cannot handle.
+POISONS = [{"seed": 2**64}, {"top_k": 2**64}, {"stop_token_ids": [2**64]}, {"max_response_len": 2**64},
+           {"temperature": float("nan")}, {"max_response_len": float("nan")}, {"top_k": 2.5, "temperature": 1.0}]
+
+
+def _field(poison: dict) -> str:
+    return next(k for k in poison if k != "temperature" or len(poison) == 1).replace("max_response_len", "max_new_tokens")
+
+
+def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_model):
+    """Over HTTP (the gateway batches concurrent requests into engine calls) and over the
+    ZeroMQ client (which batches concurrent calls into one message), a poisoned request is
+    refused alone, naming the field: 400 / ValueError; the others get their answers."""
+    import aiohttp
+    from aiohttp import web
+
+    from reward.gateway import Gateway
+    from tests.launcher.test_launch import free_port
+
+    async def main():
+        judge, (engine,) = await start([False], model=judge_model)
+        svc = JudgeService({"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}}, cache="off")
+        await svc.setup()
+        runner = web.AppRunner(Gateway(svc).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def post(sp):
+                    data = json.dumps({"messages": MSG, "sampling_params": sp}, allow_nan=True)
+                    async with s.post(f"http://127.0.0.1:{port}/genrm/generate", data=data, headers={"Content-Type": "application/json"}) as r:
+                        return r.status, await r.json()
+
+                http = await asyncio.gather(*(post({"seed": i}) for i in range(8)), *(post(p) for p in POISONS))
+        finally:
+            await runner.cleanup()
+        client = GenRMClient(current_runtime().ensure_inbox())
+
+        async def call(sp):
+            try:
+                return await client.generate(MSG, sp)
+            except ValueError as e:
+                return e
+
+        zmq = await asyncio.gather(*(call({"seed": i}) for i in range(8)), *(call(p) for p in POISONS))
+        return http, zmq
+
+    http, zmq = run(main(), 120)
+    assert http[:8] == [(200, {"response": str(i)}) for i in range(8)]
+    for p, (status, body) in zip(POISONS, http[8:]):
+        assert status == 400 and _field(p) in body["error"] and len(body["error"]) < 400, (p, status, body)
+    assert zmq[:8] == [str(i) for i in range(8)]
+    for p, e in zip(POISONS, zmq[8:]):
+        assert isinstance(e, ValueError) and _field(p) in str(e), (p, e)
 
 
 def test_concurrent_requests_share_engine_calls_and_get_their_own_answers(judge_model):
