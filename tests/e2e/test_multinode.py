@@ -24,7 +24,12 @@ def free_port(host: str) -> int:
 
 
 def start_two_nodes(data: dict, run_dir: str, rdzv_id: str, *extra: str) -> list[subprocess.Popen]:
-    """One torchrun per "node" (127.0.0.2 and 127.0.0.3) running the e2e GRPO job, 2 bundles each."""
+    """One torchrun per "node" (127.0.0.2 and 127.0.0.3) running the e2e GRPO job, 2 bundles each.
+    The first hosts the rendezvous store (it binds the port before the second starts) and
+    gets rank 0, as on a cluster where the head node hosts it: the other node can then die
+    without taking the store (and the head's torchrun) with it."""
+    import time
+
     args = train_cmd("tiny-cpu-split", data, run_dir, *extra)[4:]  # after "python -m launcher.cli train"
     port = free_port("127.0.0.2")
     nodes = []
@@ -33,6 +38,12 @@ def start_two_nodes(data: dict, run_dir: str, rdzv_id: str, *extra: str) -> list
         cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.2:{port}",
                "--rdzv-id", rdzv_id, "-m", "launcher", *args, "--gpus-per-node", "2"]
         nodes.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        deadline = time.monotonic() + 60
+        while len(nodes) == 1 and time.monotonic() < deadline and nodes[0].poll() is None:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.2", port)) == 0:
+                    break
+            time.sleep(0.05)
     return nodes
 
 
