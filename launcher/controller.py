@@ -211,6 +211,12 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         except asyncio.TimeoutError:
             exc = task.exception()
             message = str(exc) if isinstance(exc, JobFailed) else f"{type(exc).__name__}: {exc}"
+            # e.g. a collective failed because another node died: name the node whose agent is
+            # gone (its heartbeat timeout may not have passed yet)
+            silent = await _silent_agents(agents, agent_refs)
+            if silent:
+                message = "; ".join(f"node {r} agent (host {agent_refs[r].host}, pid {agent_refs[r].pid}) does not answer; its workers "
+                                    f"(bundles {_bundles_of_node(plan, r)}) are lost" for r in silent) + f" (first error seen: {message})"
         code = 1
     for f in (task, waiter, stopper):
         if not f.done():
@@ -244,6 +250,12 @@ def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef], run_dir: 
 def _bundles_of_node(plan: Plan, node: int) -> str:
     start = node * plan.gpus_per_node
     return f"{start}..{start + plan.gpus_per_node - 1}"
+
+
+async def _silent_agents(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], timeout: float = 2.0) -> list[int]:
+    """The other nodes whose agents do not answer a ping within ``timeout``."""
+    pings = await asyncio.gather(*(agents[r].info.call_one().result(timeout) for r in agent_refs), return_exceptions=True)
+    return [r for r, p in zip(agent_refs, pings) if isinstance(p, BaseException)]
 
 
 async def _shutdown(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], rt, exit_code: int) -> None:
