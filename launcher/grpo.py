@@ -267,6 +267,7 @@ class GRPOJob:
         with open(os.path.join(self.run_dir, "engine_events.jsonl"), "a") as f:
             for i, (e, events) in enumerate(zip(engines, logs)):
                 if isinstance(events, BaseException):
+                    print(f"relay: no event log from {e.role} engine {e.instance or i} ({type(events).__name__}: {events})", file=self.out, flush=True)
                     continue
                 for t, what, detail in events:
                     f.write(json.dumps({"engine": f"{e.role}{i if e.role == 'rollout' else i - len(self.rollout)}", "role": e.role,

@@ -35,3 +35,12 @@ def run(coro, timeout: float = 60.0):
         return await asyncio.wait_for(coro, timeout)
 
     return asyncio.run(bounded())
+
+
+def reap(procs) -> None:
+    """Kill whichever of these Popen processes still run and collect them all (tests'
+    ``finally``: nothing outlives the test)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()

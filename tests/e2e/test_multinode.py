@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.e2e.test_grpo_modes import ROOT, records, train_cmd
+from tests.helpers import reap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500, func_only=True)]
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -55,10 +56,7 @@ def test_two_node_torchrun_grpo_matches_one_node(data, split_run, tmp_path):
     try:
         outs = [n.communicate(timeout=400) for n in nodes]
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-                n.communicate()
+        reap(nodes)
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-3000:] for o in outs]
     out = next(o for o, _ in outs if "placed a probe actor" in o)
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit() and "(cpu)" in line]
@@ -100,10 +98,7 @@ def test_killing_a_node_agent_mid_training_stops_the_job_promptly(data, tmp_path
                         head = (time.monotonic() - t0, n.returncode, err)
             time.sleep(0.05)
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-            n.communicate()
+        reap(nodes)
     assert head is not None, "the head node did not exit"
     elapsed, code, err = head
     assert code == 1 and "job failed: node 1 agent" in err, err[-3000:]

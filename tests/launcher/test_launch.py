@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.helpers import reap
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -116,10 +118,7 @@ def test_killing_an_agent_stops_the_job_within_10_s():
         assert elapsed < 10, (elapsed, err[-3000:])
         assert f"node 1 agent (host 127.0.0.1, pid {agent})" in err and "missed heartbeats" in err and "bundles 2..3" in err
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-            n.communicate()
+        reap(nodes)
 
 
 def read_until(p: subprocess.Popen, needle: str, timeout: float) -> str:
@@ -236,10 +235,7 @@ def test_a_model_missing_on_another_node_names_that_node(tmp_path):
         nodes.append(subprocess.Popen(args, cwd=there, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [n.communicate(timeout=120) for n in nodes]
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-            n.communicate()
+        reap(nodes)
     assert [n.returncode for n in nodes] == [1, 1], [o[1][-2000:] for o in outs]  # every node exits non-zero when the job failed
     assert f"relay: job failed: node 1 (host {socket.gethostname()}): missing models/policy (--hf-checkpoint)\n" in outs[0][1]
     assert "placed a probe actor" not in outs[0][0]
