@@ -7,7 +7,7 @@ import asyncio
 
 from relay import Actor, endpoint
 
-from .interface import TAGS, GenerateResult, encode_rendered
+from .interface import TAGS, GenerateResult, RequestCancelled, encode_rendered
 
 INLINE_TOKENIZE_CHARS = 1 << 16  # a batch with more text is tokenized off the event loop
 
@@ -20,6 +20,7 @@ class EngineActor(Actor):
         self.backend = backend
         self.engine_kwargs = engine_kwargs
         self.engine = None
+        self._tagged: dict[str, asyncio.Task] = {}  # generate_rendered tag -> its running request
 
     async def setup(self) -> None:
         if self.backend == "torch":
@@ -47,12 +48,14 @@ class EngineActor(Actor):
 
     @endpoint(concurrent=True)
     async def generate_rendered(self, requests: list) -> list:
-        """``requests``: a list of ``[text, sampling]`` where ``text`` is a chat already
-        rendered by its chat template (the judge service sends these): tokenized here, all at
-        once, as ``apply_chat_template(tokenize=True)`` would (no special tokens added), then
-        run like :meth:`generate_batch`. Tokenizing in the engines spreads that work over
-        them instead of the one process that renders. One item per request, in order."""
-        texts = [r[0] if isinstance(r, (list, tuple)) and len(r) == 2 else None for r in requests]
+        """``requests``: a list of ``[text, sampling]`` or ``[text, sampling, tag]`` where
+        ``text`` is a chat already rendered by its chat template (the judge service sends
+        these): tokenized here, all at once, as ``apply_chat_template(tokenize=True)`` would
+        (no special tokens added), then run like :meth:`generate_batch`. Tokenizing in the
+        engines spreads that work over them instead of the one process that renders. One item
+        per request, in order. A request with a ``tag`` (a string) can be cancelled while it
+        runs (:meth:`cancel`): it then ends with :class:`RequestCancelled`."""
+        texts = [r[0] if isinstance(r, (list, tuple)) and len(r) in (2, 3) else None for r in requests]
         tok = self.engine.tokenizer  # both backends have one (SGLang's adapter loads it on first use)
         try:
             if sum(len(t) for t in texts if isinstance(t, str)) > INLINE_TOKENIZE_CHARS:
@@ -66,10 +69,31 @@ class EngineActor(Actor):
                     ids.append(encode_rendered(tok, [t])[0])
                 except Exception as e:  # noqa: BLE001
                     ids.append(TypeError(f"each request must be [rendered chat text, sampling]: {e}"))
-        return await asyncio.gather(
-            *(_failed(p) if isinstance(p, Exception) else self.engine.generate(p, r[1]) for p, r in zip(ids, requests)),
-            return_exceptions=True,
-        )
+        loop = asyncio.get_running_loop()
+        tasks, tags = [], []
+        for p, r in zip(ids, requests):
+            task = loop.create_task(_failed(p) if isinstance(p, Exception) else self.engine.generate(p, r[1]))
+            tasks.append(task)
+            if len(r) == 3 and isinstance(r[2], str):
+                self._tagged[r[2]] = task
+                tags.append(r[2])
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for tag in tags:
+                self._tagged.pop(tag, None)
+        return [RequestCancelled("cancelled by its caller") if isinstance(r, asyncio.CancelledError) else r for r in results]
+
+    @endpoint(concurrent=True)
+    async def cancel(self, tags: list) -> int:
+        """Cancel the tagged requests of :meth:`generate_rendered` still running here (their
+        callers left); the engine frees their place in the batch. Returns how many."""
+        n = 0
+        for tag in tags if isinstance(tags, list) else ():
+            task = self._tagged.pop(tag, None) if isinstance(tag, str) else None
+            if task is not None and task.cancel():
+                n += 1
+        return n
 
     @endpoint
     async def sleep(self, tags: tuple = TAGS[:2], drain: str = "abort") -> None:

@@ -26,7 +26,7 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 
 
-def _show(value, limit: int = 40) -> str:
+def short_repr(value, limit: int = 40) -> str:
     """A short, safe rendering of a user value for an error message."""
     text = repr(value)
     return (text[:limit] + f"... ({len(text)} characters)") if len(text) > limit else text
@@ -34,13 +34,13 @@ def _show(value, limit: int = 40) -> str:
 
 def _number(name: str, value, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be {allowed}, got {_show(value)} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {allowed}, got {short_repr(value)} ({type(value).__name__})")
     return float(value)
 
 
 def _integer(name: str, value, allowed: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be {allowed}, got {_show(value)} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {allowed}, got {short_repr(value)} ({type(value).__name__})")
     if not -MAX_INT64 - 1 <= value <= MAX_INT64:
         raise ValueError(f"{name} must be {allowed}; got an integer of {value.bit_length()} bits (more than 64)")
     return value
@@ -66,39 +66,39 @@ class SamplingParams:
         A temperature below ``GREEDY_BELOW`` means greedy (as in SGLang): it becomes 0."""
         t = _number("temperature", self.temperature, "a finite number >= 0 (0: greedy)")
         if t < 0:
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {_show(t)}")
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {short_repr(t)}")
         self.temperature = 0.0 if t < GREEDY_BELOW else t
         p = _number("top_p", self.top_p, "a number in (0, 1]")
         if not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {_show(p)}")
+            raise ValueError(f"top_p must be in (0, 1], got {short_repr(p)}")
         k = _integer("top_k", self.top_k, "-1 (off) or an integer >= 1")
         if k == 0 or k < -1 or k > MAX_INT32:
-            raise ValueError(f"top_k must be -1 (off) or an integer in [1, {MAX_INT32}], got {_show(k)}")
+            raise ValueError(f"top_k must be -1 (off) or an integer in [1, {MAX_INT32}], got {short_repr(k)}")
         n = _integer("max_new_tokens", self.max_new_tokens, f"an integer in [1, {MAX_NEW_TOKENS}]")
         if not 1 <= n <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens (max_response_len) must be an integer in [1, {MAX_NEW_TOKENS}], got {_show(n)}")
+            raise ValueError(f"max_new_tokens (max_response_len) must be an integer in [1, {MAX_NEW_TOKENS}], got {short_repr(n)}")
         if isinstance(self.stop, str):  # one stop string, as SGLang and OpenAI accept
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOPS:
-            raise ValueError(f"stop must be a string or a list of at most {MAX_STOPS} strings, got {_show(self.stop)}")
+            raise ValueError(f"stop must be a string or a list of at most {MAX_STOPS} strings, got {short_repr(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise ValueError(f"stop: each entry must be a non-empty string of at most {MAX_STOP_CHARS} characters, got {_show(s)}")
+                raise ValueError(f"stop: each entry must be a non-empty string of at most {MAX_STOP_CHARS} characters, got {short_repr(s)}")
         if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {_show(self.stop_token_ids)}")
+            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {short_repr(self.stop_token_ids)}")
         for i in self.stop_token_ids:
             if _integer("stop_token_ids", i, "token ids (integers >= 0)") < 0 or i > MAX_INT32:
-                raise ValueError(f"stop_token_ids: each entry must be an integer in [0, {MAX_INT32}], got {_show(i)}")
+                raise ValueError(f"stop_token_ids: each entry must be an integer in [0, {MAX_INT32}], got {short_repr(i)}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
+            raise ValueError(f"ignore_eos must be true or false, got {short_repr(self.ignore_eos)}")
         if self.seed is not None and not 0 <= _integer("seed", self.seed, "an integer >= 0, or null") <= MAX_INT64:
-            raise ValueError(f"seed must be an integer in [0, {MAX_INT64}] or null, got {_show(self.seed)}")
+            raise ValueError(f"seed must be an integer in [0, {MAX_INT64}] or null, got {short_repr(self.seed)}")
         return self
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         if d is not None and not isinstance(d, dict):
-            raise ValueError(f"sampling parameters must be an object, got {_show(d)}")
+            raise ValueError(f"sampling parameters must be an object, got {short_repr(d)}")
         d = dict(d or {})
         if "max_response_len" in d and "max_new_tokens" not in d:
             d["max_new_tokens"] = d.pop("max_response_len")
@@ -108,6 +108,23 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameters {sorted(unknown)}")
         return cls(**d).validate()
+
+
+@relay.register(name="engines.EngineStepError")
+class EngineStepError(RuntimeError):
+    """An engine step failed (not the request's fault: e.g. out of memory): the requests of
+    that step failed with it, and the engine recovered and serves on. Callers may retry."""
+
+
+@relay.register(name="engines.EngineFailed")
+class EngineFailed(RuntimeError):
+    """The engine cannot go on (its steps kept failing after recovery): it serves no more
+    requests until it is rebuilt. Send the request to another engine."""
+
+
+@relay.register(name="engines.RequestCancelled")
+class RequestCancelled(RuntimeError):
+    """The request was cancelled by its caller before it finished."""
 
 
 @relay.register(name="engines.GenerateResult")

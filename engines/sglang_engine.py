@@ -24,7 +24,15 @@ import subprocess
 import sys
 import time
 
-from .interface import TAGS, Engine, GenerateResult, SamplingParams, check_tags
+from .interface import (
+    TAGS,
+    Engine,
+    EngineFailed,
+    EngineStepError,
+    GenerateResult,
+    SamplingParams,
+    check_tags,
+)
 
 
 def _free_port() -> int:
@@ -165,6 +173,7 @@ class SGLangEngine(Engine):
         if self._asleep:
             raise RuntimeError(f"{self.name}: asleep ({sorted(self._asleep)}); wake it before generating")
         sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        sp.validate()
         params = {
             "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
             "max_new_tokens": sp.max_new_tokens,  # always sent: the server's default is 128
@@ -185,7 +194,7 @@ class SGLangEngine(Engine):
             body["text"] = prompt
         else:
             body["input_ids"] = list(prompt)
-        _, data = await self._post("/generate", body)
+        data = await self._generate_call(body)
         meta = data["meta_info"]
         lps = meta.get("output_token_logprobs") or []
         finish = (meta.get("finish_reason") or {}).get("type", "stop")
@@ -199,6 +208,38 @@ class SGLangEngine(Engine):
         )
 
     # ------------------------------------------------------------------ control
+
+    async def _generate_call(self, body: dict) -> dict:
+        """POST /generate, its failures typed as the engine contract has them: a 4xx is the
+        request's own error (ValueError); a 5xx or a broken connection fails this request
+        (EngineStepError) while the server lives, and EngineFailed once it has exited. A
+        cancelled caller's request is aborted in the server."""
+        import aiohttp
+
+        try:
+            async with self._session.post(f"{self.url}/generate", json=body) as r:
+                try:
+                    data = await r.json(content_type=None)
+                except Exception:  # noqa: BLE001 - reported as text below
+                    data = await r.text()
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().create_task(self._abort_quietly(body["rid"]))
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineFailed(f"{self.name}: the sglang server exited (code {self.proc.returncode})") from None
+            raise EngineStepError(f"{self.name}: POST /generate failed: {type(e).__name__}: {e}") from None
+        if 400 <= r.status < 500:
+            raise ValueError(f"{self.name}: sglang refused the request ({r.status}): {str(data)[:200]}")
+        if r.status != 200 or not isinstance(data, dict) or "meta_info" not in data:
+            raise EngineStepError(f"{self.name}: POST /generate -> {r.status}: {str(data)[:200]}")
+        return data
+
+    async def _abort_quietly(self, rid: str) -> None:
+        try:
+            await self._post("/abort_request", {"rid": rid, "abort_all": False})
+        except Exception:  # noqa: BLE001 - best effort: the server may be gone
+            pass
 
     async def pause(self) -> None:
         await self._post("/pause_generation", {"mode": "abort"})

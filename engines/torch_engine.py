@@ -24,11 +24,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .interface import Engine, GenerateResult, SamplingParams, check_tags
+from .interface import (
+    Engine,
+    EngineFailed,
+    EngineStepError,
+    GenerateResult,
+    SamplingParams,
+    check_tags,
+)
 from .kernels import seeded_gumbel_argmax, seeded_uniform, triton_usable
 from .model import CausalLM, ModelConfig, _inv_freq, load_weights
 
 log = logging.getLogger("relay.engine")
+
 
 
 @dataclass(eq=False)  # identity: requests are compared in list scans every step
@@ -96,6 +104,7 @@ class TorchEngine(Engine):
         self._prefill_tokens = 0  # prompt tokens actually run through prefill
         self._graphs: _DecodeGraphs | None = None
         self._failed: BaseException | None = None
+        self._step_failures = 0  # steps that raised and were recovered from
         self.cfg = ModelConfig.from_dir(model_path)
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -238,7 +247,7 @@ class TorchEngine(Engine):
         if self._k is None:
             raise RuntimeError(f"{self.name}: the KV cache is asleep; wake(['kv_cache']) before generating")
         if self._failed is not None:
-            raise RuntimeError(f"{self.name}: the engine failed and serves no more requests: {self._failed!r}")
+            raise EngineFailed(f"{self.name}: the engine failed and serves no more requests: {self._failed!r}")
         loop = asyncio.get_running_loop()
         gen = None
         if sp.seed is not None:
@@ -249,7 +258,13 @@ class TorchEngine(Engine):
         self._incoming.put(seq)
         self._ensure_loop()
         self._wakeup.set()
-        return await seq.future
+        try:
+            return await seq.future
+        except asyncio.CancelledError:  # the caller left (its future is cancelled): free its place
+            if seq.finish is None:
+                self._abort_ids.put(seq.rid)
+                self._wakeup.set()
+            raise
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -263,16 +278,68 @@ class TorchEngine(Engine):
             try:
                 done = await loop.run_in_executor(self._exec, self._steps)
             except Exception as e:  # noqa: BLE001 (every caller gets the error; nothing waits forever)
-                self._fail_all(e)
-                return
+                self._step_failures += 1
+                broken = await loop.run_in_executor(self._exec, self._recover, e)
+                if broken is not None:
+                    self._fail_all(broken)
+                    return
+                continue
             for seq in done:
                 self._resolve(seq)
 
+    def _recover(self, exc: BaseException) -> BaseException | None:
+        """Engine thread, after a step raised: fail the step's requests (every running one:
+        they shared its forward) with :class:`EngineStepError`, rebuild the KV bookkeeping
+        and block tables from scratch (no request holds blocks now), release a device's
+        cached allocations (an out-of-memory step), then check the engine still computes
+        (:meth:`_self_test`). Returns None when it does (the waiting requests run next), else
+        the error that shows it cannot go on."""
+        failed = list(self._running)
+        log.error("%s: engine step failed (%d so far); failing its %d request(s) and recovering: %r",
+                  self.name, self._step_failures, len(failed), exc)
+        self._running.clear()
+        for seq in self._waiting:  # a preempted request holds none, but be exact
+            seq.blocks, seq.row, seq.cached = [], -1, 0
+        if self._k is not None:
+            self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
+            self._refs = [0] * self.num_blocks
+            self._host_tables.fill_(self.num_blocks)
+            self._free_rows = list(range(self.max_running - 1, -1, -1))
+        self._drop_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        error = EngineStepError(f"{self.name}: an engine step failed ({exc!r}); its {len(failed)} request(s) failed with it and the engine recovered")
+        for seq in failed:
+            seq.loop.call_soon_threadsafe(_settle_error, seq.future, error)
+        try:
+            self._self_test()
+        except Exception as e:  # noqa: BLE001 - reported as the reason the engine gives up
+            return e
+        return None
+
+    def _self_test(self) -> None:
+        """Engine thread: one prefill and one decode of a one-token prompt through the
+        engine's own paths (KV cache, block tables, CUDA graphs); raises if that fails or
+        the logits are not finite. Leaves the cache's bookkeeping as it found it."""
+        probe = _Seq(-1, [0], SamplingParams(temperature=0.0, max_new_tokens=2), None, None, None)
+        probe.blocks = [self._take_block() for _ in range(-(-2 // self.block_size))]
+        probe.row = self._free_rows.pop()
+        self._host_tables[probe.row, : len(probe.blocks)] = torch.tensor(probe.blocks, dtype=torch.int32)
+        try:
+            logits = self._prefill_rows([probe])
+            self._prefill_tokens -= 1
+            probe.output.append(int(logits[0].argmax()))
+            logits = self._decode([probe])
+            if not bool(torch.isfinite(logits).all()):
+                raise FloatingPointError("the model's logits are not finite")
+        finally:
+            self._free(probe)
+
     def _fail_all(self, exc: BaseException) -> None:
-        """A step raised (e.g. out of memory): fail every pending request with the error,
-        release their KV blocks and refuse new requests; ``health()`` reports unhealthy."""
+        """The engine cannot go on: fail every pending request, release their KV blocks and
+        refuse new requests with :class:`EngineFailed`; ``health()`` reports unhealthy."""
         self._failed = exc
-        log.error("%s: engine step failed; failing %d pending request(s): %r", self.name,
+        log.error("%s: the engine cannot go on after a failed step (its self-test failed); failing %d pending request(s): %r", self.name,
                   len(self._running) + len(self._waiting) + self._incoming.qsize(), exc)
         while not self._incoming.empty():
             self._waiting.append(self._incoming.get())
@@ -280,7 +347,7 @@ class TorchEngine(Engine):
             if seq.blocks:
                 self._free(seq)
             if not seq.future.done():
-                seq.future.set_exception(RuntimeError(f"{self.name}: engine step failed: {exc!r}"))
+                seq.future.set_exception(EngineFailed(f"{self.name}: the engine failed and serves no more requests: {exc!r}"))
         self._running.clear()
         self._waiting.clear()
 
@@ -779,6 +846,7 @@ class TorchEngine(Engine):
             "tokens_per_s": self._tokens_out / elapsed,
             "tokens_generated": self._tokens_out,
             "requests_finished": self._requests_done,
+            "step_failures": self._step_failures,
             "weight_version": self.weight_version,
             "kv_blocks_free": len(self._free_blocks),
             "prefill_tokens": self._prefill_tokens,
@@ -864,6 +932,11 @@ class _DecodeGraphs:
         graph, out = self.graphs[b]
         graph.replay()
         return out
+
+
+def _settle_error(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 def _aborted(rid: int, aborts: set) -> bool:

@@ -125,8 +125,22 @@ def _judge(args: argparse.Namespace) -> int:
         return 2
     from launcher.job import install_uvloop
 
+    token = args.token
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.readline().strip()
+        except OSError as e:
+            print(f"relay judge: cannot read --token-file {args.token_file}: {e.strerror}", file=sys.stderr)
+            return 2
+        if not token:
+            print(f"relay judge: --token-file {args.token_file} is empty", file=sys.stderr)
+            return 2
+    elif token and any(a == "--token" or a.startswith("--token=") for a in sys.argv):
+        print("relay judge: warning: --token is visible to every user of this machine in ps; "
+              "use RELAY_GENRM_TOKEN or --token-file instead", file=sys.stderr)
     install_uvloop()
-    return asyncio.run(run_judge(cfg, args.host, args.port, args.token))
+    return asyncio.run(run_judge(cfg, args.host, args.port, token))
 
 
 def config_flags_help(width: int = 100) -> str:
@@ -227,7 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     jd.add_argument("--config", required=True, help="YAML config with a GenRM judge")
     jd.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     jd.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    jd.add_argument("--token", default=os.environ.get("RELAY_GENRM_TOKEN"), help="require 'Authorization: Bearer TOKEN'")
+    jd.add_argument("--token", default=os.environ.get("RELAY_GENRM_TOKEN"),
+                    help="require 'Authorization: Bearer TOKEN' on every route (default: $RELAY_GENRM_TOKEN; "
+                    "a token given here is visible to other users in ps: prefer the variable or --token-file)")
+    jd.add_argument("--token-file", default=None, help="read the bearer token from this file (its first line)")
     jd.set_defaults(func=_judge, takes_overrides=True)
     mm = sub.add_parser("make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)")
     mm.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))

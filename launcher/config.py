@@ -99,6 +99,11 @@ class JobConfig:
     reward_max_concurrency: int = _opt(64, help="reward calls in flight at most", minimum=1)
     genrm_prompt_template: str | None = _opt(None, help="dapo-genrm judge prompt: a format string with {question}, {label}, {answer} (default: the dapo-genrm prompt)")
     genrm_gateway_port: int = _opt(8000, help="port of the judge's HTTP gateway on 127.0.0.1 (0: any free port)", minimum=0)
+    genrm_gateway_header_timeout: float = _opt(10.0, help="judge gateway: seconds a client may take to send a request's headers (then 408)", minimum=0.001)
+    genrm_gateway_body_timeout: float = _opt(30.0, help="judge gateway: seconds a client may take to send a request's body (then 408)", minimum=0.001)
+    genrm_gateway_idle_timeout: float = _opt(60.0, help="judge gateway: seconds a connection may stay open without a request", minimum=0.001)
+    genrm_gateway_max_connections: int = _opt(512, help="judge gateway: open connections at most (one more gets 503 and is closed)", minimum=1)
+    genrm_gateway_max_body: int = _opt(1 << 20, help="judge gateway: request body bytes at most (a larger declared length gets 413 at once)", minimum=1024)
     genrm_parse: str = _opt("strict", help="dapo-genrm verdict parsing: strict (only an exact '1' scores) or loose", choices=("strict", "loose"))
     # ---- GRPO
     advantage_estimator: str = _opt("grpo", help="advantage estimator", choices=("grpo",))
@@ -174,6 +179,14 @@ class JobConfig:
     @property
     def genrm_gpus(self) -> int:
         return sum(i.num_gpus for i in self.genrm.values())
+
+    def gateway_limits(self) -> dict:
+        """The judge gateway's HTTP limits (:class:`reward.httpd.HttpLimits` fields)."""
+        return {
+            "header_timeout": self.genrm_gateway_header_timeout, "body_timeout": self.genrm_gateway_body_timeout,
+            "idle_timeout": self.genrm_gateway_idle_timeout, "max_connections": self.genrm_gateway_max_connections,
+            "max_body": self.genrm_gateway_max_body,
+        }
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

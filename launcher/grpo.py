@@ -187,7 +187,7 @@ class GRPOJob:
             self.judge, self.judge_procs = await start_judge_service(specs, 300)
             os.environ["RELAY_GENRM_ADDR"] = self.judge_procs.procs[0].addr
             try:
-                port = await self.judge.serve_http.call_one("127.0.0.1", cfg.genrm_gateway_port).result(60)
+                port = await self.judge.serve_http.call_one("127.0.0.1", cfg.genrm_gateway_port, None, cfg.gateway_limits()).result(60)
             except ActorError as e:  # e.g. the port is taken: say which option to change
                 raise RuntimeError(f"{e.exception} (--genrm-gateway-port; 0 picks a free one)") from None
             print(f"judge gateway: http://127.0.0.1:{port}/genrm/health", file=self.out, flush=True)

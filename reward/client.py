@@ -8,8 +8,10 @@
 One client per process and event loop (``get_genrm_client`` caches it). Errors are typed:
 :class:`~reward.judge.JudgeAsleep` at once while the judge sleeps (no waiting on a sleeping
 judge), ``ValueError`` / :class:`~reward.judge.UnknownRouteKey` for bad requests (never
-retried), :class:`~reward.judge.JudgeUnavailable` after bounded retries of transport
-failures. Outside a job, pass ``address`` and give the process the judge's secret
+retried), :class:`~reward.judge.JudgeEngineError` when an engine step failed the request
+(not retried: a request that breaks steps must not be sent again and again),
+:class:`~reward.judge.JudgeUnavailable` after bounded retries of transport failures.
+Cancelling a call (its task) cancels the request in the service and in its engine. Outside a job, pass ``address`` and give the process the judge's secret
 (``RELAY_JOB_SECRET``, or ``RELAY_JOB_SECRET_FILE`` naming the file ``relay judge`` printed).
 
 The first call proves the secret with relay's authenticated handshake
@@ -25,12 +27,14 @@ its own result, error and timeout.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import uuid
 
 from engines.interface import SamplingParams
 from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
-from .judge import JudgeAsleep, JudgeService, JudgeUnavailable
+from .judge import JudgeAsleep, JudgeEngineError, JudgeService, JudgeUnavailable, check_request
 
 ENV_ADDR = "RELAY_GENRM_ADDR"
 ENV_ACTOR = "RELAY_GENRM_ACTOR"
@@ -51,8 +55,13 @@ class JudgeBatcher:
     def __init__(self, mesh):
         self._mesh = mesh
         self._queues: dict[float, list] = {}  # timeout -> [(request, future)] of this loop turn
+        self._prefix = uuid.uuid4().hex[:12] + ":"  # request ids unique across clients
+        self._ids = itertools.count()
+        self._cancelled: list = []  # ids of sent requests whose callers gave up, this loop turn
 
     def call(self, messages, sampling_params, route_key, timeout: float) -> asyncio.Future:
+        """The future of one request's outcome. Cancelling it (its caller gave up, or was
+        cancelled) cancels the request in the service and its engine."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         queue = self._queues.get(timeout)
@@ -60,23 +69,39 @@ class JudgeBatcher:
             queue = self._queues[timeout] = []
             if len(self._queues) == 1:
                 loop.call_soon(self._flush)
-        queue.append(([messages, sampling_params, route_key], fut))
+        queue.append(([messages, sampling_params, route_key, f"{self._prefix}{next(self._ids):x}"], fut))
         return fut
 
     def _flush(self) -> None:
         queues, self._queues = self._queues, {}
         loop = asyncio.get_running_loop()
         for timeout, queue in queues.items():
+            queue = [(req, f) for req, f in queue if not f.done()]  # cancelled before they went out
             for k in range(0, len(queue), MAX_BATCH):
                 loop.create_task(self._send(queue[k : k + MAX_BATCH], timeout))
 
+    def _cancel(self, request_id: str) -> None:
+        if not self._cancelled:
+            asyncio.get_running_loop().call_soon(self._send_cancels)
+        self._cancelled.append(request_id)
+
+    def _send_cancels(self) -> None:
+        ids, self._cancelled = self._cancelled, []
+        self._mesh.cancel.broadcast(ids)  # fire and forget
+
     async def _send(self, batch: list, timeout: float) -> None:
         futures = [f for _, f in batch]
+        for req, fut in batch:
+            fut.add_done_callback(lambda f, rid=req[3]: self._cancel(rid) if f.cancelled() else None)
         try:
             results = await self._mesh.generate_batch.call_one([req for req, _ in batch]).result(timeout)
             if len(results) != len(futures):
                 raise ValueError(f"the judge service answered {len(results)} results for {len(futures)} requests")
         except BaseException as e:  # noqa: BLE001 - the call itself failed: every request gets it
+            if isinstance(e, CallTimeout):  # nobody waits for them any more
+                for req, fut in batch:
+                    if not fut.done():
+                        self._cancel(req[3])
             for fut in futures:
                 if not fut.done():
                     fut.set_exception(e)
@@ -123,8 +148,10 @@ class GenRMClient:
         self._authenticated = True
 
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None, timeout: float | None = None) -> str:
-        # a bad value fails this call alone, here, before it is batched with other calls
-        # (an integer past 64 bits would make the whole batch's message unsendable)
+        # a bad request fails this call alone, here, before it is batched with other calls
+        # (an integer past 64 bits, or nesting deeper than msgpack packs, would make the whole
+        # batch's message unsendable)
+        check_request(messages, sampling_params, route_key)
         SamplingParams.from_dict(sampling_params)
         last: Exception | None = None
         for attempt in range(self.retries + 1):
@@ -135,7 +162,7 @@ class GenRMClient:
             except ActorError as e:
                 if isinstance(e.exception, JudgeUnavailable):
                     last = e.exception
-                elif isinstance(e.exception, (JudgeAsleep, ValueError, TypeError)):
+                elif isinstance(e.exception, (JudgeAsleep, JudgeEngineError, ValueError, TypeError)):
                     raise e.exception from None
                 else:
                     raise

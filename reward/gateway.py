@@ -1,68 +1,104 @@
-"""The HTTP judge gateway (aiohttp): ``POST /genrm/generate``, ``GET /genrm/health``,
+"""The HTTP judge gateway: ``POST /genrm/generate``, ``GET /genrm/health``,
 ``GET /genrm/metrics``. Binds 127.0.0.1:8000 by default; an optional bearer token.
 
 It is served by the judge service's own process and event loop
-(:meth:`reward.judge.JudgeService.serve_http`): an HTTP request reaches the service without a
-relay hop, and HTTP traffic never loads the process that started the judge (the
-controller, or ``relay judge``).
+(:meth:`reward.judge.JudgeService.serve_http`) on :mod:`reward.httpd`, a strict HTTP/1.1
+server with header, body and idle timeouts and a connection cap (:class:`HttpLimits`).
 
-Bad input never crashes it and never yields a 5xx: invalid JSON, wrong types, empty or
-malformed messages, unknown ``route_key``, bad sampling parameters and bodies over the size
-limit get a 4xx whose message says what is wrong. A sleeping judge gives 503 with
-``Retry-After: 1`` (and ``"sleeping": true`` in its health); failed engines give 502.
+Bad input never crashes it and never yields a 5xx: invalid JSON (also nested past the
+parser's depth, or integers too long to read), wrong types, empty or malformed messages,
+unknown ``route_key``, bad sampling parameters and bodies over the size limit get a 4xx
+whose message says what is wrong, echoing at most a short prefix of what was sent. A
+sleeping judge gives 503 with ``Retry-After: 1`` (and ``"sleeping": true`` in its health);
+an engine that failed a request gives 502; an instance with no working engine gives 503,
+as does its health.
+
+Auth: with a token, every route needs ``Authorization: Bearer <token>`` (the scheme in any
+case; compared in constant time); otherwise 401 with ``WWW-Authenticate: Bearer``. Without a
+token, browsers are kept out: ``POST`` needs ``Content-Type: application/json`` (a browser
+cannot send that cross-site without a preflight this server never grants), the ``Host``
+header must be an IP address, ``localhost`` or this machine's name (DNS rebinding), and an
+``Origin`` header, if any, must name such a host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import logging
+import socket
 import time
 
-from aiohttp import web
-
 import relay
+from engines.interface import short_repr
 
-from .judge import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
+from .httpd import HttpLimits, HttpServer, Request, Response
+from .judge import (
+    BadMessages,
+    JudgeAsleep,
+    JudgeEngineError,
+    JudgeUnavailable,
+    UnknownRouteKey,
+    check_request,
+)
 
-MAX_BODY = 1 << 20  # bytes
-MAX_MESSAGES = 256
+log = logging.getLogger("relay.judge.gateway")
+
 # Counters of the serving process's relay runtime shown in /genrm/metrics: what reached the
 # judge's ZeroMQ inbox without the job's secret, and the answers to such handshakes.
 RELAY_STATS = ("dropped_unauthenticated", "dropped_malformed", "auth_handshakes", "auth_rejections_sent", "auth_rejections_suppressed")
-
-
-def _bad(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
-class BadMessages(ValueError):
-    """The 'messages' value is malformed (422, as in the seed); other bad bodies are 400."""
+LOG_EVERY = 10.0  # seconds between two log lines about the same kind of failure
 
 
 def validate_request(body) -> tuple[list, dict | None, str | None]:
-    """Return (messages, sampling_params, route_key) or raise ValueError with the reason."""
+    """Return (messages, sampling_params, route_key) of a JSON body or raise ValueError with
+    the reason (:class:`~reward.judge.BadMessages` for malformed messages)."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object with 'messages'")
     unknown = set(body) - {"messages", "sampling_params", "route_key"}
     if unknown:
-        raise ValueError(f"unknown fields {sorted(unknown)}; allowed: messages, sampling_params, route_key")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadMessages("'messages' must be a non-empty list of {role, content} objects")
-    if len(messages) > MAX_MESSAGES:
-        raise BadMessages(f"at most {MAX_MESSAGES} messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadMessages(f"messages[{i}] must be an object with string 'role' and 'content' (and nothing else)")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise BadMessages(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
-    sp = body.get("sampling_params")
-    if sp is not None and not isinstance(sp, dict):
-        raise ValueError("'sampling_params' must be an object")
-    rk = body.get("route_key")
-    if rk is not None and not isinstance(rk, str):
-        raise ValueError("'route_key' must be a string")
-    return messages, sp, rk
+        raise ValueError(f"unknown fields {short_repr(sorted(unknown), 80)}; allowed: messages, sampling_params, route_key")
+    return check_request(body.get("messages"), body.get("sampling_params"), body.get("route_key"))
+
+
+def _error(message: str, status: int = 400, headers: dict | None = None) -> Response:
+    return Response.json({"error": message}, status, headers)
+
+
+class _Throttled:
+    """Logs one line per kind of failure at most every ``LOG_EVERY`` seconds, with how many
+    were not logged since (a flood of bad requests cannot flood the log)."""
+
+    def __init__(self):
+        self.last: dict[str, float] = {}
+        self.skipped: dict[str, int] = {}
+
+    def __call__(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self.last.get(kind, -LOG_EVERY) < LOG_EVERY:
+            self.skipped[kind] = self.skipped.get(kind, 0) + 1
+            return
+        skipped = self.skipped.pop(kind, 0)
+        self.last[kind] = now
+        log.warning("judge gateway: %s%s", message, f" ({skipped} more like it not logged)" if skipped else "")
+
+
+def _host_of(value: str) -> str:
+    """The host part of a Host header or an Origin's authority (no port, no brackets)."""
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    host, _, port = value.rpartition(":")
+    return host if host and port.isdigit() else value
+
+
+def _local_name(host: str, names: frozenset) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return host.lower() in names
 
 
 class Gateway:
@@ -70,62 +106,108 @@ class Gateway:
     methods are called directly). A request still unanswered after ``timeout`` seconds gets
     503."""
 
-    def __init__(self, service, token: str | None = None, timeout: float = 600.0):
+    def __init__(self, service, token: str | None = None, timeout: float = 600.0, limits: HttpLimits | None = None):
         self.service = service
-        self.token = token
+        self.token = token.encode() if token else None
         self.timeout = timeout
+        self.limits = limits or HttpLimits()
         self.errors: dict[str, int] = {}
         self.started = time.time()
+        self.server = HttpServer(self.handle, self.limits, on_error=self._internal_error)
+        self._log = _Throttled()
+        self._names = frozenset(n.lower() for n in ("localhost", socket.gethostname(), socket.getfqdn()))
+        self._routes = {
+            "/genrm/generate": ("POST", self.generate),
+            "/genrm/health": ("GET", self.health),
+            "/genrm/metrics": ("GET", self.metrics),
+        }
 
     def _count(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    @web.middleware
-    async def auth(self, request: web.Request, handler):
-        if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
-            return _bad("missing or wrong bearer token", 401)
+    def _internal_error(self, request: Request | None, exc: BaseException) -> None:
+        self._count("internal")
+        where = f"{request.method} {short_repr(request.path)}" if request is not None else "a connection"
+        self._log("internal", f"internal error on {where}: {type(exc).__name__}: {short_repr(str(exc), 200)}")
+
+    async def handle(self, request: Request) -> Response:
+        route = self._routes.get(request.path)
+        if route is None:
+            self._count("not_found")
+            return _error(f"no route {short_repr(request.path)}; routes: {', '.join(self._routes)}", 404)
+        method, handler = route
+        if request.method != method and not (method == "GET" and request.method == "HEAD"):
+            self._count("method_not_allowed")
+            return _error(f"{short_repr(request.method)} is not allowed on {request.path}; use {method}", 405, {"Allow": method})
+        refused = self._authorize(request) if self.token else self._same_host(request)
+        if refused is not None:
+            return refused
         return await handler(request)
 
-    async def generate(self, request: web.Request) -> web.Response:
+    def _authorize(self, request: Request) -> Response | None:
+        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), self.token):
+            return None
+        self._count("unauthorized")
+        return _error("missing or wrong bearer token: send 'Authorization: Bearer <token>'", 401, {"WWW-Authenticate": 'Bearer realm="genrm"'})
+
+    def _same_host(self, request: Request) -> Response | None:
+        """Without a token: refuse what only a browser on another site would send."""
+        host = request.headers.get("host")
+        if host is None and request.version == "HTTP/1.1":
+            self._count("bad_host")
+            return _error("an HTTP/1.1 request needs a Host header")
+        if host is not None and not _local_name(_host_of(host.strip()), self._names):
+            self._count("bad_host")
+            return _error(f"Host {short_repr(host)} is not served here: use this machine's address or name (or set a token)", 403)
+        origin = request.headers.get("origin")
+        if origin is not None and origin != "null":
+            authority = origin.partition("://")[2] or origin
+            if not _local_name(_host_of(authority), self._names):
+                self._count("bad_origin")
+                return _error(f"requests from the web origin {short_repr(origin)} are refused (set a token to serve other hosts)", 403)
+        return None
+
+    async def generate(self, request: Request) -> Response:
+        content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if content_type != "application/json":
+            self._count("unsupported_media_type")
+            return _error("send the body as JSON with 'Content-Type: application/json'", 415)
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self._count("too_large")
-            return _bad(f"body over {MAX_BODY} bytes", 413)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(request.body)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers; nesting too deep
             self._count("invalid_json")
-            return _bad(f"Invalid request body: not JSON ({e})")
+            reason = "nested too deeply" if isinstance(e, RecursionError) else short_repr(str(e), 160)
+            return _error(f"Invalid request body: not JSON ({reason})")
         try:
             messages, sp, rk = validate_request(body)
         except ValueError as e:
             self._count("invalid_request")
-            return _bad(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
+            return _error(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
         try:
             text = await asyncio.wait_for(self.service.submit(messages, sp, rk), self.timeout)
         except JudgeAsleep as e:
             self._count("asleep")
-            return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
+            return _error(str(e), 503, {"Retry-After": "1"})
         except (UnknownRouteKey, ValueError, TypeError) as e:
             self._count("invalid_request")
-            return _bad(str(e))
+            return _error(str(e))
         except JudgeUnavailable as e:
-            self._count("engine")
-            return _bad(str(e), 502)
-        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             self._count("unavailable")
-            return _bad(f"the judge did not answer within {self.timeout:g} s", 503)
-        except Exception as e:  # noqa: BLE001 - never a crash, never a 500
-            self._count("internal")
-            return _bad(f"judge error: {type(e).__name__}: {e}", 502)
-        return web.json_response({"response": text})
+            return _error(str(e), 503, {"Retry-After": "5"})
+        except JudgeEngineError as e:
+            self._count("engine")
+            return _error(str(e), 502)
+        except TimeoutError:
+            self._count("timeout")
+            return _error(f"the judge did not answer within {self.timeout:g} s", 503)
+        return Response.json({"response": text})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         try:
             inst = await self.service.health()
-        except Exception as e:  # noqa: BLE001
-            return web.json_response({"status": "unhealthy", "service": "genrm", "error": str(e)})
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            return Response.json({"status": "unhealthy", "service": "genrm", "error": short_repr(str(e), 200)}, 503)
         healthy = all(v["status"] == "healthy" for v in inst.values())
         out = {"status": "healthy" if healthy else "unhealthy", "service": "genrm"}
         if len(inst) > 1:
@@ -134,64 +216,81 @@ class Gateway:
             out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
         if not healthy:
             out["error"] = "; ".join(f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy")
-        return web.json_response(out)
+        # 503 only when some instance cannot answer at all; asleep is healthy (it wakes)
+        return Response.json(out, 503 if any(v.get("available") is False for v in inst.values()) else 200)
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        snap = await self.service.metrics_snapshot()
+    async def metrics(self, request: Request) -> Response:
+        snap = await self.service.metrics_snapshot(engines=request.query.get("engines") == "1")
         transport = relay.transport_stats()
         rstats = {k: transport.get(k, 0) for k in RELAY_STATS}
+        http = dict(self.server.stats)
         if request.query.get("format") == "json":
-            return web.json_response({"service": "genrm", "instances": snap, "gateway_errors": self.errors, "relay": rstats})
-        return web.Response(text=prometheus_text(snap, self.errors, rstats), content_type="text/plain")
-
-    def app(self) -> web.Application:
-        # Without a token no middleware runs at all (each one costs every request a wrapper).
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self.auth] if self.token else [])
-        app.router.add_post("/genrm/generate", self.generate)
-        app.router.add_get("/genrm/health", self.health)
-        app.router.add_get("/genrm/metrics", self.metrics)
-        return app
+            return Response.json({"service": "genrm", "instances": snap, "gateway_errors": self.errors, "http": http, "relay": rstats})
+        return Response(200, prometheus_text(snap, self.errors, rstats, http).encode(), "text/plain; version=0.0.4; charset=utf-8")
 
 
-def prometheus_text(snap: dict, gateway_errors: dict, relay_stats: dict | None = None) -> str:
-    from prometheus_client import CollectorRegistry, Counter, generate_latest
-    from prometheus_client.core import HistogramMetricFamily
+# ---------------------------------------------------------------------------- Prometheus
 
-    reg = CollectorRegistry()
-    counters = {
-        k: Counter(f"genrm_{k}", f"GenRM {k.replace('_', ' ')}", ["instance"], registry=reg)
-        for k in ("requests", "tokens_in", "tokens_out", "cache_hits", "rejected_asleep", "errors_transport", "errors_engine", "verdicts", "parse_failures")
-    }
-    errs = Counter("genrm_gateway_errors", "gateway errors by kind", ["kind"], registry=reg)
-    for inst, vals in snap.items():
-        for k, c in counters.items():
-            c.labels(inst).inc(float(vals.get(k, 0)))
-    for kind, n in gateway_errors.items():
-        errs.labels(kind).inc(n)
+_COUNTERS = (
+    ("requests", "judge requests admitted"), ("tokens_in", "prompt tokens judged"), ("tokens_out", "tokens the judge generated"),
+    ("cache_hits", "requests answered from the judgment cache"), ("rejected_asleep", "requests refused while asleep"),
+    ("errors_transport", "engine calls that failed in transport"), ("errors_engine", "requests an engine failed"),
+    ("refused", "requests an engine refused"), ("cancelled", "requests whose callers gave up"),
+    ("engines_down", "engines that left dispatch"), ("verdicts", "verdicts reported by reward code"),
+    ("parse_failures", "verdicts reward code could not read"),
+)
+_HTTP_GAUGES = ("connections_open",)
+
+
+def _label(value) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(v) -> str:
+    return repr(float(v)) if isinstance(v, float) else str(int(v))
+
+
+def prometheus_text(snap: dict, gateway_errors: dict, relay_stats: dict | None = None, http: dict | None = None) -> str:
+    """The Prometheus text format (0.0.4) of the judge's counters: per judge instance under
+    the label ``route_key`` (``instance`` is Prometheus's own target label), no ``_created``
+    series (they would change at every scrape)."""
+    out: list[str] = []
+
+    def family(name: str, kind: str, help_: str, samples: list) -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(samples)
+
+    for key, help_ in _COUNTERS:
+        family(f"genrm_{key}_total", "counter", f"GenRM {help_}",
+               [f'genrm_{key}_total{{route_key="{_label(inst)}"}} {_number(vals.get(key, 0))}' for inst, vals in snap.items()])
+    family("genrm_gateway_errors_total", "counter", "gateway answers other than 200, by kind",
+           [f'genrm_gateway_errors_total{{kind="{_label(k)}"}} {n}' for k, n in sorted(gateway_errors.items())])
+    for k, n in sorted((http or {}).items()):
+        kind = "gauge" if k in _HTTP_GAUGES else "counter"
+        name = f"genrm_http_{k}" if kind == "gauge" else f"genrm_http_{k}_total"
+        family(name, kind, f"judge gateway HTTP server: {k.replace('_', ' ')}", [f"{name} {n}"])
     for k, n in (relay_stats or {}).items():
-        Counter(f"genrm_relay_{k}", f"judge process relay runtime: {k.replace('_', ' ')}", registry=reg).inc(n)
+        family(f"genrm_relay_{k}_total", "counter", f"judge process relay runtime: {k.replace('_', ' ')}", [f"genrm_relay_{k}_total {n}"])
+    samples = []
+    for inst, vals in snap.items():
+        h = vals.get("latency_s")
+        if not h:
+            continue
+        label = _label(inst)
+        for bound, count in h["buckets"]:
+            le = "+Inf" if bound == "+Inf" else repr(float(bound))
+            samples.append(f'genrm_latency_seconds_bucket{{route_key="{label}",le="{le}"}} {count}')
+        samples.append(f'genrm_latency_seconds_sum{{route_key="{label}"}} {_number(float(h["sum"]))}')
+        samples.append(f'genrm_latency_seconds_count{{route_key="{label}"}} {h["count"]}')
+    family("genrm_latency_seconds", "histogram", "judge call latency", samples)
+    return "\n".join(out) + "\n"
 
-    class _Latency:  # the service's cumulative histogram, as it is
-        def collect(self):
-            fam = HistogramMetricFamily("genrm_latency_seconds", "judge call latency", labels=["instance"])
-            for inst, vals in snap.items():
-                h = vals.get("latency_s")
-                if h:
-                    fam.add_metric([inst], [(str(b), c) for b, c in h["buckets"]], h["sum"])
-            yield fam
 
-    reg.register(_Latency())
-    return generate_latest(reg).decode()
-
-
-async def serve(service, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> web.AppRunner:
+async def serve(service, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+                limits: HttpLimits | None = None) -> tuple[HttpServer, int]:
     """Serve ``service`` (a JudgeService of this process) on the running loop; returns the
-    runner (``await runner.cleanup()``). Use :meth:`JudgeService.serve_http` from outside."""
-    runner = web.AppRunner(Gateway(service, token).app(), access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner
+    server (``await server.close()``) and its port. Use :meth:`JudgeService.serve_http`
+    from outside."""
+    gateway = Gateway(service, token, limits=limits)
+    return gateway.server, await gateway.server.start(host, port)

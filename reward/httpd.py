@@ -125,8 +125,10 @@ class Response:
 
     @classmethod
     def json(cls, obj, status: int = 200, headers: dict | None = None) -> Response:
-        """``obj`` as compact JSON (non-ASCII escaped, so valid UTF-8 whatever it holds)."""
-        return cls(status, json.dumps(obj, separators=(",", ":")).encode(), headers=dict(headers or {}))
+        """``obj`` as JSON, spaced as ``json.dumps`` writes it (as aiohttp's ``json_response``
+        did: ``{"status": "healthy", "service": "genrm"}``); non-ASCII escaped, so valid UTF-8
+        whatever it holds."""
+        return cls(status, json.dumps(obj).encode(), headers=dict(headers or {}))
 
 
 _INTERNAL_ERROR = Response.json({"error": "internal error"}, 500)

@@ -93,7 +93,7 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     judge, judge_procs = await start_judge_service(specs, 600)
     meshes.append(judge_procs)
     try:
-        port = await judge.serve_http.call_one(host, port, token).result(60)
+        port = await judge.serve_http.call_one(host, port, token, cfg.gateway_limits()).result(60)
     except relay.ActorError as e:
         print(f"relay judge: {e.exception}", file=sys.stderr)
         for procs in meshes:

@@ -59,7 +59,7 @@ EXPECTED: dict[str, str] = {
         "judge ready: http://127.0.0.1:",
     'curl http://127.0.0.1:${PORT:-8000}/genrm/health            # {"status": "healthy", "service": "genrm"}':
         '{"status": "healthy", "service": "genrm"}',
-    "curl -X POST http://127.0.0.1:${PORT:-8000}/genrm/generate \\\n"
+    "curl -X POST http://127.0.0.1:${PORT:-8000}/genrm/generate -H 'Content-Type: application/json' \\\n"
     "     -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Is 2+2=4? Reply 1 or 0.\"}]}'":
         '{"response": ',
     "stat -c '%a %n' ~/.cache/relay/judge-${PORT:-8000}.secret   # the judge's secret file: 600 (readable by you only)": "600 ",

@@ -59,6 +59,10 @@ class FakeServer:
         ids = body.get("input_ids") or [ord(c) % 100 for c in body.get("text", "")]
         sp = body.get("sampling_params") or {}
         max_new = sp.get("max_new_tokens", 128)  # SGLang's default
+        limit = self.args.context_length
+        if limit and len(ids) + max_new > limit:  # SGLang refuses it as the request's error
+            return web.json_response({"error": {"message": f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
+                                                           f"You requested a total of {len(ids) + max_new} tokens"}}, status=400)
         rid = body.get("rid") or f"r{len(self.log)}"
         stop_ids = set(sp.get("stop_token_ids") or [])
         out, finish = [], {"type": "length", "length": max_new}

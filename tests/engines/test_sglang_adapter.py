@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from engines.interface import EngineFailed, EngineStepError
 from engines.sglang_engine import SGLangEngine
 from tests.helpers import run
 
@@ -173,3 +174,41 @@ def test_rendered_chats_are_tokenized_by_the_actor_and_sent_as_input_ids(tmp_pat
     (r,) = run(main())
     assert r.prompt_tokens == len(ids)
     assert r.token_ids == [(sum(ids) + i) % 100 + 5 for i in range(3)]  # the server was given these ids
+
+
+def test_failures_are_typed_and_a_cancelled_caller_is_aborted_in_the_server():
+    """A 4xx is the request's own error (ValueError), a 5xx an EngineStepError while the
+    server lives, EngineFailed once it exited; a cancelled caller's rid is aborted."""
+
+    async def main():
+        eng = SGLangEngine("/m", context_length=64, extra_args={"token_delay": 0.01})
+        await eng.start()
+        out = {}
+        try:
+            await eng.generate(list(range(100)), {"max_new_tokens": 4})
+        except Exception as e:  # noqa: BLE001
+            out["too long"] = e
+        task = asyncio.ensure_future(eng.generate([1, 2], {"max_new_tokens": 50}))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        out["log"] = (await server_info(eng))["log"]
+        await eng._post("/release_memory_occupation", {"tags": ["kv_cache"]})
+        try:
+            await eng.generate([1, 2], {"max_new_tokens": 2})
+        except Exception as e:  # noqa: BLE001
+            out["released"] = e
+        os.killpg(eng.proc.pid, 9)
+        eng.proc.wait(10)
+        try:
+            await eng.generate([1, 2], {"max_new_tokens": 2})
+        except Exception as e:  # noqa: BLE001
+            out["dead"] = e
+        await eng.close()
+        return out
+
+    out = run(main())
+    assert type(out["too long"]) is ValueError and "maximum context length of 64" in str(out["too long"])
+    assert ["abort", "sglang-2", False] in out["log"]  # the second request's rid
+    assert type(out["released"]) is EngineStepError and "500" in str(out["released"])
+    assert type(out["dead"]) is EngineFailed and "exited" in str(out["dead"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from engines.interface import SamplingParams
+from engines.interface import EngineFailed, EngineStepError, SamplingParams
 from engines.model_builder import make_model
 from engines.torch_engine import TorchEngine
 from tests.helpers import run
@@ -340,12 +340,13 @@ def test_shared_blocks_survive_preemption(models):
     assert stats["kv_blocks_free"] == 12
 
 
-def test_a_failing_step_fails_pending_requests_instead_of_hanging(models):
-    """If a step raises (say, out of device memory), every pending request gets the error,
-    sleep(drain="finish") returns, health says unhealthy and new requests are refused."""
+def test_an_engine_that_cannot_compute_fails_pending_requests_instead_of_hanging(models):
+    """If steps raise and the engine's self-test after recovery fails too (the device is
+    gone), every pending request gets an error, sleep(drain="finish") returns, health says
+    unhealthy and new requests are refused with EngineFailed."""
 
     async def main():
-        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_running=2)
         await eng.generate(prompts()[0], GREEDY)
 
         def boom(*a, **k):
@@ -356,14 +357,76 @@ def test_a_failing_step_fails_pending_requests_instead_of_hanging(models):
         await asyncio.wait_for(eng.sleep(["kv_cache"], drain="finish"), 30)
         health = await eng.health()
         await eng.wake(["kv_cache"])
-        with pytest.raises(RuntimeError, match="failed and serves no more requests"):
+        with pytest.raises(EngineFailed, match="failed and serves no more requests"):
             await eng.generate(prompts()[0], GREEDY)
         await eng.close()
         return res, health
 
     res, health = run(main(), 120)
-    assert all(isinstance(r, RuntimeError) and "engine step failed" in str(r) for r in res)
+    # the two requests of the failed step, then the six that were waiting
+    assert [type(r) for r in res] == [EngineStepError] * 2 + [EngineFailed] * 6, res
     assert health["status"] == "unhealthy" and "out of memory" in health["error"]
+
+
+def test_a_failed_step_fails_only_its_requests_and_the_engine_recovers(models):
+    """A step that raises once fails the requests it ran (EngineStepError, retryable);
+    the requests still waiting then run as if nothing happened, the KV cache is whole again,
+    health stays healthy and later requests give exactly a fresh engine's output."""
+
+    async def main():
+        ref = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
+        want = [(await ref.generate(p, GREEDY)).token_ids for p in prompts()]
+        await ref.close()
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_running=2)
+        real, calls = eng._sample_batch, []
+
+        def fails_once(logits, seqs):
+            calls.append(len(seqs))
+            if len(calls) == 1:
+                raise IndexError("index 7 is out of bounds (simulated sampler crash)")
+            return real(logits, seqs)
+
+        eng._sample_batch = fails_once
+        res = await asyncio.wait_for(asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 60)
+        after = [(await eng.generate(p, GREEDY)).token_ids for p in prompts()]
+        stats, health = await eng.stats(), await eng.health()
+        await eng.close()
+        return want, res, after, stats, health
+
+    want, res, after, stats, health = run(main(), 180)
+    assert [type(r) for r in res[:2]] == [EngineStepError] * 2
+    assert "engine recovered" in str(res[0]) and "simulated sampler crash" in str(res[0])
+    assert [r.token_ids for r in res[2:]] == want[2:]
+    assert after == want
+    assert health["status"] == "healthy" and stats["step_failures"] == 1
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == 0
+
+
+def test_a_cancelled_caller_frees_its_place_in_the_batch(models):
+    """Cancelling the task awaiting generate() aborts that request in the engine (its KV
+    blocks are freed at the next step); the other request is unaffected."""
+
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
+        long = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}
+        left = asyncio.ensure_future(eng.generate(prompts()[1], long))
+        stays = asyncio.ensure_future(eng.generate(prompts()[2], GREEDY))
+        while (await eng.stats())["running"] < 2:
+            await asyncio.sleep(0.01)
+        left.cancel()
+        kept = await stays
+        for _ in range(500):
+            stats = await eng.stats()
+            if stats["running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+                break
+            await asyncio.sleep(0.01)
+        await eng.close()
+        return left, kept, stats
+
+    left, kept, stats = run(main(), 120)
+    assert left.cancelled() and len(kept.token_ids) == GREEDY["max_new_tokens"]
+    assert stats["running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["tokens_generated"] < 1000  # the long request did not run to its end
 
 
 def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(models):

@@ -132,7 +132,7 @@ def test_requests_are_parsed_and_the_connection_kept_alive(run):
             reader, writer = await connect(port)
             writer.write(b"GET /a/%7Eb?x=1&y=2&x=3&z= HTTP/1.1\r\nHost: h\r\nX-Dup: 1\r\nx-dup: 2\r\nX-Pad:  v \t\r\n\r\n")
             status, headers, body = await read_response(reader)
-            assert (status, body, headers["content-type"], headers["content-length"]) == (200, b'{"ok":true}', "application/json", "11")
+            assert (status, body, headers["content-type"], headers["content-length"]) == (200, b'{"ok": true}', "application/json", "12")
             assert headers["x-seen"] == "1" and "date" in headers and "connection" not in headers
             writer.write(b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello")
             status, headers, _ = await read_response(reader)
@@ -473,7 +473,7 @@ def test_a_failing_handler_is_a_500_without_its_text_and_the_connection_survives
             for path in ("/raise", "/not-a-response", "/bad-header", "/bad-status", "/cancelled", "/fine"):
                 writer.write(b"GET %s HTTP/1.1\r\nHost: h\r\n\r\n" % path.encode())
                 status, headers, body = await read_response(reader)
-                assert (status, body) == ((200, b'{"path":"/fine","body":""}') if path == "/fine" else (500, b'{"error":"internal error"}'))
+                assert (status, body) == ((200, b'{"path": "/fine", "body": ""}') if path == "/fine" else (500, b'{"error": "internal error"}'))
                 assert "connection" not in headers
             writer.close()
             assert server.stats["handler_errors"] == 5
@@ -579,7 +579,7 @@ def test_a_fault_of_the_server_is_reported_and_answered_500(run, monkeypatch):
     async def main():
         async with serving(on_error=lambda request, exc: reported.append((request, str(exc)))) as (_, port):
             [(status, headers, body)] = parse_responses(await exchange(port, b"GET /fault HTTP/1.1\r\nHost: h\r\n\r\n"))
-            assert (status, headers["connection"], body) == (500, "close", b'{"error":"internal error"}')
+            assert (status, headers["connection"], body) == (500, "close", b'{"error": "internal error"}')
             [(status, _, _)] = parse_responses(await exchange(port, b"GET / HTTP/1.0\r\n\r\n"))
             assert status == 200
 

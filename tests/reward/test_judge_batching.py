@@ -11,14 +11,30 @@ import pytest
 from engines.interface import GenerateResult
 from relay import Actor, current_runtime, endpoint, this_proc
 from reward.client import GenRMClient
-from reward.judge import JudgeAsleep, JudgeService, UnknownRouteKey
+from reward.judge import JudgeAsleep, JudgeEngineError, JudgeService, UnknownRouteKey
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 MSG = [{"role": "user", "content": "Is 2+2=4? Answer 1 or 0."}]
 
 
-class EchoEngine(Actor):
+class CancelRecorder(Actor):
+    """The rest of the engine protocol the service uses: ``cancel(tags)`` (recorded) and
+    ``health``."""
+
+    cancelled: list
+
+    @endpoint(concurrent=True)
+    async def cancel(self, tags: list) -> int:
+        self.__dict__.setdefault("cancelled", []).extend(tags)
+        return 0
+
+    @endpoint(concurrent=True)
+    async def health(self) -> dict:
+        return {"status": "healthy"}
+
+
+class EchoEngine(CancelRecorder):
     """Answers "<seed>" for each request; a request with max_new_tokens == 13 is refused;
     ``broken=True`` makes every call fail as a whole. Counts its calls."""
 
@@ -33,7 +49,7 @@ class EchoEngine(Actor):
             raise RuntimeError("this engine is broken")
         return [
             ValueError("max_new_tokens 13 is refused") if s["max_new_tokens"] == 13 else GenerateResult([1], f" {s['seed']} ", [0.0], "stop", len(p), 0)
-            for p, s in requests
+            for p, s, *_ in requests
         ]
 
     @endpoint(concurrent=True)
@@ -188,7 +204,8 @@ def test_a_failing_engine_call_fails_only_its_own_requests(judge_model):
         assert sum(bad_sizes) > 0 and sum(good_sizes) > 0  # least-loaded: both engines got some
         failed = [g for g in got if isinstance(g, Exception)]
         assert len(failed) == sum(bad_sizes)
-        assert all(isinstance(g, ValueError) and "this engine is broken" in str(g) for g in failed)
+        # not the requests' fault: a 5xx-class error (JudgeEngineError), not a refusal (ValueError)
+        assert all(isinstance(g, JudgeEngineError) and "this engine is broken" in str(g) for g in failed)
         assert all(g == str(i) for i, g in enumerate(got) if not isinstance(g, Exception))
 
     run(main(), 120)
@@ -219,7 +236,7 @@ def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
             assert [encode_rendered(tok, _render(tok, [c], ctk, t))[0] for c in convs] == expected
 
 
-class GatedEngine(Actor):
+class GatedEngine(CancelRecorder):
     """Holds every request until ``release``; records the most requests it held at once."""
 
     def __init__(self):
@@ -233,7 +250,7 @@ class GatedEngine(Actor):
         self.most = max(self.most, self.held)
         await self.gate.wait()
         self.held -= len(requests)
-        return [GenerateResult([1], "1", [0.0], "stop", len(p), 0) for p, _ in requests]
+        return [GenerateResult([1], "1", [0.0], "stop", len(p), 0) for p, *_ in requests]
 
     @endpoint(concurrent=True)
     async def release(self) -> int:
@@ -299,7 +316,11 @@ def test_a_dead_engine_is_retried_once_on_another_then_reported(judge_model, fau
             os.kill(procs.procs[1].pid, signal.SIGKILL)
             await asyncio.sleep(0.5)
             got = await judge.generate_batch.call_one([[MSG, {"seed": 1}, None]]).result(60)
-            assert isinstance(got[0], JudgeUnavailable) and "engines failed" in str(got[0])
+            # both engines left dispatch: the request fails at once, naming why
+            assert isinstance(got[0], JudgeUnavailable) and "has no working engine" in str(got[0]) and "SIGKILL" in str(got[0])
+            assert (await judge.metrics_snapshot.call_one().result(10))["__default__"]["engines_down"] == 2
+            health = (await judge.health.call_one().result(10))["__default__"]
+            assert health["status"] == "unhealthy" and health["available"] is False
             assert {f.proc_id for f in faults} == {p.proc_id for p in procs.procs}  # both deaths reported
         finally:
             await procs.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -80,11 +81,20 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
                 await judge.record_parse.call_one(None, i % 3 != 0)
             async with s.get(f"{url}/genrm/metrics") as r:
                 text = await r.text()
-            assert 'genrm_parse_failures_total{instance="__default__"} 9.0' in text
-            assert 'genrm_verdicts_total{instance="__default__"} 25.0' in text
-            assert 'genrm_requests_total{instance="__default__"} 3.0' in text
-            assert 'genrm_latency_seconds_bucket{instance="__default__",le="+Inf"} 2.0' in text
-            assert 'genrm_latency_seconds_count{instance="__default__"} 2.0' in text
+            # per judge instance under route_key (Prometheus keeps `instance` for its target)
+            assert 'genrm_parse_failures_total{route_key="__default__"} 9\n' in text
+            assert 'genrm_verdicts_total{route_key="__default__"} 25\n' in text
+            assert 'genrm_requests_total{route_key="__default__"} 3\n' in text
+            assert 'genrm_latency_seconds_bucket{route_key="__default__",le="+Inf"} 2\n' in text
+            assert 'genrm_latency_seconds_count{route_key="__default__"} 2\n' in text
+            assert "instance=" not in text and "_created" not in text
+            async with s.get(f"{url}/genrm/metrics") as r:  # nothing happened in between but a scrape:
+                again = await r.text()  # the same judge series (the HTTP server's count the scrape)
+
+            def judge_series(t):
+                return [line for line in t.splitlines() if not line.startswith(("genrm_http_", "# "))]
+
+            assert judge_series(again) == judge_series(text) and len(judge_series(text)) > 20
         with pytest.raises(ActorError, match="already served"):
             await judge.serve_http.call_one("127.0.0.1", 0).result(10)
         await judge_procs.stop()
@@ -185,6 +195,114 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
     run(main(), 240)
 
 
+def test_auth_is_exact_and_without_a_token_browsers_are_kept_out(judge_model):
+    async def main():
+        procs, engines, judge, judge_procs, url = await start(judge_model, token="s3cret")
+        open_procs, open_engines, _, open_judge_procs, open_url = await start(judge_model)
+        got = {}
+        try:
+            async with aiohttp.ClientSession() as s:
+                for name, headers in {
+                    "none": {}, "wrong": {"Authorization": "Bearer nope"}, "basic": {"Authorization": "Basic czNjcmV0"},
+                    "lower": {"Authorization": "bearer s3cret"}, "upper": {"Authorization": "BEARER  s3cret"},
+                }.items():
+                    for route in ("health", "metrics"):
+                        async with s.get(f"{url}/genrm/{route}", headers=headers) as r:
+                            got[(name, route)] = (r.status, r.headers.get("WWW-Authenticate"))
+                # two Authorization headers: ambiguous, refused (not "the first wins")
+                raw = [("Authorization", "Bearer s3cret"), ("Authorization", "Bearer other")]
+                async with s.get(f"{url}/genrm/health", headers=raw) as r:
+                    got["two"] = r.status
+                async with s.get(f"{url}/genrm/metrics?format=json") as r:
+                    got["unauthorized_count"] = r.status
+                async with s.get(f"{url}/genrm/metrics?format=json", headers={"Authorization": "Bearer s3cret"}) as r:
+                    got["errors"] = (await r.json())["gateway_errors"]
+                post = f"{open_url}/genrm/generate"
+                body = json.dumps({"messages": MSG})
+                port = open_url.rsplit(":", 1)[1]
+                for name, headers in {
+                    "text/plain": {"Content-Type": "text/plain"}, "form": {"Content-Type": "application/x-www-form-urlencoded"},
+                    "no type": {}, "rebinding": {"Content-Type": "application/json", "Host": f"evil.example:{port}"},
+                    "other site": {"Content-Type": "application/json", "Origin": "http://evil.example"},
+                    "same site": {"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"},
+                    "localhost": {"Content-Type": "application/json; charset=utf-8", "Host": f"localhost:{port}"},
+                }.items():
+                    async with s.post(post, data=body, headers=headers, skip_auto_headers=["Content-Type"]) as r:
+                        got[name] = (r.status, (await r.json()).get("error", ""))
+        finally:
+            await judge_procs.stop()
+            await procs.stop()
+            await open_judge_procs.stop()
+            await open_procs.stop()
+        return got
+
+    got = run(main(), 240)
+    challenge = 'Bearer realm="genrm"'
+    for name in ("none", "wrong", "basic"):
+        assert got[(name, "health")] == got[(name, "metrics")] == (401, challenge), name
+    for name in ("lower", "upper"):  # the scheme is case-insensitive (RFC 7235)
+        assert got[(name, "health")][0] == got[(name, "metrics")][0] == 200, name
+    assert got["two"] == 400
+    assert got["errors"]["unauthorized"] == 7  # every 401 counted
+    for name in ("text/plain", "form", "no type"):
+        assert got[name][0] == 415 and "Content-Type: application/json" in got[name][1], (name, got[name])
+    assert got["rebinding"][0] == 403 and "evil.example" in got["rebinding"][1]
+    assert got["other site"][0] == 403 and "evil.example" in got["other site"][1]
+    assert got["same site"][0] == got["localhost"][0] == 200
+
+
+def test_callers_that_leave_have_their_engine_work_aborted(judge_model):
+    """An HTTP client that disconnects and a ZeroMQ caller whose task is cancelled: the
+    service counts both as cancelled and the engine stops generating for them."""
+
+    async def main():
+        procs, engines, judge, judge_procs, url = await start(judge_model)
+        long = {"max_new_tokens": 1900, "ignore_eos": True, "temperature": 0.0}
+        engine = engines.slice(gpus=0)
+
+        async def settled(cancelled: int) -> dict:
+            for _ in range(200):
+                stats = await engine.stats.call_one().result(10)
+                metrics = (await judge.metrics_snapshot.call_one().result(10))["__default__"]
+                if stats["running"] == 0 and metrics.get("cancelled") == cancelled:
+                    break
+                await asyncio.sleep(0.05)
+            return {**stats, "cancelled": metrics.get("cancelled")}
+
+        try:
+            async with aiohttp.ClientSession() as s:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(s.post(f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": long}), 0.5)
+            after_http = await settled(1)
+            addr = judge._view.members[0].proc.addr
+            script = textwrap.dedent(f"""
+                import asyncio, sys
+                sys.path.insert(0, {ROOT!r})
+                from reward.client import GenRMClient
+                async def main():
+                    c = GenRMClient({addr!r})
+                    task = asyncio.ensure_future(c.generate({MSG!r}, {{**{long!r}, "seed": 1}}))
+                    await asyncio.sleep(0.5)
+                    task.cancel()
+                    await asyncio.sleep(0.5)  # the cancel message goes out
+                asyncio.run(main())
+            """)
+            out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            after_zmq = await settled(2)
+        finally:
+            await judge_procs.stop()
+            await procs.stop()
+        return after_http, after_zmq
+
+    after_http, after_zmq = run(main(), 240)
+    assert after_http["cancelled"] == 1 and after_http["running"] == 0
+    assert after_zmq["cancelled"] == 2 and after_zmq["running"] == 0
+    # neither ran to its end: the engine aborted each (the first before the second started)
+    assert after_http["tokens_generated"] < 1900 and after_zmq["tokens_generated"] - after_http["tokens_generated"] < 1900
+    assert after_zmq["kv_blocks_free"] == after_zmq["kv_blocks_total"]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=20),
@@ -225,10 +343,15 @@ def test_relay_judge_serves_the_tiny_config_and_stops_on_sigint(tmp_path):
         health = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/genrm/health"], capture_output=True, text=True, timeout=30)
         assert json.loads(health.stdout) == {"status": "healthy", "service": "genrm"}
         gen = subprocess.run(
-            ["curl", "-s", "-X", "POST", f"http://127.0.0.1:{port}/genrm/generate", "-d", json.dumps({"messages": MSG})],
+            ["curl", "-s", "-X", "POST", f"http://127.0.0.1:{port}/genrm/generate", "-H", "Content-Type: application/json",
+             "-d", json.dumps({"messages": MSG})],
             capture_output=True, text=True, timeout=30,
         )
         assert "response" in json.loads(gen.stdout)
+        # curl -d alone sends a form content type, as a browser's simple POST would: refused, saying what to send
+        form = subprocess.run(["curl", "-s", "-w", " %{http_code}", "-X", "POST", f"http://127.0.0.1:{port}/genrm/generate",
+                               "-d", json.dumps({"messages": MSG})], capture_output=True, text=True, timeout=30)
+        assert form.stdout.endswith(" 415") and "Content-Type: application/json" in form.stdout
         assert os.path.exists(tmp_path / "cache" / "models" / "tiny-judge" / "config.json")
         p.send_signal(signal.SIGINT)
         p.wait(60)
