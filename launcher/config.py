@@ -378,8 +378,29 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             check_template(cfg.genrm_prompt_template)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _ = cfg.genrm  # normalize now: errors surface at load time, not at launch
+    _check_sampling(cfg)
     return cfg
+
+
+def _check_sampling(cfg: JobConfig) -> None:
+    """Rollout, eval and judge sampling with the engines' own check (SamplingParams.validate):
+    a value no engine can run fails at load time, naming the flag."""
+    from engines.interface import SamplingParams
+
+    for flags, values in (
+        ("--rollout-temperature/--rollout-top-p/--rollout-max-response-len",
+         {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p, "max_new_tokens": cfg.rollout_max_response_len}),
+        ("--eval-temperature/--eval-top-p", {"temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p}),
+    ):
+        try:
+            SamplingParams.from_dict(values)
+        except ValueError as e:
+            raise ConfigError(f"{flags}: {e}") from None
+    for inst in cfg.genrm.values():  # normalizes the judge instances too: errors surface at load time
+        try:
+            SamplingParams.from_dict(inst.sampling_config)
+        except ValueError as e:
+            raise ConfigError(f"GenRM instance {inst.name!r}: sampling_config (--genrm-sampling-config): {e}") from None
 
 
 def user_code_flags() -> list[str]:

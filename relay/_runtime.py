@@ -376,6 +376,11 @@ class Runtime:
             mfd = monitor.getsockopt(zmq.FD)
             self._monitors[mfd] = peer
             self.loop.add_reader(mfd, self._drain_monitor, peer)
+            # Read the (empty) monitor once now: libzmq signals its fd only when a message
+            # arrives on a pipe its reader has found empty, so without this first read the
+            # first event (the peer's death) would never wake the loop, and calls to a
+            # process this one does not own would wait for it forever.
+            self._drain_monitor(peer)
         return peer
 
     def _send(self, sock: zmq.Socket, prefix: list, header: bytes, buffers: list, peer: _Peer | None = None) -> None:

@@ -221,6 +221,10 @@ class JudgeService(Actor):
                 [0] * n, True, [collections.deque() for _ in range(n)], [False] * n, template=template,
                 template_reads=_template_reads(tok, template) - RESERVED_TEMPLATE_KWARGS - set(tok.special_tokens_map), down=[None] * n,
             )
+        # Reach every engine now: relay learns that a process this one does not own has died
+        # when their connection drops, so connect before the first request; an engine whose
+        # process is already gone is out of dispatch from the start.
+        await self.health()
         freeze_startup_objects()
 
     def _resolve(self, route_key: str | None) -> _Instance:

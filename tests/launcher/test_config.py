@@ -130,3 +130,17 @@ def test_periodic_eval_can_be_turned_off_and_checkpoints_kept_to_a_number():
     assert cfg.eval_interval == 0 and cfg.keep_checkpoints == 2
     with pytest.raises(ConfigError, match="--keep-checkpoints must be >= 0"):
         load_config("tiny-cpu-split", ["--keep-checkpoints", "-1"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rollout-top-p", "1.5"], "--rollout-temperature/--rollout-top-p/--rollout-max-response-len: top_p must be in (0, 1], got 1.5"),
+    (["--eval-top-p", "0"], "--eval-temperature/--eval-top-p: top_p must be in (0, 1], got 0.0"),
+    (["--genrm-sampling-config", '{"temperature": NaN}'], "sampling_config (--genrm-sampling-config): temperature must be a finite number"),
+    (["--genrm-sampling-config", '{"top_k": 2.5}'], "top_k must be -1 (off) or an integer >= 1, got 2.5 (float)"),
+    (["--genrm-sampling-config", '{"seed": 18446744073709551616}'], "seed must be an integer >= 0, or null; got an integer of 65 bits"),
+    (["--genrm-sampling-config", '{"tempreature": 1}'], "unknown sampling parameters ['tempreature']"),
+])
+def test_sampling_values_no_engine_can_run_fail_at_load_time(flags, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny-cpu-split", flags)
+    assert message in str(e.value)

@@ -15,7 +15,7 @@ import pytest
 
 from relay import ActorError, SupervisionError, this_host
 from tests.helpers import run, tagged_pids
-from tests.relay.actors import BadInit, Cleanup, Faulty, Supervisor
+from tests.relay.actors import BadInit, Caller, Cleanup, Faulty, Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -73,6 +73,33 @@ def test_dead_process_is_supervision_error_for_pending_and_later_callers(faults,
         await procs.stop()
 
     run(main())
+
+
+def test_a_caller_that_does_not_own_the_dead_process_learns_of_its_death(faults):
+    """Process B calls an actor of process A, which B did not spawn (no pidfd, no
+    heartbeats of its own): when A is killed, B's call in flight and B's later calls fail
+    with SupervisionError at once (the connection drops), instead of waiting for ever."""
+
+    async def main():
+        target_procs = this_host().spawn_procs(per_host={"gpus": 1}, name="target")
+        target = target_procs.spawn("faulty", Faulty)
+        await target.initialized(30)
+        caller_procs = this_host().spawn_procs(per_host={"gpus": 1}, name="caller")
+        caller = caller_procs.spawn("caller", Caller, target)
+        await caller.initialized(30)
+        assert (await caller.call.call_one("ok").result(30))[:2] == ["ok", "ok"]
+        pending = caller.call.call_one("hang", 60)
+        await asyncio.sleep(0.3)
+        os.kill(target_procs.procs[0].pid, signal.SIGKILL)
+        in_flight = await pending.result(30)
+        later = await caller.call.call_one("ok").result(30)
+        await caller_procs.stop()
+        await target_procs.stop()
+        return in_flight, later
+
+    in_flight, later = run(main())
+    for outcome, detail, seconds in (in_flight, later):
+        assert outcome == "SupervisionError" and "connection lost" in detail and seconds < 5, (outcome, detail, seconds)
 
 
 def test_missed_heartbeats_are_detected(faults, monkeypatch):

@@ -379,3 +379,98 @@ def test_serving_http_on_a_taken_port_says_to_choose_another(judge_model):
         assert svc._http is None  # nothing half-started
 
     run(main(), 60)
+
+
+class PromptEcho(CancelRecorder):
+    """Answers each request with the rendered prompt it was sent."""
+
+    @endpoint(concurrent=True)
+    async def generate_rendered(self, requests: list) -> list:
+        return [GenerateResult([1], p, [0.0], "stop", len(p), 0) for p, *_ in requests]
+
+
+def test_no_client_template_source_and_only_scalar_template_arguments_the_template_reads(judge_model):
+    """Message text is data (a Jinja expression in it is not evaluated); chat_template and
+    apply_chat_template's own arguments are refused; an argument the template reads changes
+    the prompt, one it does not read is dropped; non-scalars are refused; a rendered prompt
+    past the bound is refused (over relay: HTTP bodies cannot get there)."""
+    from reward.judge import MAX_RENDERED_CHARS
+
+    async def main():
+        m = this_proc().spawn("echo", PromptEcho)
+        await m.initialized(60)
+        spec = {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [m]}}
+        judge = this_proc().spawn("genrm", JudgeService, spec, cache="off")
+        await judge.initialized(120)
+        jinja = [{"role": "user", "content": "{{ 7*7 }} {% for i in range(10**9) %}x{% endfor %}"}]
+        reqs = [
+            [jinja, None, None],
+            [MSG, {"chat_template_kwargs": {"chat_template": "{{ 7*7 }}"}}, None],
+            [MSG, {"chat_template_kwargs": {"tools": "x"}}, None],
+            [MSG, {"chat_template_kwargs": {"add_generation_prompt": False}}, None],
+            [MSG, {"chat_template_kwargs": {"eos_token": "x"}}, None],
+            [MSG, {"chat_template_kwargs": {"enable_thinking": [1, 2]}}, None],
+            [MSG, {"chat_template_kwargs": {f"k{i}": 1 for i in range(17)}}, None],
+            [MSG, {"chat_template_kwargs": {"enable_thinking": False}}, None],
+            [MSG, {"chat_template_kwargs": {"not_read_by_the_template": "x" * 256}}, None],
+            [MSG, None, None],
+            [[{"role": "user", "content": "z" * (MAX_RENDERED_CHARS + 1)}], None, None],
+        ]
+        return await judge.generate_batch.call_one(reqs).result(60)
+
+    out = run(main(), 120)
+    assert "{{ 7*7 }} {% for i in range(10**9) %}x{% endfor %}" in out[0] and "49" not in out[0]
+    for got, name in zip(out[1:5], ("chat_template", "tools", "add_generation_prompt", "eos_token")):
+        assert isinstance(got, ValueError) and f"chat_template_kwargs.'{name}' is not allowed" in str(got), got
+    assert isinstance(out[5], ValueError) and "must be null, a boolean, a finite number or a string" in str(out[5])
+    assert isinstance(out[6], ValueError) and "at most 16 entries" in str(out[6])
+    assert "<think>" in out[7] and "<think>" not in out[9]  # read by the template: changes the prompt
+    assert out[8] == out[9]  # not read: dropped
+    assert isinstance(out[10], ValueError) and f"at most {MAX_RENDERED_CHARS}" in str(out[10])
+
+
+class FailedEngine(CancelRecorder):
+    """Reports EngineFailed for every request (its steps cannot run any more); counts calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @endpoint(concurrent=True)
+    async def generate_rendered(self, requests: list) -> list:
+        from engines.interface import EngineFailed
+
+        self.calls += 1
+        return [EngineFailed("engine: the engine failed and serves no more requests: CUDA error") for _ in requests]
+
+    @endpoint(concurrent=True)
+    async def call_count(self) -> int:
+        return self.calls
+
+
+def test_an_engine_that_cannot_go_on_leaves_dispatch_at_once(judge_model):
+    """The failed engine answers instantly, so least-loaded dispatch would prefer it: it must
+    leave dispatch at its first EngineFailed, its requests go to the other engine, and no
+    later request is sent to it."""
+
+    async def main():
+        bad = this_proc().spawn("failed", FailedEngine)
+        good = this_proc().spawn("good", EchoEngine)
+        await bad.initialized(60)
+        await good.initialized(60)
+        spec = {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [bad, good]}}
+        judge = this_proc().spawn("genrm", JudgeService, spec, cache="off")
+        await judge.initialized(120)
+        first = await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(10)]).result(60)
+        calls = await bad.call_count.call_one().result(10)
+        later = [await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(10)]).result(60) for _ in range(5)]
+        health = await judge.health.call_one().result(10)
+        metrics = await judge.metrics_snapshot.call_one().result(10)
+        return first, calls, later, await bad.call_count.call_one().result(10), health, metrics
+
+    first, calls, later, calls_after, health, metrics = run(main(), 120)
+    assert first == [str(i) for i in range(10)]  # each retried once, on the working engine
+    assert all(batch == [str(i) for i in range(10)] for batch in later)
+    assert calls == calls_after == 1  # never chosen again
+    h = health["__default__"]
+    assert h["status"] == "unhealthy" and "CUDA error" in h["error"] and "available" not in h
+    assert metrics["__default__"]["engines_down"] == 1

@@ -303,6 +303,39 @@ def test_callers_that_leave_have_their_engine_work_aborted(judge_model):
     assert after_zmq["kv_blocks_free"] == after_zmq["kv_blocks_total"]
 
 
+def test_with_no_working_engine_generate_and_health_answer_503(judge_model, faults):
+    """A judge whose only engine process was killed: /genrm/generate answers 503 at once
+    (not a 400, not a wait), and /genrm/health answers 503 saying why (a watchdog restarts
+    it); asleep is still 200 (tested above)."""
+    import signal
+
+    async def main():
+        procs, engines, judge, judge_procs, url = await start(judge_model)
+        try:
+            os.kill(procs.procs[0].pid, signal.SIGKILL)
+            async with aiohttp.ClientSession() as s:
+                for _ in range(100):  # until the service has seen the death
+                    async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": {"seed": _}}) as r:
+                        gen = (r.status, await r.json(), r.headers.get("Retry-After"))
+                    if "no working engine" in gen[1].get("error", ""):
+                        break
+                    await asyncio.sleep(0.05)
+                t0 = asyncio.get_running_loop().time()
+                async with s.post(f"{url}/genrm/generate", json={"messages": MSG}) as r:
+                    again = (r.status, asyncio.get_running_loop().time() - t0)
+                async with s.get(f"{url}/genrm/health") as r:
+                    health = (r.status, await r.json())
+        finally:
+            await judge_procs.stop()
+            await procs.stop()
+        return gen, again, health
+
+    gen, again, health = run(main(), 120)
+    assert gen[0] == 503 and gen[2] == "5" and "its process is gone" in gen[1]["error"], gen
+    assert again[0] == 503 and again[1] < 1.0
+    assert health[0] == 503 and health[1]["status"] == "unhealthy" and "its process is gone" in health[1]["error"]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=20),
@@ -360,6 +393,53 @@ def test_relay_judge_serves_the_tiny_config_and_stops_on_sigint(tmp_path):
         if p.poll() is None:
             p.kill()
         p.communicate()
+
+
+def test_relay_judge_reads_its_token_from_a_file_and_warns_about_one_on_the_command_line(tmp_path):
+    """`relay judge --token-file F`: every route needs the token, and no process's command
+    line shows it; `--token T` works but warns that ps shows it; a missing or empty file
+    stops the start with a message naming the flag."""
+    import signal
+
+    from tests.launcher.test_launch import read_until
+
+    relay_bin = os.path.join(os.path.dirname(sys.executable), "relay")
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / "empty").write_text("")
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
+    env.pop("RELAY_GENRM_TOKEN", None)
+    base = [relay_bin, "judge", "--config", "tiny-cpu-split"]
+    for flag, message in (("/nonexistent/token", "cannot read --token-file /nonexistent/token"), (str(tmp_path / "empty"), "is empty")):
+        bad = subprocess.run([*base, "--token-file", flag], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    port = free_port()
+    p = subprocess.Popen([*base, "--port", str(port), "--token-file", str(tmp_path / "token")],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        read_until(p, "judge ready", 120)
+        url = f"http://127.0.0.1:{port}/genrm"
+        codes = [subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", *auth, f"{url}/{route}"],
+                                capture_output=True, text=True, timeout=30).stdout
+                 for route in ("health", "metrics") for auth in ([], ["-H", f"Authorization: Bearer {token}"])]
+        assert codes == ["401", "200", "401", "200"]
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
+        assert token not in ps
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        p.communicate()
+    p = subprocess.Popen([*base, "--port", str(free_port()), "--token", token], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        warning = p.stderr.readline()
+    finally:
+        p.kill()
+        p.communicate()
+    assert "--token is visible to every user of this machine in ps; use RELAY_GENRM_TOKEN or --token-file instead" in warning
 
 
 _JSON = st.recursive(
