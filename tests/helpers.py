@@ -37,6 +37,20 @@ def run(coro, timeout: float = 60.0):
     return asyncio.run(bounded())
 
 
+def interrupt(p, timeout: float = 60) -> None:
+    """Ctrl-C a Popen process (a clean stop), kill it if it is not gone within ``timeout``,
+    and collect it."""
+    import signal
+    import subprocess
+
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    p.communicate()
+
+
 def reap(procs) -> None:
     """Kill whichever of these Popen processes still run and collect them all (tests'
     ``finally``: nothing outlives the test)."""

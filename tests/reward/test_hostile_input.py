@@ -11,7 +11,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import run
+from tests.helpers import interrupt, run
 from tests.launcher.test_launch import free_port, read_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -57,12 +56,7 @@ def judge(tmp_path_factory):
         addr = re.search(r"relay address for reward code: (\S+)\)", out).group(1)
         yield Judge(f"http://127.0.0.1:{port}", port, addr, env)
     finally:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-        p.communicate()
+        interrupt(p)
 
 
 # ---------------------------------------------------------------------------- strategies

@@ -20,7 +20,7 @@ from engines.actor import EngineActor
 from relay import ActorError, this_host
 from reward.gateway import validate_request
 from reward.judge import start_judge_service
-from tests.helpers import run
+from tests.helpers import interrupt, run
 from tests.launcher.test_launch import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -399,7 +399,6 @@ def test_relay_judge_reads_its_token_from_a_file_and_warns_about_one_on_the_comm
     """`relay judge --token-file F`: every route needs the token, and no process's command
     line shows it; `--token T` works but warns that ps shows it; a missing or empty file
     stops the start with a message naming the flag."""
-    import signal
 
     from tests.launcher.test_launch import read_until
 
@@ -426,12 +425,7 @@ def test_relay_judge_reads_its_token_from_a_file_and_warns_about_one_on_the_comm
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
         assert token not in ps
     finally:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-        p.communicate()
+        interrupt(p)
     p = subprocess.Popen([*base, "--port", str(free_port()), "--token", token], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
