@@ -116,7 +116,7 @@ def _judge(args: argparse.Namespace) -> int:
     import asyncio
 
     from launcher.config import ConfigError, load_config
-    from reward.serve_judge import run_judge
+    from launcher.serve_judge import run_judge
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -17,10 +17,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin
 
+from reward.protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS
+
 log = logging.getLogger("relay.config")
 
 ROLES = ("actor", "critic", "rollout", "genrm", "reference", "actor_fwd", "advantages")
-RESERVED_INSTANCE = "__default__"
+RESERVED_INSTANCE = DEFAULT_ROUTE  # the instance of the legacy single-judge flags
 
 
 class ConfigError(ValueError):
@@ -54,7 +56,7 @@ class GenRMInstance:
 
 
 GENRM_ENGINE_DEFAULTS = {"max_context_len": 8192, "dp_size": 1, "pp_size": 1, "ep_size": 1}
-GENRM_SAMPLING_DEFAULTS = {"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 4096, "chat_template_kwargs": {}}
+GENRM_SAMPLING_DEFAULTS = {**SAMPLING_DEFAULTS, "chat_template_kwargs": {}}
 
 
 @dataclass

@@ -6,11 +6,11 @@
     texts = await client.generate_many([messages_a, messages_b])
 
 One client per process and event loop (``get_genrm_client`` caches it). Errors are typed:
-:class:`~reward.judge.JudgeAsleep` at once while the judge sleeps (no waiting on a sleeping
-judge), ``ValueError`` / :class:`~reward.judge.UnknownRouteKey` for bad requests (never
-retried), :class:`~reward.judge.JudgeEngineError` when an engine step failed the request
+:class:`~reward.errors.JudgeAsleep` at once while the judge sleeps (no waiting on a sleeping
+judge), ``ValueError`` / :class:`~reward.errors.UnknownRouteKey` for bad requests (never
+retried), :class:`~reward.errors.JudgeEngineError` when an engine step failed the request
 (not retried: a request that breaks steps must not be sent again and again),
-:class:`~reward.judge.JudgeUnavailable` after bounded retries of transport failures.
+:class:`~reward.errors.JudgeUnavailable` after bounded retries of transport failures.
 Cancelling a call (its task) cancels the request in the service and in its engine. Outside a job, pass ``address`` and give the process the judge's secret
 (``RELAY_JOB_SECRET``, or ``RELAY_JOB_SECRET_FILE`` naming the file ``relay judge`` printed).
 
@@ -34,7 +34,9 @@ import uuid
 from engines.interface import SamplingParams
 from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
-from .judge import JudgeAsleep, JudgeEngineError, JudgeService, JudgeUnavailable, check_request
+from .errors import JudgeAsleep, JudgeEngineError, JudgeUnavailable
+from .judge import JudgeService
+from .protocol import check_request
 
 ENV_ADDR = "RELAY_GENRM_ADDR"
 ENV_ACTOR = "RELAY_GENRM_ACTOR"

@@ -34,15 +34,10 @@ import time
 import relay
 from engines.interface import short_repr
 
+from .errors import BadMessages, JudgeAsleep, JudgeEngineError, JudgeUnavailable, UnknownRouteKey
 from .httpd import HttpLimits, HttpServer, Request, Response
-from .judge import (
-    BadMessages,
-    JudgeAsleep,
-    JudgeEngineError,
-    JudgeUnavailable,
-    UnknownRouteKey,
-    check_request,
-)
+from .metrics import prometheus_text
+from .protocol import check_request
 
 log = logging.getLogger("relay.judge.gateway")
 
@@ -54,7 +49,7 @@ LOG_EVERY = 10.0  # seconds between two log lines about the same kind of failure
 
 def validate_request(body) -> tuple[list, dict | None, str | None]:
     """Return (messages, sampling_params, route_key) of a JSON body or raise ValueError with
-    the reason (:class:`~reward.judge.BadMessages` for malformed messages)."""
+    the reason (:class:`~reward.errors.BadMessages` for malformed messages)."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object with 'messages'")
     unknown = set(body) - {"messages", "sampling_params", "route_key"}
@@ -227,64 +222,6 @@ class Gateway:
         if request.query.get("format") == "json":
             return Response.json({"service": "genrm", "instances": snap, "gateway_errors": self.errors, "http": http, "relay": rstats})
         return Response(200, prometheus_text(snap, self.errors, rstats, http).encode(), "text/plain; version=0.0.4; charset=utf-8")
-
-
-# ---------------------------------------------------------------------------- Prometheus
-
-_COUNTERS = (
-    ("requests", "judge requests admitted"), ("tokens_in", "prompt tokens judged"), ("tokens_out", "tokens the judge generated"),
-    ("cache_hits", "requests answered from the judgment cache"), ("rejected_asleep", "requests refused while asleep"),
-    ("errors_transport", "engine calls that failed in transport"), ("errors_engine", "requests an engine failed"),
-    ("refused", "requests an engine refused"), ("cancelled", "requests whose callers gave up"),
-    ("engines_down", "engines that left dispatch"), ("verdicts", "verdicts reported by reward code"),
-    ("parse_failures", "verdicts reward code could not read"),
-)
-_HTTP_GAUGES = ("connections_open",)
-
-
-def _label(value) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(v) -> str:
-    return repr(float(v)) if isinstance(v, float) else str(int(v))
-
-
-def prometheus_text(snap: dict, gateway_errors: dict, relay_stats: dict | None = None, http: dict | None = None) -> str:
-    """The Prometheus text format (0.0.4) of the judge's counters: per judge instance under
-    the label ``route_key`` (``instance`` is Prometheus's own target label), no ``_created``
-    series (they would change at every scrape)."""
-    out: list[str] = []
-
-    def family(name: str, kind: str, help_: str, samples: list) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(samples)
-
-    for key, help_ in _COUNTERS:
-        family(f"genrm_{key}_total", "counter", f"GenRM {help_}",
-               [f'genrm_{key}_total{{route_key="{_label(inst)}"}} {_number(vals.get(key, 0))}' for inst, vals in snap.items()])
-    family("genrm_gateway_errors_total", "counter", "gateway answers other than 200, by kind",
-           [f'genrm_gateway_errors_total{{kind="{_label(k)}"}} {n}' for k, n in sorted(gateway_errors.items())])
-    for k, n in sorted((http or {}).items()):
-        kind = "gauge" if k in _HTTP_GAUGES else "counter"
-        name = f"genrm_http_{k}" if kind == "gauge" else f"genrm_http_{k}_total"
-        family(name, kind, f"judge gateway HTTP server: {k.replace('_', ' ')}", [f"{name} {n}"])
-    for k, n in (relay_stats or {}).items():
-        family(f"genrm_relay_{k}_total", "counter", f"judge process relay runtime: {k.replace('_', ' ')}", [f"genrm_relay_{k}_total {n}"])
-    samples = []
-    for inst, vals in snap.items():
-        h = vals.get("latency_s")
-        if not h:
-            continue
-        label = _label(inst)
-        for bound, count in h["buckets"]:
-            le = "+Inf" if bound == "+Inf" else repr(float(bound))
-            samples.append(f'genrm_latency_seconds_bucket{{route_key="{label}",le="{le}"}} {count}')
-        samples.append(f'genrm_latency_seconds_sum{{route_key="{label}"}} {_number(float(h["sum"]))}')
-        samples.append(f'genrm_latency_seconds_count{{route_key="{label}"}} {h["count"]}')
-    family("genrm_latency_seconds", "histogram", "judge call latency", samples)
-    return "\n".join(out) + "\n"
 
 
 async def serve(service, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,

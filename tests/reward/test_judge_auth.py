@@ -137,7 +137,7 @@ def test_relay_judge_with_an_unusable_secret_says_what_to_change(tmp_path, env_c
 
 def test_relay_judge_takes_its_secret_from_the_variable_else_the_file_else_makes_one(tmp_path, monkeypatch):
     import relay._auth
-    from reward.serve_judge import _choose_secret, _secret_lines
+    from launcher.serve_judge import _choose_secret, _secret_lines
 
     key = secrets.token_hex(32)
     monkeypatch.setattr(relay._auth, "_generated", None)

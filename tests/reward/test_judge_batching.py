@@ -11,7 +11,8 @@ import pytest
 from engines.interface import GenerateResult
 from relay import Actor, current_runtime, endpoint, this_proc
 from reward.client import GenRMClient
-from reward.judge import JudgeAsleep, JudgeEngineError, JudgeService, UnknownRouteKey
+from reward.errors import BadMessages, JudgeAsleep, JudgeEngineError, UnknownRouteKey
+from reward.judge import JudgeService
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -86,7 +87,7 @@ def test_generate_batch_keeps_order_and_each_requests_own_error(judge_model):
         assert isinstance(out[4], Exception)
         assert isinstance(out[5], ValueError) and "refused" in str(out[5]) and "13" in str(out[5])
         assert isinstance(out[6], TypeError)
-        assert isinstance(out[7], TypeError) and "list of {role, content}" in str(out[7])
+        assert isinstance(out[7], BadMessages) and "list of {role, content}" in str(out[7])  # the shared request check
         # the well-formed requests reached the engine together, in one call
         assert await engine.call_sizes.call_one().result(10) == [3]
         await judge.set_awake.call_one(None, False).result(10)
@@ -110,19 +111,15 @@ def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_mode
     ZeroMQ client (which batches concurrent calls into one message), a poisoned request is
     refused alone, naming the field: 400 / ValueError; the others get their answers."""
     import aiohttp
-    from aiohttp import web
 
     from reward.gateway import Gateway
-    from tests.launcher.test_launch import free_port
 
     async def main():
         judge, (engine,) = await start([False], model=judge_model)
         svc = JudgeService({"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}}, cache="off")
         await svc.setup()
-        runner = web.AppRunner(Gateway(svc).app())
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        gateway = Gateway(svc)
+        port = await gateway.server.start("127.0.0.1", 0)
         try:
             async with aiohttp.ClientSession() as s:
 
@@ -133,7 +130,7 @@ def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_mode
 
                 http = await asyncio.gather(*(post({"seed": i}) for i in range(8)), *(post(p) for p in POISONS))
         finally:
-            await runner.cleanup()
+            await gateway.server.close()
         client = GenRMClient(current_runtime().ensure_inbox())
 
         async def call(sp):
@@ -218,7 +215,7 @@ def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
     from transformers import AutoTokenizer
 
     from engines.interface import encode_rendered
-    from reward.judge import _compiled_template, _render
+    from reward.templates import ChatTemplate
 
     tok = AutoTokenizer.from_pretrained(judge_model)
     convs = [
@@ -227,13 +224,14 @@ def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
         [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "ünïcode ✓ <|im_end|>"}],
         [{"role": "user", "content": "tool-less", "name": None}],  # not plain: goes through apply_chat_template
     ]
-    for ctk in ({}, {"enable_thinking": False}):
-        template = _compiled_template(tok, ctk)
-        assert template is not None
-        expected = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **ctk)) for c in convs]
-        for t in (None, template):
-            assert encode_rendered(tok, _render(tok, convs, ctk, t)) == expected
-            assert [encode_rendered(tok, _render(tok, [c], ctk, t))[0] for c in convs] == expected
+    for kwargs in ({}, {"enable_thinking": False}):
+        template = ChatTemplate.of(tok, kwargs)
+        assert template.compiled is not None
+        expected = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)) for c in convs]
+        # the compiled fast path (the configured kwargs themselves) and apply_chat_template (a copy)
+        for given in (template.kwargs, dict(template.kwargs)):
+            assert encode_rendered(tok, template.render(convs, given)) == expected
+            assert [encode_rendered(tok, template.render([c], given))[0] for c in convs] == expected
 
 
 class GatedEngine(CancelRecorder):
@@ -290,7 +288,7 @@ def test_a_dead_engine_is_retried_once_on_another_then_reported(judge_model, fau
     import signal
 
     from relay import this_host
-    from reward.judge import JudgeUnavailable
+    from reward.errors import JudgeUnavailable
 
     async def main():
         procs = this_host().spawn_procs(per_host={"engines": 2}, name="deadengines")
@@ -332,20 +330,16 @@ def test_gateway_answers_503_when_the_judge_does_not_answer_in_time(judge_model)
     """A request the engine holds past the gateway's timeout gets 503 with a reason; the
     gateway keeps serving (health) meanwhile."""
     import aiohttp
-    from aiohttp import web
 
     from reward.gateway import Gateway
-    from tests.launcher.test_launch import free_port
 
     async def main():
         engine = this_proc().spawn("gated2", GatedEngine)
         await engine.initialized(60)
         svc = JudgeService({"__default__": {"model_path": judge_model, "engines": [engine]}}, cache="off")
         await svc.setup()  # the service object itself, as its own process's gateway uses it
-        runner = web.AppRunner(Gateway(svc, timeout=0.5).app())
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        gateway = Gateway(svc, timeout=0.5)
+        port = await gateway.server.start("127.0.0.1", 0)
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.post(f"http://127.0.0.1:{port}/genrm/generate", json={"messages": MSG}) as r:
@@ -354,12 +348,12 @@ def test_gateway_answers_503_when_the_judge_does_not_answer_in_time(judge_model)
                     errors = (await r.json())["gateway_errors"]
         finally:
             await engine.release.call_one().result(10)
-            await runner.cleanup()
+            await gateway.server.close()
         return status, body, errors
 
     status, body, errors = run(main(), 120)
     assert status == 503 and "did not answer within 0.5 s" in body["error"]
-    assert errors == {"unavailable": 1}
+    assert errors == {"timeout": 1}  # (no working engine is "unavailable")
 
 
 def test_serving_http_on_a_taken_port_says_to_choose_another(judge_model):
@@ -394,7 +388,7 @@ def test_no_client_template_source_and_only_scalar_template_arguments_the_templa
     apply_chat_template's own arguments are refused; an argument the template reads changes
     the prompt, one it does not read is dropped; non-scalars are refused; a rendered prompt
     past the bound is refused (over relay: HTTP bodies cannot get there)."""
-    from reward.judge import MAX_RENDERED_CHARS
+    from reward.templates import MAX_RENDERED_CHARS
 
     async def main():
         m = this_proc().spawn("echo", PromptEcho)

@@ -170,7 +170,7 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
             import asyncio, json, sys
             sys.path.insert(0, {ROOT!r})
             from reward.client import get_genrm_client
-            from reward.judge import UnknownRouteKey
+            from reward.errors import UnknownRouteKey
             async def main():
                 c = get_genrm_client({addr!r})
                 assert get_genrm_client({addr!r}) is c

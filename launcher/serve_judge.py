@@ -25,8 +25,7 @@ from engines.actor import EngineActor
 from engines.model_builder import ensure_model
 from launcher.config import JobConfig
 from relay._auth import SECRET_ENV, SECRET_FILE_ENV, job_secret, read_secret_file, write_secret_file
-
-from .judge import start_judge_service
+from reward.judge import start_judge_service
 
 
 def secret_file_path(port: int) -> str:

@@ -1,0 +1,32 @@
+"""The judge's errors, as callers see them (over relay they keep their type)."""
+
+from __future__ import annotations
+
+import relay
+
+
+@relay.register(name="reward.BadMessages")
+class BadMessages(ValueError):
+    """The 'messages' value is malformed (HTTP 422, as in the original); other bad requests are 400."""
+
+
+@relay.register(name="reward.UnknownRouteKey")
+class UnknownRouteKey(ValueError):
+    """No judge instance is registered under the request's ``route_key`` (HTTP 400)."""
+
+
+@relay.register(name="reward.JudgeAsleep")
+class JudgeAsleep(RuntimeError):
+    """The judge instance is asleep (its GPUs are lent to training); retry later (HTTP 503)."""
+
+
+@relay.register(name="reward.JudgeUnavailable")
+class JudgeUnavailable(RuntimeError):
+    """The instance has no working engine, or the request failed on two engines in transport
+    (HTTP 503)."""
+
+
+@relay.register(name="reward.JudgeEngineError")
+class JudgeEngineError(RuntimeError):
+    """The engine failed this request (a failed step, not the request's fault: the engine
+    recovered). HTTP 502; not retried automatically."""
