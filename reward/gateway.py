@@ -35,7 +35,8 @@ import relay
 from engines.interface import short_repr
 
 from .errors import BadMessages, JudgeAsleep, JudgeEngineError, JudgeUnavailable, UnknownRouteKey
-from .httpd import HttpLimits, HttpServer, Request, Response
+from .http_messages import HttpLimits, Request, Response
+from .httpd import HttpServer
 from .metrics import prometheus_text
 from .protocol import check_request
 

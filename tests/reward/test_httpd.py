@@ -567,14 +567,14 @@ def test_a_response_the_client_does_not_read_is_dropped_after_the_idle_timeout(r
 
 def test_a_fault_of_the_server_is_reported_and_answered_500(run, monkeypatch):
     reported = []
-    parse_head = httpd._parse_head
+    parse_head = httpd.parse_head
 
     def faulty_parse_head(head, max_headers):
         if head.startswith("GET /fault "):
             raise RuntimeError("a bug")
         return parse_head(head, max_headers)
 
-    monkeypatch.setattr(httpd, "_parse_head", faulty_parse_head)
+    monkeypatch.setattr(httpd, "parse_head", faulty_parse_head)
 
     async def main():
         async with serving(on_error=lambda request, exc: reported.append((request, str(exc)))) as (_, port):
