@@ -101,17 +101,6 @@ def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed
     return out
 
 
-def cached_model(arch: str = "qwen3", size: str = "tiny", seed: int = 0, cache_dir: str | None = None) -> str:
-    """A model built once and reused (``$RELAY_CACHE/models/<arch>-<size>-s<seed>``)."""
-    root = cache_dir or os.path.join(os.environ.get("RELAY_CACHE", ".cache"), "models")
-    path = os.path.join(root, f"{arch}-{size}-s{seed}")
-    if not os.path.exists(os.path.join(path, "relay_model.json")):
-        tmp = path + f".tmp{os.getpid()}"
-        make_model(arch, size, tmp, seed)
-        os.replace(tmp, path) if not os.path.exists(path) else None
-    return path
-
-
 def builds_on_first_use(path: str) -> bool:
     """Whether :func:`ensure_model` builds a missing ``path``: it lies under the cache
     directory (``$RELAY_CACHE``, default ``.cache``, relative to the working directory)."""

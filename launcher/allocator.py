@@ -212,7 +212,7 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
 
 
 def _dedicated(cfg: JobConfig) -> Plan:
-    order = ["actor", "critic", "rollout", "genrm", "reference", "actor_fwd", "advantages"]
+    order = ["actor", "rollout", "genrm", "reference"]
     sizes: dict[str, int] = {}
     for role in order:
         if role == "rollout":
@@ -245,7 +245,7 @@ def _dedicated(cfg: JobConfig) -> Plan:
         elif role == "rollout":
             claims.append(Claim("rollout", "", "rollout", 0, n, ("generate",), cfg.rollout_num_gpus_per_engine, cfg.sglang_mem_fraction_static))
         else:
-            phases = {"actor": ("train",), "critic": ("train",), "reference": ("forward",), "actor_fwd": ("forward",), "advantages": ("advantages",)}[role]
+            phases = {"actor": ("train",), "reference": ("forward",)}[role]
             claims.append(Claim(role, "", role, 0, n, phases, 1))
     return Plan("fully-async" if cfg.fully_async else "dedicated", nnodes, cfg.gpus_per_node, cfg.device, pools, claims, [])
 
@@ -254,7 +254,7 @@ def _check_physical(plan: Plan) -> None:
     """Every engine's bundles sit on one node with contiguous GPU ids (trainer claims may
     span nodes: Megatron groups span nodes over NCCL)."""
     for claim in plan.claims:
-        if claim.role in ("actor", "critic", "advantages"):
+        if claim.role == "actor":
             continue
         if claim.size % claim.gpus_per_engine:
             raise PlanError(
@@ -288,7 +288,7 @@ def render_plan(plan: Plan) -> str:
     for claim in plan.claims:
         for e, engine in enumerate(plan.engines_of(claim)):
             for b in engine:
-                engine_txt = "" if claim.role in ("actor", "critic") else f" e{e}"
+                engine_txt = "" if claim.role == "actor" else f" e{e}"
                 mf = f" mem={claim.mem_fraction:g}" if claim.mem_fraction is not None and claim.role in ("rollout", "genrm") else ""
                 per_bundle.setdefault(b.index, []).append(f"{claim.label()}{engine_txt} ({'/'.join(claim.phases)}{mf})")
     width = max([len(" / ".join(v)) for v in per_bundle.values()] + [10])
@@ -297,15 +297,12 @@ def render_plan(plan: Plan) -> str:
     for idx in sorted(per_bundle):
         node, gpu = divmod(idx, plan.gpus_per_node)
         lines.append(f"{idx:>6}  {node:>4}  {gpu:>3}  {' / '.join(per_bundle[idx])}")
-    cpu_roles = [c.label() for c in plan.claims if c.size == 0]
-    if cpu_roles:
-        lines.append(f"{'cpu':>6}  {'':>4}  {'':>3}  {', '.join(cpu_roles)} (0 GPUs: runs on the CPU)")
     lines.append("")
     for claim in plan.claims:
         if claim.size:
             lines.append(
                 f"{claim.label():<22} pool={claim.pool:<10} bundles [{plan.bundles_of(claim)[0].index}, {plan.bundles_of(claim)[-1].index + 1}) "
-                f"engines={len(plan.engines_of(claim)) if claim.role not in ('actor', 'critic') else 1} x {claim.gpus_per_engine if claim.role not in ('actor', 'critic') else claim.size} GPU"
+                f"engines={len(plan.engines_of(claim)) if claim.role != 'actor' else 1} x {claim.gpus_per_engine if claim.role != 'actor' else claim.size} GPU"
             )
     for w in plan.warnings:
         lines.append(f"warning: {w}")

@@ -21,7 +21,13 @@ from reward.protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS
 
 log = logging.getLogger("relay.config")
 
-ROLES = ("actor", "critic", "rollout", "genrm", "reference", "actor_fwd", "advantages")
+ROLES = ("actor", "rollout", "genrm", "reference")
+#: Roles the original's launch lines name that have nothing to run here: accepted, with a
+#: notice at start, and left out of the plan (no GPUs reserved for them).
+NO_EFFECT_ROLES = {
+    "actor_fwd": "the trainer computes the old log-probs itself",
+    "advantages": "the controller computes GRPO advantages (a few numbers per group)",
+}
 RESERVED_INSTANCE = DEFAULT_ROUTE  # the instance of the legacy single-judge flags
 
 
@@ -159,15 +165,11 @@ class JobConfig:
 
     @property
     def actor_total(self) -> int:
-        return self.role_gpus("actor") + self.role_gpus("critic")
+        return self.role_gpus("actor")
 
     @property
     def rollout_gpus(self) -> int:
         return self.rollout_num_gpus if self.rollout_num_gpus is not None else self.role_gpus("rollout")
-
-    @property
-    def genrm_enabled(self) -> bool:
-        return bool(self.genrm)
 
     @property
     def genrm(self) -> dict[str, GenRMInstance]:
@@ -190,8 +192,6 @@ class JobConfig:
             "max_body": self.genrm_gateway_max_body,
         }
 
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
@@ -341,17 +341,29 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
+_noticed: set = set()  # roles whose notice this process has given
+
+
 def _check_resource(resource: dict) -> None:
-    for role, spec in resource.items():
-        if role not in ROLES:
-            match = difflib.get_close_matches(role, ROLES, n=1)
+    """Validate ``--resource`` and drop the roles that have no effect here (a notice once
+    per process for each)."""
+    for role, spec in list(resource.items()):
+        if role == "critic":
+            raise ConfigError("--resource: this system trains without a critic (GRPO advantages need none); remove 'critic'")
+        if role not in ROLES and role not in NO_EFFECT_ROLES:
+            match = difflib.get_close_matches(role, [*ROLES, *NO_EFFECT_ROLES], n=1)
             hint = f"; did you mean '{match[0]}'?" if match else ""
             raise ConfigError(f"--resource: unknown role {role!r} (roles: {', '.join(ROLES)}){hint}")
         ok = isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in spec)
         if not ok:
             raise ConfigError(f"--resource[{role!r}] must be [num_groups, gpus_per_group] (non-negative integers), got {spec!r}")
-        if spec[0] * spec[1] == 0 and role != "advantages":
-            raise ConfigError(f"--resource[{role!r}] has 0 GPUs; only 'advantages' may run on the CPU")
+        if role in NO_EFFECT_ROLES:
+            del resource[role]
+            if role not in _noticed:
+                _noticed.add(role)
+                log.warning("--resource %r has no effect here (%s): no GPUs are reserved for it", role, NO_EFFECT_ROLES[role])
+        elif spec[0] * spec[1] == 0:
+            raise ConfigError(f"--resource[{role!r}] has 0 GPUs; give every role at least one")
 
 
 def build_config(values: dict[str, Any]) -> JobConfig:

@@ -40,11 +40,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ValueError(f"unknown KL type {kind!r}; use k1, k2, k3 or low_var_kl")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def aggregate(x: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
     """``token``: mean over all response tokens; ``sample``: mean of per-sample means."""
     mask = mask.to(x.dtype)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.allocator import PlanError, make_plan, render_plan
+from launcher.allocator import PlanError, make_plan
 from launcher.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,10 +68,25 @@ def test_the_seed_error_for_other_colocate_allocations():
     )
 
 
-def test_fully_async_pools_checks_and_cpu_roles():
-    p = plan(resource={"actor": [1, 4], "rollout": [1, 2], "genrm": [1, 1], "reference": [1, 1], "advantages": [1, 0]}, fully_async=True, genrm_model_path="/j")
-    assert p.mode == "fully-async" and set(p.pools) == {"actor", "rollout", "genrm", "reference", "advantages"}
-    assert "advantages (0 GPUs: runs on the CPU)" in render_plan(p)
+def test_fully_async_pools_checks_and_roles_without_effect(caplog):
+    """The original's fully-async line names actor_fwd and advantages: accepted, with a
+    notice once, and left out of the plan (no GPUs reserved); critic is refused."""
+    import launcher.config
+
+    launcher.config._noticed.clear()
+    with caplog.at_level("WARNING", logger="relay.config"):
+        for _ in range(2):
+            p = plan(resource={"actor": [1, 4], "rollout": [1, 2], "genrm": [1, 1], "reference": [1, 1], "advantages": [1, 0],
+                               "actor_fwd": [1, 1]}, fully_async=True, genrm_model_path="/j")
+    assert p.mode == "fully-async" and set(p.pools) == {"actor", "rollout", "genrm", "reference"}
+    assert sum(len(pool.bundles) for pool in p.pools.values()) == 8
+    notices = [r.getMessage() for r in caplog.records if "has no effect here" in r.getMessage()]
+    assert sorted(notices) == [
+        "--resource 'actor_fwd' has no effect here (the trainer computes the old log-probs itself): no GPUs are reserved for it",
+        "--resource 'advantages' has no effect here (the controller computes GRPO advantages (a few numbers per group)): no GPUs are reserved for it",
+    ]
+    with pytest.raises(ConfigError, match="trains without a critic"):
+        plan(resource={"actor": [1, 4], "rollout": [1, 2], "critic": [1, 2]}, fully_async=True)
     with pytest.raises(PlanError, match="cannot be combined with --colocate"):
         plan(resource={"actor": [1, 4], "rollout": [1, 4]}, fully_async=True, colocate=True)
     with pytest.raises(PlanError, match="Insufficient GPU resources"):

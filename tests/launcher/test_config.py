@@ -60,7 +60,7 @@ def test_bad_values_say_which_key_and_what_is_allowed(key, value, message):
 def test_bad_resource_entries():
     with pytest.raises(ConfigError, match=r"must be \[num_groups, gpus_per_group\]"):
         load_config(None, {"resource": {"actor": [8]}})
-    with pytest.raises(ConfigError, match="has 0 GPUs; only 'advantages' may run on the CPU"):
+    with pytest.raises(ConfigError, match="has 0 GPUs; give every role at least one"):
         load_config(None, {"resource": {"actor": [1, 8], "rollout": [1, 0]}})
 
 
