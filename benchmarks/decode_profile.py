@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from engines.model_builder import make_model  # noqa: E402
-from engines.torch_engine import TorchEngine  # noqa: E402
+from engines.torch import TorchEngine  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     lens = torch.full((a.batch,), a.context + 1, dtype=torch.int32, device="cuda")
 
     def step():
-        return eng.model.decode(ids, pos, slots, tables, lens, eng._k, eng._v)
+        return eng.model.decode(ids, pos, slots, tables, lens, eng.runner.k, eng.runner.v)
 
     step()
     torch.cuda.synchronize()

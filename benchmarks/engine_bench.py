@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks._bandwidth import copy_bandwidth, read_bandwidth  # noqa: E402
 from engines.model_builder import make_model  # noqa: E402
-from engines.torch_engine import TorchEngine  # noqa: E402
+from engines.torch import TorchEngine  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -155,10 +155,10 @@ def main() -> None:
                 if b <= a.skip_hf_above:
                     hf_runs[b].append(hf_tok_s(hf, b, prompt, new, dev))
         out = {b: statistics.median(v) for b, v in runs.items()}
-        if eng._graphs is not None:  # GPU time of one decode step alone (graph replay), per batch
+        if eng.runner.graphs is not None:  # GPU time of one decode step alone (graph replay), per batch
             for b in batches:
-                if b in eng._graphs.graphs:
-                    graph = eng._graphs.graphs[b][0]
+                if b in eng.runner.graphs.graphs:
+                    graph = eng.runner.graphs.graphs[b][0]
                     sync(dev)
                     t = time.perf_counter()
                     for _ in range(20):

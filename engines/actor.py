@@ -24,7 +24,7 @@ class EngineActor(Actor):
 
     async def setup(self) -> None:
         if self.backend == "torch":
-            from .torch_engine import TorchEngine
+            from .torch import TorchEngine
 
             self.engine = TorchEngine(self.model_path, **self.engine_kwargs)
         elif self.backend == "sglang":

@@ -25,7 +25,7 @@ def test_relay_sft_learns_and_writes_a_loadable_checkpoint(trained):
 
     import transformers
 
-    from engines.torch_engine import TorchEngine
+    from engines.torch import TorchEngine
     from launcher.demo_task import JUDGE_TEMPLATE
     from reward.dapo_genrm import judge_messages, parse_verdict
 

@@ -74,7 +74,7 @@ def test_engine_decoding_through_the_kernel_equals_transformers(tmp_path):
     out = _interpret(f"""
         import asyncio, json, torch, transformers
         from engines.model_builder import make_model
-        from engines.torch_engine import TorchEngine
+        from engines.torch import TorchEngine
         path = make_model("qwen3", "tiny", {str(tmp_path / "m")!r}, seed=3)
         prompts = [[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)]
         async def main():
@@ -94,7 +94,7 @@ def test_engine_decoding_through_the_kernel_equals_transformers(tmp_path):
     import asyncio
     import json
 
-    from engines.torch_engine import TorchEngine
+    from engines.torch import TorchEngine
 
     ours, ref, seeded = json.loads(out.strip().splitlines()[-1])
     assert ours == ref

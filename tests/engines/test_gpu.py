@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.model_builder import make_model
-from engines.torch_engine import TorchEngine
+from engines.torch import TorchEngine
 from tests.helpers import run
 
 pytestmark = [

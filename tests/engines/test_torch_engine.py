@@ -10,7 +10,7 @@ import transformers
 
 from engines.interface import EngineFailed, EngineStepError, SamplingParams
 from engines.model_builder import make_model
-from engines.torch_engine import TorchEngine
+from engines.torch import TorchEngine
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -378,7 +378,7 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_recovers(models):
         want = [(await ref.generate(p, GREEDY)).token_ids for p in prompts()]
         await ref.close()
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_running=2)
-        real, calls = eng._sample_batch, []
+        real, calls = eng.sampler.sample_batch, []
 
         def fails_once(logits, seqs):
             calls.append(len(seqs))
@@ -386,7 +386,7 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_recovers(models):
                 raise IndexError("index 7 is out of bounds (simulated sampler crash)")
             return real(logits, seqs)
 
-        eng._sample_batch = fails_once
+        eng.sampler.sample_batch = fails_once
         res = await asyncio.wait_for(asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 60)
         after = [(await eng.generate(p, GREEDY)).token_ids for p in prompts()]
         stats, health = await eng.stats(), await eng.health()

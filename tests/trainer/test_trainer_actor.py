@@ -8,7 +8,7 @@ import math
 import pytest
 
 from engines.model_builder import make_model
-from engines.torch_engine import TorchEngine
+from engines.torch import TorchEngine
 from engines.trainer.actor import TrainerActor
 from relay import setup_torch_distributed, this_host
 from tests.helpers import run

@@ -13,7 +13,7 @@ import torch
 from engines import weight_sync
 from engines.actor import EngineActor
 from engines.model_builder import make_model
-from engines.torch_engine import TorchEngine
+from engines.torch import TorchEngine
 from engines.trainer.actor import TrainerActor
 from relay import ActorError, setup_torch_distributed, this_host
 from tests.helpers import run

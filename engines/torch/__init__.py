@@ -1,0 +1,22 @@
+"""The built-in torch engine, one responsibility per module:
+
+- :mod:`.engine`: :class:`TorchEngine`, the :class:`engines.interface.Engine` facade (the
+  asyncio side and the engine thread's loop; a step is schedule, run, postprocess).
+- :mod:`.scheduler`: which requests run in a step (admission, preemption, prefix sharing,
+  aborts); it decides, it does not run the model.
+- :mod:`.block_manager`: the paged KV cache's bookkeeping (free blocks, reference counts,
+  rows of the host block table).
+- :mod:`.model_runner`: the model, the KV tensors, the prefill and decode forwards, the
+  decode CUDA graphs, the self-test after a failed step.
+- :mod:`.sampler`: the next token (greedy, seeded, top-k / top-p) and the stop checks.
+- :mod:`.weights`: sleep/wake of the weights, their updates by HF name (buckets, CUDA IPC,
+  NCCL broadcast) and version.
+- :mod:`.sequence`: one request's state.
+
+``import torch`` in these modules is PyTorch: imports are absolute, and this package is
+only ever imported as ``engines.torch``.
+"""
+
+from .engine import TorchEngine
+
+__all__ = ["TorchEngine"]

@@ -1,0 +1,413 @@
+"""The built-in torch engine (the embedded default): continuous batching over a paged KV
+cache, sampling with per-token log-probs, sleep/wake with real memory release, and weight
+updates by HF name. CPU and CUDA.
+
+Threading: every tensor operation runs on one engine thread (``_step``); the asyncio side
+only queues requests and resolves their futures. Requests join and leave the running batch
+at every step. A request whose prompt does not fit in the free KV blocks waits; when decode
+runs out of blocks, the newest running request is preempted (its blocks freed, recomputed
+later), so exhaustion queues instead of failing.
+
+A step is three calls: the :class:`.scheduler.Scheduler` plans it, the
+:class:`.model_runner.ModelRunner` runs the model (and the :class:`.sampler.Sampler` picks
+the tokens), the scheduler records the tokens and ends the finished requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+
+import torch
+
+from ..interface import (
+    Engine,
+    EngineFailed,
+    EngineStepError,
+    GenerateResult,
+    SamplingParams,
+    check_tags,
+)
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger("relay.engine")
+
+
+class TorchEngine(Engine):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        kv_cache_tokens: int | None = None,
+        mem_fraction_static: float = 0.5,
+        block_size: int = 16,
+        max_running: int = 256,
+        weights_mode: str = "discard",
+        name: str = "engine",
+        max_prefill_tokens: int | None = None,
+        cuda_graph: bool = True,
+        share_prefix: bool = True,
+        cpu_threads: int | None = None,
+    ):
+        if weights_mode not in ("discard", "backup"):
+            raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) "
+                             "or 'backup' (judge: kept in CPU memory)")
+        from transformers import AutoTokenizer
+
+        self.name = name
+        self.device = torch.device(device)
+        if dtype is None:
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = getattr(torch, dtype)
+        self.block_size = block_size
+        self.max_running = max_running
+        self.blocks = BlockManager(block_size, max_running)
+        self.runner = ModelRunner(model_path, self.blocks, device=self.device, dtype=self.dtype,
+                                  weights_mode=weights_mode, name=name, kv_cache_tokens=kv_cache_tokens,
+                                  mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph)
+        self.cfg = self.runner.cfg
+        self.model = self.runner.model
+        self.weights = self.runner.weights
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos = set(self.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.tokenizer, self.eos)
+        # Prompts admitted in one step are prefilled together, padded to the longest: this
+        # caps (prompts x longest prompt) so a burst of long prompts is prefilled over several
+        # steps instead of exhausting memory (a single prompt is always admitted).
+        max_prefill_tokens = max_prefill_tokens or (32768 if self.device.type == "cuda" else 8192)
+        # Requests admitted together with identical tokens (the n samples of one prompt) are
+        # prefilled once and share its full KV blocks (reference-counted); each gets its own
+        # copy of the last, partial block, which its samples then write.
+        self.scheduler = Scheduler(self.blocks, max_running=max_running, max_prefill_tokens=max_prefill_tokens,
+                                   share_prefix=share_prefix)
+        self._next_rid = 0  # request ids, in arrival order
+        self._paused = False
+        self._failed: BaseException | None = None
+        self._step_failures = 0  # steps that raised and were recovered from
+        self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-step")
+        if self.device.type == "cpu":
+            # Intra-op threads of the step thread only (OpenMP's setting is per calling
+            # thread). A decode step is hundreds of small ops: forking and joining an OpenMP
+            # team around each costs more than it saves, and colocated CPU workers already
+            # share the cores.
+            threads = cpu_threads or int(os.environ.get("RELAY_ENGINE_CPU_THREADS", "1"))
+            self._exec.submit(torch.set_num_threads, threads).result()
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._tokens_out = 0
+        self._requests_done = 0  # requests answered (any finish reason)
+        self._t0 = time.monotonic()
+        self.events: list[tuple] = []  # (monotonic time, event, detail): sleep/wake/sync log
+
+    @property
+    def weight_version(self) -> int:
+        return self.weights.version
+
+    # ------------------------------------------------------------------ requests (asyncio side)
+
+    async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
+        sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        sp.validate()
+        ids = encode_prompt(self.tokenizer, self.cfg.vocab_size, prompt, chat_template_kwargs)
+        need = len(ids) + sp.max_new_tokens
+        capacity = self.blocks.num_blocks * self.block_size
+        if need > capacity:
+            raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_new_tokens "
+                             f"{sp.max_new_tokens}) but the engine holds {capacity}")
+        if need > self.cfg.max_position_embeddings:
+            raise ValueError(f"request of {need} tokens exceeds the model's "
+                             f"{self.cfg.max_position_embeddings} positions")
+        if not self.weights.valid:
+            raise RuntimeError(f"{self.name}: weights were discarded by sleep(); update_weights() before generating")
+        if self.runner.k is None:
+            raise RuntimeError(f"{self.name}: the KV cache is asleep; wake(['kv_cache']) before generating")
+        if self._failed is not None:
+            raise EngineFailed(f"{self.name}: the engine failed and serves no more requests: {self._failed!r}")
+        loop = asyncio.get_running_loop()
+        gen = None
+        if sp.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sp.seed)
+        seq = Sequence(self._next_rid, ids, sp, loop.create_future(), loop, gen)
+        self._next_rid += 1
+        self.scheduler.add(seq)
+        self._ensure_loop()
+        self._wakeup.set()
+        try:
+            return await seq.future
+        except asyncio.CancelledError:  # the caller left (its future is cancelled): free its place
+            if seq.finish_reason is None:
+                self.scheduler.request_abort(seq.request_id)
+                self._wakeup.set()
+            raise
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._paused or not self.scheduler.has_work():
+                self._wakeup.clear()
+                if not self._paused and self.scheduler.has_work():
+                    continue
+                await self._wakeup.wait()
+                continue
+            try:
+                done = await loop.run_in_executor(self._exec, self._steps)
+            except Exception as e:  # noqa: BLE001 (every caller gets the error; nothing waits forever)
+                self._step_failures += 1
+                broken = await loop.run_in_executor(self._exec, self._recover, e)
+                if broken is not None:
+                    self._fail_all(broken)
+                    return
+                continue
+            for seq in done:
+                self._resolve(seq)
+
+    def _resolve(self, seq: Sequence) -> None:
+        if seq.future.done():
+            return
+        text = seq.text_before_stop
+        if text is None:
+            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        self._requests_done += 1
+        seq.future.set_result(GenerateResult(list(seq.output), text, list(seq.logprobs), seq.finish_reason,
+                                             len(seq.prompt), self.weight_version))
+
+    # ------------------------------------------------------------------ the step (engine thread)
+
+    def _steps(self, most: int = 8) -> list[Sequence]:
+        """Up to ``most`` steps in one hop to the engine thread: it returns as soon as a
+        request finishes (so its caller hears at once) or anything arrives to admit or abort,
+        or the engine is paused."""
+        for _ in range(most):
+            done = self._step()
+            if done or self._paused or not self.scheduler.running or self.scheduler.has_input():
+                return done
+        return done
+
+    def _step(self) -> list[Sequence]:
+        plan = self.scheduler.schedule()
+        if not plan.batch:
+            return plan.finished
+        token_ids, logprobs = self.sampler.sample_batch(self.runner.run(plan), plan.batch)
+        self._tokens_out += len(token_ids)
+        return plan.finished + self.scheduler.postprocess(plan, token_ids, logprobs, self.sampler.is_finished)
+
+    def _recover(self, exc: BaseException) -> BaseException | None:
+        """Engine thread, after a step raised: fail the step's requests (every running one:
+        they shared its forward) with :class:`EngineStepError`, rebuild the KV bookkeeping
+        and block tables from scratch (no request holds blocks now), release a device's
+        cached allocations (an out-of-memory step), then check the engine still computes
+        (:meth:`ModelRunner.self_test`). Returns None when it does (the waiting requests run
+        next), else the error that shows it cannot go on."""
+        failed = self.scheduler.reset_after_failure()
+        log.error("%s: engine step failed (%d so far); failing its %d request(s) and recovering: %r",
+                  self.name, self._step_failures, len(failed), exc)
+        self.runner.drop_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        error = EngineStepError(f"{self.name}: an engine step failed ({exc!r}); its {len(failed)} request(s) "
+                                "failed with it and the engine recovered")
+        for seq in failed:
+            seq.loop.call_soon_threadsafe(_settle_error, seq.future, error)
+        try:
+            self.runner.self_test()
+        except Exception as e:  # noqa: BLE001 - reported as the reason the engine gives up
+            return e
+        return None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The engine cannot go on: fail every pending request, release their KV blocks and
+        refuse new requests with :class:`EngineFailed`; ``health()`` reports unhealthy."""
+        self._failed = exc
+        log.error("%s: the engine cannot go on after a failed step (its self-test failed); "
+                  "failing %d pending request(s): %r", self.name, self.scheduler.pending_count(), exc)
+        message = f"{self.name}: the engine failed and serves no more requests: {exc!r}"
+        for seq in self.scheduler.drop_all():
+            if not seq.future.done():
+                seq.future.set_exception(EngineFailed(message))
+
+    # ------------------------------------------------------------------ control
+
+    async def abort(self, request_ids=None) -> int:
+        """Abort all (None) or the given requests; they finish with reason "abort"."""
+        n = self.scheduler.pending_count()
+        if request_ids is None:  # every request that exists now (not later arrivals)
+            self.scheduler.request_abort(before=self._next_rid)
+        else:
+            for rid in request_ids:
+                self.scheduler.request_abort(rid)
+        self._ensure_loop()  # the step loop consumes the abort queue
+        self._wakeup.set()
+        if self._paused:  # aborts are processed even while paused
+            done = await asyncio.get_running_loop().run_in_executor(self._exec, self.scheduler.apply_aborts)
+            for seq in done:
+                self._resolve(seq)
+        return n
+
+    async def pause(self) -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _drain(self, drain: str) -> None:
+        if drain == "abort":
+            await self.abort()
+        elif drain != "finish":
+            raise ValueError("drain must be 'abort' or 'finish'")
+        while self.scheduler.has_work() and self._failed is None:
+            if self._paused:
+                await self.resume()
+            await asyncio.sleep(0.005)
+
+    async def sleep(self, tags=("weights", "kv_cache"), drain: str = "abort") -> None:
+        tags = check_tags(tags)
+        await self._drain(drain)
+        await asyncio.get_running_loop().run_in_executor(self._exec, self.runner.sleep, tags)
+        self.events.append((time.monotonic(), "sleep", tags))
+
+    async def wake(self, tags=("weights", "kv_cache")) -> None:
+        tags = check_tags(tags)
+        await asyncio.get_running_loop().run_in_executor(self._exec, self.runner.wake, tags)
+        self.events.append((time.monotonic(), "wake", tags))
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(self, buckets, version: int) -> None:
+        """Copy HF-named tensors into the model (all names must be covered once the weights
+        were discarded); generation afterwards uses them and reports ``version``."""
+        await asyncio.get_running_loop().run_in_executor(self._exec, self.weights.update, buckets, version)
+        self.events.append((time.monotonic(), "update_weights", version))
+
+    def weight_sync_info(self) -> dict:
+        """What a trainer needs to pick the transport: CUDA IPC needs the same physical GPU."""
+        return self.weights.sync_info()
+
+    async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
+        """Colocated weight sync, one flat bucket: map the trainer's buffer by its CUDA IPC
+        ``handle`` (see engines.weight_sync), copy each ``(name, shape, dtype, offset)``
+        tensor device to device, synchronize and unmap before returning (the trainer frees
+        the buffer only after that). ``last`` completes ``version``."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._exec, self.weights.receive_ipc, handle, metas, version, last)
+        if last:
+            self.events.append((time.monotonic(), "update_weights", version))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "nccl",
+                                        timeout_s: float = 600.0) -> None:
+        """Join the trainer's broadcast group as rank ``rank_offset`` (the trainer is rank 0);
+        returns once every member joined, raises after ``timeout_s`` otherwise."""
+        from ..weight_sync import BroadcastGroup
+
+        if group_name in self.weights.groups:
+            raise ValueError(f"{self.name}: weight-update group {group_name!r} exists; destroy it first")
+        group = await asyncio.to_thread(BroadcastGroup, master_address, master_port, rank_offset, world_size, backend,
+                                        timeout_s, group_name)
+        self.weights.groups[group_name] = group
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
+                                              group_name: str = "weight_update_group", last: bool = True) -> None:
+        """Receive one bucket (the trainer broadcasts it as one flat buffer laid out by
+        ``weight_sync.metas_for``) and copy it in. ``last`` completes ``version``."""
+        group = self.weights.groups.get(group_name)
+        if group is None:
+            raise RuntimeError(f"{self.name}: no weight-update group {group_name!r}; init_weights_update_group() first")
+        await asyncio.get_running_loop().run_in_executor(self._exec, self.weights.receive_broadcast, group, names,
+                                                         dtypes, shapes, version, last)
+        if last:
+            self.events.append((time.monotonic(), "update_weights", version))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        group = self.weights.groups.pop(group_name, None)
+        if group is not None:
+            group.close()
+
+    # ------------------------------------------------------------------ state
+
+    async def health(self) -> dict:
+        task = self._loop_task
+        ok = self._failed is None and (task is None or not task.done() or task.exception() is None)
+        out = {"status": "healthy" if ok else "unhealthy", "name": self.name}
+        if self._failed is not None:
+            out["error"] = repr(self._failed)
+        return out
+
+    async def stats(self) -> dict:
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        graphs = self.runner.graphs
+        kv_present = self.runner.k is not None
+        return {
+            "bytes": self.runner.memory_bytes(),
+            "running": len(self.scheduler.running),
+            "waiting": self.scheduler.waiting_count(),
+            "tokens_per_s": self._tokens_out / elapsed,
+            "tokens_generated": self._tokens_out,
+            "requests_finished": self._requests_done,
+            "step_failures": self._step_failures,
+            "weight_version": self.weight_version,
+            "kv_blocks_free": len(self.blocks.free_blocks),
+            "prefill_tokens": self.runner.prefill_tokens,
+            "kv_blocks_total": self.blocks.num_blocks if kv_present else 0,
+            "paused": self._paused,
+            "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],  # captured batch sizes
+            "weight_update_groups": sorted(self.weights.groups),
+            "asleep": [t for t, present in (("weights", self.weights.present), ("kv_cache", kv_present))
+                       if not present],
+        }
+
+    async def close(self) -> None:
+        """Abort what is in flight and release the KV cache and the weights."""
+        await self.abort()
+        await asyncio.get_running_loop().run_in_executor(self._exec, self.runner.sleep, ("kv_cache",))
+        self.weights.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._exec.shutdown(wait=False, cancel_futures=True)
+
+
+def encode_prompt(tokenizer, vocab_size: int, prompt, chat_template_kwargs) -> list:
+    """Token ids of a prompt given as text, chat messages (rendered by the chat template) or
+    token ids (checked against the vocabulary)."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                            **(chat_template_kwargs or {}))
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+        return list(prompt)
+    raise ValueError("prompt must be a non-empty list of token ids, a string, or chat messages [{role, content}]")
+
+
+def _settle_error(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def default_kv_tokens() -> int | None:
+    v = os.environ.get("RELAY_KV_CACHE_TOKENS")
+    return int(v) if v else None

@@ -1,0 +1,260 @@
+"""The model on its device: the weights (:class:`.weights.Weights`), the paged KV cache's
+tensors (sized by ``kv_cache_tokens`` or ``mem_fraction_static``, released and allocated
+again by sleep/wake), the prefill and decode forwards of a :class:`.scheduler.StepPlan`,
+and the decode step's CUDA graphs. Runs on the engine thread."""
+
+from __future__ import annotations
+
+import torch
+
+from ..interface import SamplingParams
+from ..model import CausalLM, ModelConfig, _inv_freq, load_weights
+from .block_manager import BlockManager
+from .scheduler import StepPlan
+from .sequence import Sequence
+from .weights import Weights
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, blocks: BlockManager, *, device: torch.device, dtype: torch.dtype,
+                 weights_mode: str, name: str, kv_cache_tokens: int | None, mem_fraction_static: float,
+                 cuda_graph: bool):
+        self.blocks = blocks
+        self.device = device
+        self.dtype = dtype
+        self.max_running = blocks.max_rows
+        self.kv_cache_tokens = kv_cache_tokens
+        self.mem_fraction_static = mem_fraction_static
+        self.use_cuda_graph = cuda_graph and device.type == "cuda"
+        self.cfg = ModelConfig.from_dir(model_path)
+        with torch.device("meta"):
+            model = CausalLM(self.cfg)
+        model = model.to_empty(device=device).to(dtype)
+        model.inv_freq = _inv_freq(self.cfg).to(device)  # buffers are not in the checkpoint
+        if self.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        load_weights(model, model_path)
+        model.eval()
+        self.model = model
+        self.prefill_tokens = 0  # prompt tokens actually run through prefill
+        self.graphs: DecodeGraphs | None = None
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.allocate_kv()
+        self.weights = Weights(model, self.cfg, device, weights_mode, name)
+
+    # ------------------------------------------------------------------ memory
+
+    def kv_block_bytes(self) -> int:
+        c = self.cfg
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.blocks.block_size * c.num_kv_heads * c.head_dim * itemsize
+
+    def _kv_capacity(self) -> int:
+        """Blocks of the KV cache to allocate now."""
+        if self.kv_cache_tokens is not None:
+            return max(1, self.kv_cache_tokens // self.blocks.block_size)
+        if self.device.type != "cuda":
+            return 4096 // self.blocks.block_size  # a configured capacity is expected on CPU
+        # As in SGLang: this engine's weights + KV cache take mem_fraction_static of the
+        # GPU (other tenants of the GPU, even in this process, are not counted here).
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = min(total * self.mem_fraction_static - weights, free * 0.95)
+        blocks = int(max(budget, 0) // self.kv_block_bytes())
+        if blocks < 1:
+            raise MemoryError(
+                f"mem_fraction_static {self.mem_fraction_static} of {total / 2**30:.0f} GiB leaves no room for the "
+                f"KV cache after {weights / 2**30:.1f} GiB of weights (free now: {free / 2**30:.1f} GiB)"
+            )
+        return blocks
+
+    def allocate_kv(self) -> None:
+        blocks = self._kv_capacity()
+        c = self.cfg
+        # One extra block, never handed out: the scratch block padding rows write and read.
+        shape = (c.num_layers, blocks + 1, self.blocks.block_size, c.num_kv_heads, c.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.blocks.resize(blocks, self.cfg.max_position_embeddings)
+        self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        """Forget captured decode graphs (they point at the weights' and the cache's memory:
+        any reallocation invalidates them; they are captured again on use)."""
+        self.graphs = None
+
+    def sleep(self, tags) -> None:
+        """Release the memory of ``tags`` (the graphs always). Idempotent."""
+        self.drop_graphs()  # "cuda_graph", and any release below, invalidates them
+        if "kv_cache" in tags and self.k is not None:
+            self.k = self.v = None
+            self.blocks.release()
+        if "weights" in tags:
+            self.weights.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self, tags) -> None:
+        """Allocate the memory of ``tags`` again. Idempotent."""
+        self.drop_graphs()
+        if "weights" in tags:
+            self.weights.restore()
+        if "kv_cache" in tags and self.k is None:
+            self.allocate_kv()
+
+    def memory_bytes(self) -> dict:
+        kv = 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        graphs = 0 if self.graphs is None else self.graphs.bytes
+        return {"weights": self.weights.nbytes(), "kv_cache": kv, "cuda_graph": graphs,
+                "cpu_backup": self.weights.backup_nbytes()}
+
+    # ------------------------------------------------------------------ forwards
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of the next token of each request of ``plan.batch``, in its order."""
+        parts = []
+        if plan.decode:
+            parts.append(self.decode(plan.decode))
+        if plan.admitted:
+            parts.append(self.prefill(plan.prefill, plan.admitted, plan.followers))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def prefill(self, seqs: list[Sequence], admitted: list[Sequence], followers: dict[int, int]) -> torch.Tensor:
+        """Logits of the next token of each ``admitted`` request: ``seqs`` (none of whose
+        tokens are cached yet) run through the model; a follower takes its leader's row and
+        a copy of the leader's partial last block."""
+        logits = self.prefill_rows(seqs)
+        if not followers:
+            return logits
+        copies = [(seqs[followers[s.request_id]].blocks[-1], s.blocks[-1]) for s in admitted
+                  if s.request_id in followers and s.n_tokens % self.blocks.block_size]
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+        index = {id(s): i for i, s in enumerate(seqs)}
+        rows = [followers[s.request_id] if s.request_id in followers else index[id(s)] for s in admitted]
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def prefill_rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Every token of ``seqs`` through the model, right-padded to the longest, writing
+        their K/V into their blocks; the logits of each one's next token."""
+        bs = self.blocks.block_size
+        self.prefill_tokens += sum(s.n_tokens for s in seqs)
+        longest = max(len(s.tokens) for s in seqs)
+        ids = torch.zeros((len(seqs), longest), dtype=torch.int64)
+        slots = torch.full((len(seqs), longest), self.blocks.scratch_block * bs, dtype=torch.int64)
+        lens = torch.empty(len(seqs), dtype=torch.int64)
+        for r, seq in enumerate(seqs):
+            n = len(seq.tokens)
+            ids[r, :n] = torch.tensor(seq.tokens)
+            slots[r, :n] = (torch.tensor(seq.blocks).repeat_interleave(bs)[:n] * bs) + torch.arange(n) % bs
+            lens[r] = n
+        dev = self.device
+        return self.model.prefill(ids.to(dev), lens.to(dev), slots.to(dev), self.k, self.v)
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits of the next token of running requests (each feeds its last token); on
+        CUDA through a captured graph of the padded batch size."""
+        bs = self.blocks.block_size
+        n = len(seqs)
+        padded = bucket(n) if self.use_cuda_graph else n
+        scratch_slot = self.blocks.scratch_block * bs
+        ids = [s.last_token for s in seqs]
+        pos = [s.n_tokens - 1 for s in seqs]
+        slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        pad = padded - n
+        meta = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad,
+                             [p + 1 for p in pos] + [1] * pad])
+        width = max(len(s.blocks) for s in seqs)
+        rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
+        tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
+        if not self.use_cuda_graph:
+            dev = self.device
+            meta = meta.to(dev)
+            return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self.k, self.v)
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(self)
+        return self.graphs.run(meta, tables)[:n]
+
+    def self_test(self) -> None:
+        """One prefill and one decode of a one-token prompt through the engine's own paths
+        (KV cache, block tables, CUDA graphs); raises if that fails or the logits are not
+        finite. Leaves the cache's bookkeeping as it found it."""
+        probe = Sequence(-1, [0], SamplingParams(temperature=0.0, max_new_tokens=2), None, None, None)
+        probe.blocks = [self.blocks.take() for _ in range(self.blocks.blocks_for(2))]
+        self.blocks.assign_row(probe)
+        try:
+            logits = self.prefill_rows([probe])
+            self.prefill_tokens -= 1
+            probe.output.append(int(logits[0].argmax()))
+            logits = self.decode([probe])
+            if not bool(torch.isfinite(logits).all()):
+                raise FloatingPointError("the model's logits are not finite")
+        finally:
+            self.blocks.free(probe)
+
+
+#: Decode batch sizes captured as CUDA graphs (a batch runs padded to the next one).
+BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+
+
+def bucket(n: int) -> int:
+    """The padded batch size that ``n`` requests decode at."""
+    for b in BUCKETS:
+        if b >= n:
+            return b
+    return -(-n // 64) * 64
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step, one per padded batch size, captured on first use.
+    Inputs are copied into static buffers before a replay; padding rows write to and read
+    from the scratch block. All graphs share one memory pool (they never run concurrently;
+    each output is consumed before the next replay)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        dev = runner.device
+        most = bucket(runner.max_running)
+        scratch = runner.blocks.scratch_block
+        self.meta = torch.zeros((4, most), dtype=torch.int64, device=dev)  # ids, positions, slots, lens
+        self.meta[2] = scratch * runner.blocks.block_size
+        self.meta[3] = 1
+        self.tables = torch.full((most, runner.blocks.max_blocks_per_seq), scratch, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.bytes = 0
+
+    def _forward(self, b: int) -> torch.Tensor:
+        r = self.runner
+        lens = self.meta[3, :b].to(torch.int32)
+        return r.model.decode(self.meta[0, :b], self.meta[1, :b], self.meta[2, :b], self.tables[:b], lens, r.k, r.v)
+
+    def _capture(self, b: int) -> None:
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.mem_get_info(dev)[0]
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up (kernel selection, Triton compile) off the capture
+            self._forward(b)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._forward(b)
+        self.graphs[b] = (graph, out)
+        torch.cuda.synchronize(dev)
+        self.bytes += max(0, before - torch.cuda.mem_get_info(dev)[0])  # device memory the capture took
+
+    def run(self, meta: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        b = meta.shape[1]
+        self.meta[:, :b].copy_(meta, non_blocking=True)
+        self.tables[:b, : tables.shape[1]].copy_(tables, non_blocking=True)
+        if b not in self.graphs:
+            self._capture(b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out

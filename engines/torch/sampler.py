@@ -1,0 +1,104 @@
+"""The next token of each request from the step's logits, its log-probability (see
+engines/interface.py for the one definition), and whether the request is finished."""
+
+from __future__ import annotations
+
+import torch
+
+from ..interface import SamplingParams
+from ..kernels import seeded_gumbel_argmax, seeded_uniform, triton_usable
+from .sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, tokenizer, eos: set):
+        self.tokenizer = tokenizer
+        self.eos = eos  # the engine's set: shared, not copied
+
+    def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        """Sample one token per row on the device, with one host transfer for the batch.
+        Seeded rows use Gumbel-max over :func:`seeded_uniform` noise (batched); rows that
+        truncate (top-k / top-p) are handled row by row."""
+        if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
+            tok, logp = logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1)
+        else:
+            tok, logp = self._sample_rows(logits, seqs)
+        lp = logp.gather(1, tok[:, None])[:, 0]
+        toks, lps = torch.stack((tok.double(), lp.double())).tolist()  # one device->host transfer
+        return [int(t) for t in toks], lps
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B] and the log-softmax at each row's temperature [B, V]."""
+        dev = logits.device
+        temps = torch.tensor([s.sampling.temperature or 1.0 for s in seqs], device=dev, dtype=logits.dtype)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+        tok = logits.argmax(dim=-1)  # greedy rows; every other row is drawn below
+        untruncated = [i for i, s in enumerate(seqs)
+                       if s.sampling.temperature > 0 and s.sampling.top_k < 0 and s.sampling.top_p >= 1.0]
+        plain = [i for i in untruncated if seqs[i].generator is None]
+        seeded = [i for i in untruncated if seqs[i].generator is not None]
+        if plain:
+            idx = torch.tensor(plain, device=dev)
+            tok[idx] = torch.multinomial(logp[idx].exp(), 1)[:, 0]
+        if seeded:  # Gumbel-max with noise from (seed, position): batched and batch-independent
+            idx = torch.tensor(seeded, device=dev)
+            seeds = torch.tensor([seqs[i].sampling.seed for i in seeded], device=dev, dtype=torch.int64)
+            pos = torch.tensor([len(seqs[i].output) for i in seeded], device=dev, dtype=torch.int64)
+            rows, row_temps = logits[idx], temps[idx]
+            if triton_usable(dev):  # one fused pass over the vocabulary per row
+                tok[idx] = seeded_gumbel_argmax(rows, row_temps, seeds, pos)
+            else:
+                u = seeded_uniform(seeds, pos, logits.shape[-1])
+                tok[idx] = ((rows / row_temps[:, None]).double() - torch.log(-torch.log(u))).argmax(dim=-1)
+        batched = set(plain) | set(seeded)
+        for i, s in enumerate(seqs):
+            if s.sampling.temperature > 0 and i not in batched:
+                tok[i] = self._sample(logits[i], s.sampling, s.generator)[0]
+        return tok, logp
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
+        """One row: greedy, or drawn after top-k / top-p truncation (with ``gen`` if seeded)."""
+        if sp.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = int(torch.argmax(logits))
+            return tok, float(logp[tok])
+        logp = torch.log_softmax(logits / sp.temperature, dim=-1)
+        probs = logp.exp()
+        if sp.top_k > 0 and sp.top_k < probs.numel():
+            kth = torch.topk(probs, sp.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if sp.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < sp.top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[idx[keep]] = True
+            probs = torch.where(mask, probs, torch.zeros_like(probs))
+        tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+        return tok, float(logp[tok])
+
+    def is_finished(self, seq: Sequence, tok: int) -> bool:
+        """Whether ``tok`` (just appended) ends ``seq``: eos (unless ignored), a stop token
+        id, a stop string, or the length limit. Sets its finish reason (and, for a stop
+        string, the text before the string's first occurrence)."""
+        sp = seq.sampling
+        if (not sp.ignore_eos and tok in self.eos) or tok in sp.stop_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        if sp.stop:
+            # A stop string completed by this token lies within the last few tokens (a token
+            # is at least one byte; a character at most 4): decode only that tail each step,
+            # and the whole output once one matches (to cut at its first occurrence).
+            window = 4 * max(len(s) for s in sp.stop) + 4
+            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=True)
+            if any(s and s in tail for s in sp.stop):
+                text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+                hits = [text.find(s) for s in sp.stop if s and s in text]
+                if hits:
+                    seq.finish_reason = "stop"
+                    seq.text_before_stop = text[: min(hits)]
+                    return True
+        if len(seq.output) >= sp.max_new_tokens:
+            seq.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,217 @@
+"""Which requests run in the next step, and in which part of it. The scheduler decides; it
+does not run the model (:mod:`.model_runner` does, from the :class:`StepPlan`).
+
+Every step, in order:
+
+1. Arrivals join the waiting queue; aborted requests (waiting or running) finish with
+   reason "abort" and let go of their blocks.
+2. Running requests first: each feeds its last token this step and needs a slot for it.
+   When no block is free, the newest running request is preempted: its blocks are freed and
+   it goes back to the front of the waiting queue, to be recomputed later from its prompt
+   and output so far. So exhaustion queues instead of failing.
+3. Then waiting requests are admitted in arrival order while their tokens fit in the free
+   blocks (the head of the queue blocks the rest), ``max_running`` is not reached, and the
+   padded prefill (prompts x longest) stays within ``max_prefill_tokens`` (a single prompt
+   is always admitted). With ``share_prefix``, a request whose tokens equal those of one
+   admitted in this step (the n samples of one prompt) follows it: no prefill of its own,
+   it shares the leader's full blocks (reference-counted) and gets its own copy of the
+   last, partial block, which its samples then write.
+
+Threading: the methods under "any thread" (arrivals, abort requests, sizes) put on
+thread-safe queues or read sizes; every other method runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+
+@dataclass
+class StepPlan:
+    """One step: ``decode`` (running requests, one token each), then ``admitted`` (new
+    requests, in admission order); the logits of the step have one row per request of
+    :attr:`batch`. ``prefill`` are the admitted requests run through prefill; the others
+    follow a leader: ``followers`` maps a follower's request id to its leader's index in
+    ``prefill``. ``finished``: requests aborted in this step."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    followers: dict[int, int] = field(default_factory=dict)
+    finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def batch(self) -> list[Sequence]:
+        return self.decode + self.admitted
+
+
+def aborted(request_id: int, aborts: set) -> bool:
+    """Whether ``request_id`` is named by the abort markers (ids, or ("before", n): every
+    request that arrived before request n)."""
+    return request_id in aborts or any(isinstance(a, tuple) and request_id < a[1] for a in aborts)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_running: int, max_prefill_tokens: int, share_prefix: bool):
+        self.blocks = blocks
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.share_prefix = share_prefix
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self._incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self._abort_ids: queue.SimpleQueue = queue.SimpleQueue()
+
+    # ------------------------------------------------------------------ any thread
+
+    def add(self, seq: Sequence) -> None:
+        """A new request; it joins the waiting queue at the next step."""
+        self._incoming.put(seq)
+
+    def request_abort(self, request_id: int | None = None, *, before: int | None = None) -> None:
+        """Abort request ``request_id``, or every request whose id is below ``before``
+        (those that exist now, not later arrivals), at the next step."""
+        self._abort_ids.put(("before", before) if request_id is None else request_id)
+
+    def has_input(self) -> bool:
+        """Arrivals or aborts not yet taken by a step."""
+        return not self._incoming.empty() or not self._abort_ids.empty()
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.has_input())
+
+    def pending_count(self) -> int:
+        """Requests not finished: running, waiting, arrived."""
+        return len(self.running) + len(self.waiting) + self._incoming.qsize()
+
+    def waiting_count(self) -> int:
+        return len(self.waiting) + self._incoming.qsize()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def apply_aborts(self) -> list[Sequence]:
+        """Take arrivals and aborts; the aborted requests, finished (also while paused)."""
+        while not self._incoming.empty():
+            self.waiting.append(self._incoming.get())
+        aborts = set()
+        while not self._abort_ids.empty():
+            aborts.add(self._abort_ids.get())
+        finished = []
+        if aborts:
+            for seq in [s for s in list(self.waiting) + self.running if aborted(s.request_id, aborts)]:
+                seq.finish_reason = "abort"
+                finished.append(self.finish(seq))
+        return finished
+
+    def schedule(self) -> StepPlan:
+        """The next step (see the module docstring). Admitted requests join ``running``
+        now, before the model runs: a failing step still finds them."""
+        plan = StepPlan(finished=self.apply_aborts())
+        self._reserve_decode_slots()
+        self._admit(plan)
+        plan.decode = list(self.running)
+        self.running.extend(plan.admitted)
+        return plan
+
+    def _reserve_decode_slots(self) -> None:
+        """A slot for each running request's next token, preempting the newest when no
+        block is free."""
+        bs = self.blocks.block_size
+        preempted: set[int] = set()
+        for seq in list(self.running):
+            if seq.request_id in preempted or seq.n_tokens <= len(seq.blocks) * bs:
+                continue
+            while not self.blocks.free_blocks:
+                victim = self.running.pop()
+                self.blocks.free(victim)
+                victim.cached_tokens = 0
+                self.waiting.appendleft(victim)
+                preempted.add(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.request_id not in preempted:
+                self.blocks.append_block(seq)
+
+    def _admit(self, plan: StepPlan) -> None:
+        bs = self.blocks.block_size
+        leaders: dict[tuple, int] = {}  # tokens of a leader -> its index in plan.prefill
+        longest = 0
+        while self.waiting and len(self.running) + len(plan.admitted) < self.max_running:
+            seq = self.waiting[0]
+            key = tuple(seq.tokens) if self.share_prefix and not seq.blocks else None
+            lead = leaders.get(key) if key is not None else None
+            if lead is not None:
+                partial = seq.n_tokens % bs
+                if partial and not self.blocks.free_blocks:
+                    break
+                self.waiting.popleft()
+                seq.blocks = [self.blocks.share(b) for b in plan.prefill[lead].blocks[: seq.n_tokens // bs]]
+                if partial:
+                    seq.blocks.append(self.blocks.take())
+                plan.followers[seq.request_id] = lead
+            else:
+                need = self.blocks.blocks_for(seq.n_tokens) - len(seq.blocks)
+                if need > len(self.blocks.free_blocks):
+                    break
+                if plan.prefill and (len(plan.prefill) + 1) * max(longest, seq.n_tokens) > self.max_prefill_tokens:
+                    break
+                longest = max(longest, seq.n_tokens)
+                self.waiting.popleft()
+                seq.blocks += [self.blocks.take() for _ in range(need)]
+                if key is not None:
+                    leaders[key] = len(plan.prefill)
+                plan.prefill.append(seq)
+            self.blocks.assign_row(seq)
+            plan.admitted.append(seq)
+
+    def postprocess(self, plan: StepPlan, token_ids: list[int], logprobs: list[float],
+                    is_finished: Callable[[Sequence, int], bool]) -> list[Sequence]:
+        """Append each request's sampled token; the requests that ``is_finished`` ends
+        (it sets their finish reason), finished and holding no blocks."""
+        finished = []
+        for seq, token, logprob in zip(plan.batch, token_ids, logprobs):
+            seq.cached_tokens = seq.n_tokens
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            if is_finished(seq, token):
+                finished.append(self.finish(seq))
+        return finished
+
+    def finish(self, seq: Sequence) -> Sequence:
+        """``seq`` leaves the queues and lets go of its blocks."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+        return seq
+
+    def reset_after_failure(self) -> list[Sequence]:
+        """After a step raised: the requests it ran (every running one: they shared its
+        forward) leave, and the bookkeeping starts from scratch (no request holds blocks).
+        Returns them; the waiting requests stay queued."""
+        failed = list(self.running)
+        self.running.clear()
+        for seq in self.waiting:  # a preempted request holds none, but be exact
+            seq.blocks, seq.table_row, seq.cached_tokens = [], -1, 0
+        self.blocks.reset()
+        return failed
+
+    def drop_all(self) -> list[Sequence]:
+        """Every request not finished (running, waiting, arrived) leaves, letting go of
+        its blocks; returns them (the engine cannot go on)."""
+        while not self._incoming.empty():
+            self.waiting.append(self._incoming.get())
+        dropped = list(self.running) + list(self.waiting)
+        for seq in dropped:
+            if seq.blocks:
+                self.blocks.free(seq)
+        self.running.clear()
+        self.waiting.clear()
+        return dropped

@@ -1,0 +1,163 @@
+"""The model's weights as a resource: released and restored by sleep/wake (``discard``:
+re-synced by the trainer after wake; ``backup``: kept in a CPU buffer), replaced by HF
+name through ``update_weights``, CUDA IPC or an NCCL broadcast, and the version they are.
+
+Every method but :meth:`sync_info` runs on the engine thread. Releasing or restoring the
+parameters moves their memory: the caller drops the CUDA graphs that point at it."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+
+from ..model import ModelConfig
+
+
+class Weights:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: torch.device, mode: str, name: str):
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.mode = mode  # "discard" | "backup"
+        self.name = name
+        self.version = 0
+        self.present = True  # the parameters hold memory
+        self.valid = True  # ... and the model's values (wake after a discarding sleep: not yet)
+        self.backup: dict[str, torch.Tensor] | None = None
+        self.seen: set[str] = set()  # names updated since the last completed version
+        self.groups: dict = {}  # group name -> weight_sync.BroadcastGroup
+        self.engine_id = uuid.uuid4().hex  # lets a trainer keep one broadcast group per set of engines
+        self.shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.present else 0
+
+    def backup_nbytes(self) -> int:
+        return 0 if self.backup is None else sum(t.numel() * t.element_size() for t in self.backup.values())
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def release(self) -> None:
+        """Free the parameters' memory (``backup``: copied first to a CPU buffer, pinned
+        on GPU, allocated once and reused by every later sleep). Idempotent."""
+        if not self.present:
+            return
+        if self.mode == "backup":
+            if self.backup is None:
+                pin = self.device.type == "cuda"
+                self.backup = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+                               for n, p in self.model.named_parameters()}
+            for n, p in self.model.named_parameters():
+                self.backup[n].copy_(p.data, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self._empty_parameters()
+
+    def restore(self) -> None:
+        """Allocate the parameters again: with the backup's values, or (``discard``) to be
+        filled by an update covering every tensor before generating. Idempotent."""
+        if self.present:
+            return
+        for n, p in self.model.named_parameters():
+            shape, dtype = self.shapes[n]
+            p.data = torch.empty(shape, dtype=dtype, device=self.device)
+            if self.mode == "backup":
+                p.data.copy_(self.backup[n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.present = True
+        self.valid = self.mode == "backup"
+        self.seen = set()  # fresh (discarded) weights: an update must cover them all
+        if self.cfg.tie_word_embeddings:
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+
+    def close(self) -> None:
+        """Free the parameters and the backup for good."""
+        self._empty_parameters()
+        self.valid = False
+        self.backup = None
+
+    def _empty_parameters(self) -> None:
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.present = False
+
+    # ------------------------------------------------------------------ updates
+
+    def update(self, buckets, version: int) -> None:
+        """Copy HF-named tensors (dicts or (name, tensor) pairs, bucket by bucket) into the
+        model; completes ``version``."""
+        if not self.present:
+            raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
+        for bucket in buckets:
+            self.copy_in(bucket.items() if isinstance(bucket, dict) else bucket)
+        self.finish_version(version)
+
+    def copy_in(self, items) -> None:
+        """Copy HF-named tensors into the parameters (any device/dtype; converted)."""
+        if not self.present:
+            raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
+        params = dict(self.model.named_parameters())
+        for name, tensor in items:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"update_weights: unknown tensor {name!r}")
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor.to(device=self.device, dtype=p.dtype))
+            self.seen.add(name)
+
+    def finish_version(self, version: int) -> None:
+        """The update of ``version`` is complete (over one or several calls). After a
+        discarding sleep it must have covered every tensor."""
+        seen, self.seen = self.seen, set()
+        if not self.valid:
+            missing = set(self.model.hf_names()) - seen
+            if missing:
+                raise ValueError("update_weights after a discarding sleep must cover every tensor; "
+                                 f"missing {sorted(missing)[:5]}")
+            self.valid = True
+        self.version = version
+
+    def sync_info(self) -> dict:
+        """What a trainer needs to pick the transport: CUDA IPC needs the same physical GPU."""
+        from ..weight_sync import device_uuid
+
+        return {"backend": "torch", "device_type": self.device.type, "uuid": device_uuid(self.device),
+                "pid": os.getpid(), "engine_id": self.engine_id}
+
+    def receive_ipc(self, handle: dict, metas: list, version: int, last: bool) -> None:
+        """Map the trainer's flat buffer by its CUDA IPC ``handle``, copy each ``(name,
+        shape, dtype, offset)`` tensor device to device, synchronize and unmap before
+        returning (the trainer frees the buffer only after that). ``last`` completes
+        ``version``."""
+        from ..weight_sync import open_ipc, unflatten
+
+        if self.device.type != "cuda":
+            raise RuntimeError(f"{self.name}: CUDA IPC weight sync needs a CUDA engine; this one runs on {self.device}")
+        buf = open_ipc(handle, self.device)
+        try:
+            self.copy_in(unflatten(buf, metas))
+            torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            del buf
+        if last:
+            self.finish_version(version)
+
+    def receive_broadcast(self, group, names: list, dtypes: list, shapes: list, version: int, last: bool) -> None:
+        """Receive one bucket that the trainer broadcasts in ``group`` as one flat buffer
+        laid out by ``weight_sync.metas_for``, and copy it in. ``last`` completes
+        ``version``."""
+        from ..weight_sync import metas_for, unflatten
+
+        metas, total = metas_for(names, dtypes, shapes)
+        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        group.broadcast(buf)
+        self.copy_in(unflatten(buf, metas))
+        if last:
+            self.finish_version(version)
