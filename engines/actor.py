@@ -109,36 +109,29 @@ class EngineActor(Actor):
 
     @endpoint(concurrent=True)
     async def weight_sync_info(self) -> dict:
-        """``{"backend", "device_type", "uuid"}``: lets a trainer pick CUDA IPC (same GPU),
+        """``{"backend", "device_type", "uuid", ...}``: lets a trainer pick CUDA IPC (same GPU),
         a broadcast group (other GPUs) or the relay path (CPU, and SGLang backends)."""
-        if self.backend == "torch":
-            return self.engine.weight_sync_info()
-        return {"backend": self.backend, "device_type": "cuda", "uuid": None}
+        return self.engine.weight_sync_info()
 
     @endpoint
     async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
-        await self._torch_only("update_weights_from_ipc").update_weights_from_ipc(handle, metas, version, last)
+        await self.engine.update_weights_from_ipc(handle, metas, version, last)
 
     @endpoint
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group", backend: str = "nccl", timeout_s: float = 600.0) -> None:
-        await self._torch_only("init_weights_update_group").init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
+                                        group_name: str = "weight_update_group", backend: str = "nccl",
+                                        timeout_s: float = 600.0) -> None:
+        await self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                                    backend, timeout_s)
 
     @endpoint
     async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
                                               group_name: str = "weight_update_group", last: bool = True) -> None:
-        await self._torch_only("update_weights_from_distributed").update_weights_from_distributed(names, dtypes, shapes, version, group_name, last)
+        await self.engine.update_weights_from_distributed(names, dtypes, shapes, version, group_name, last)
 
     @endpoint
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        await self._torch_only("destroy_weights_update_group").destroy_weights_update_group(group_name)
-
-    def _torch_only(self, what: str):
-        if self.backend != "torch":
-            # SGLang receives a broadcast tensor by tensor and IPC as pickled tensors; the
-            # trainer sends it weights through update_weights (the relay path) instead.
-            raise RuntimeError(f"{what} is served by the built-in engine only; the {self.backend} backend takes weights through update_weights")
-        return self.engine
+        await self.engine.destroy_weights_update_group(group_name)
 
     @endpoint(concurrent=True)
     async def pause(self) -> None:

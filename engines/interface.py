@@ -172,6 +172,32 @@ class Engine(abc.ABC):
     async def close(self) -> None:  # noqa: B027 (optional)
         """Release everything (processes, memory)."""
 
+    # Weight sync beyond ``update_weights`` (:mod:`engines.weight_sync`): CUDA IPC from a
+    # trainer on the same GPU, and a broadcast group with trainer rank 0. A backend without
+    # them takes weights through ``update_weights`` (the trainer's sender routes it there).
+
+    def weight_sync_info(self) -> dict:
+        """``{"backend", "device_type", "uuid", ...}``: lets the trainer choose a transport."""
+        return {"backend": type(self).__name__, "device_type": "cpu", "uuid": None}
+
+    async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
+        raise NotImplementedError(self._no_transport("CUDA IPC"))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str, backend: str, timeout_s: float) -> None:
+        raise NotImplementedError(self._no_transport("a broadcast group"))
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
+                                              group_name: str, last: bool = True) -> None:
+        raise NotImplementedError(self._no_transport("a broadcast group"))
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        raise NotImplementedError(self._no_transport("a broadcast group"))
+
+    def _no_transport(self, what: str) -> str:
+        return (f"{type(self).__name__} takes no weights by {what}: it takes them through update_weights "
+                "(the trainer's weight sender routes it there)")
+
 
 def check_tags(tags) -> tuple[str, ...]:
     tags = (tags,) if isinstance(tags, str) else tuple(tags)

@@ -320,6 +320,10 @@ class SGLangEngine(Engine):
         if not (self._asleep & set(TAGS)):
             await self.resume()  # only after a full wake
 
+    def weight_sync_info(self) -> dict:
+        """SGLang takes weights through :meth:`update_weights` (the relay path)."""
+        return {"backend": "sglang", "device_type": "cuda", "uuid": None}
+
     async def update_weights(self, buckets, version: int) -> None:
         """Colocated: tensors by CUDA IPC handles (``/update_weights_from_tensor``); the
         receiver copies device to device. Otherwise use :meth:`update_weights_distributed`."""

@@ -406,8 +406,3 @@ def encode_prompt(tokenizer, vocab_size: int, prompt, chat_template_kwargs) -> l
 def _settle_error(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-def default_kv_tokens() -> int | None:
-    v = os.environ.get("RELAY_KV_CACHE_TOKENS")
-    return int(v) if v else None

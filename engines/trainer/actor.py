@@ -17,6 +17,7 @@ import threading
 import torch
 
 from engines import weight_sync
+from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
 
 from .loss import LossConfig, policy_loss
@@ -86,7 +87,7 @@ class TrainerActor(Actor):
         self.optimizer_kind = optimizer
         self.step = 0
         self.offloaded = False
-        self._bcast: tuple | None = None  # (engine ids, group name, BroadcastGroup, engines): kept across pushes
+        self.sender: WeightSender | None = None  # this rank's side of weight sync (made in setup)
 
     def setup(self) -> None:
         import torch.distributed as dist
@@ -143,6 +144,7 @@ class TrainerActor(Actor):
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.rank = dist.get_rank()
+        self.sender = WeightSender(self.rank, self.device)
 
     # ------------------------------------------------------------------ helpers
 
@@ -318,153 +320,15 @@ class TrainerActor(Actor):
         with self._hf_weights() as full:
             return [{n: t.detach().cpu().contiguous() for n, t in b} for b in weight_sync.buckets(full, bucket_bytes)]
 
-    def _transports(self, engines: list, transport: str, timeout: float) -> list[tuple[str, int, dict]]:
-        """Per engine: (transport, the trainer rank that serves it, its weight_sync_info). ``auto``: CUDA IPC from
-        the rank on the engine's GPU; a broadcast group from rank 0 when no trainer rank is
-        on that GPU; the relay path on CPU and for non-torch (SGLang) engines."""
-        import torch.distributed as dist
-
-        uuids: list = [None] * dist.get_world_size()
-        dist.all_gather_object(uuids, weight_sync.device_uuid(self.device))
-        out = []
-        for e in engines:
-            info = e.weight_sync_info.call().get(timeout).values()[0]
-            colocated = next((r for r, u in enumerate(uuids) if u is not None and u == info["uuid"]), None)
-            t = transport
-            if t == "auto":
-                if self.device.type != "cuda" or info["device_type"] != "cuda" or info["backend"] != "torch":
-                    t = "relay"
-                else:
-                    t = "ipc" if colocated is not None else "distributed"
-            if t == "ipc" and colocated is None:
-                raise ValueError(f"weight sync by CUDA IPC needs the engine on a trainer GPU; engine GPU {info['uuid']} is not one of {uuids}")
-            out.append((t, colocated if t == "ipc" else 0, info))
-        return out
-
     @endpoint
-    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0, transport: str = "auto") -> int:
-        """Weight sync of ``version`` into each engine (an EngineActor mesh of one engine).
-        Every trainer rank must call (the TP gather). ``transport``: ``auto`` (see
-        :meth:`_transports`), ``ipc``, ``distributed`` or ``relay``. Returns once every engine
-        applied every bucket (no bucket buffer is reused or freed before its receiver
-        acknowledged it); the bytes this rank sent."""
-        if transport not in ("auto", "ipc", "distributed", "relay"):
-            raise ValueError(f"transport must be 'auto', 'ipc', 'distributed' or 'relay', not {transport!r}")
-        plan = self._transports(engines, transport, timeout)
-        mine = {t: [e for e, (tt, r, _) in zip(engines, plan) if tt == t and r == self.rank] for t in ("ipc", "distributed", "relay")}
-        ids = tuple(i.get("engine_id") for (tt, r, i) in plan if tt == "distributed" and r == self.rank)
-        cross_process = any(i.get("pid") != os.getpid() for tt, r, i in plan if tt == "ipc" and r == self.rank)
-        sent = 0
+    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0,
+                     transport: str = "auto") -> int:
+        """Weight sync of ``version`` into each engine (an EngineActor mesh of one engine):
+        :meth:`engines.weight_sync.sender.WeightSender.push`. Every trainer rank must call
+        (the TP gather). Returns the bytes this rank sent."""
+        plan = self.sender.plan(engines, transport, timeout)
         with self._hf_weights(copy=False) as full:
-            bks = weight_sync.buckets(full, bucket_bytes)
-            if mine["ipc"]:
-                sent += self._push_ipc(mine["ipc"], bks, version, timeout, cross_process)
-            if mine["distributed"]:
-                sent += self._push_broadcast(mine["distributed"], ids, bks, version, timeout)
-            if mine["relay"]:
-                # copies: the relay may move what it sends into shared memory (never the params)
-                cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in b} for b in bks]
-                for f in [e.update_weights.call(cpu, version) for e in mine["relay"]]:
-                    f.get(timeout)
-                sent += sum(t.numel() * t.element_size() for b in cpu for t in b.values()) * len(mine["relay"])
-        return sent
-
-    def _push_ipc(self, engines: list, bks: list, version: int, timeout: float, cross_process: bool) -> int:
-        """CUDA IPC, double-buffered: bucket i+1 is packed into the other buffer while the
-        engines copy bucket i; a buffer is repacked only after its bucket was acknowledged.
-        An engine in this very process (colocated actors share the worker) reads the buffer
-        directly (see weight_sync.open_ipc)."""
-        bufs: list = [None, None]
-        buf = None
-        pending: list = []
-        prev = None
-        sent = 0
-        try:
-            for i, bucket in enumerate(bks):
-                buf, metas = weight_sync.flatten(bucket, self.device, out=bufs[i % 2])
-                bufs[i % 2] = buf
-                torch.cuda.current_stream(self.device).synchronize()  # packed before anyone reads it
-                handle = weight_sync.ipc_handle(buf, cross_process)
-                for f in pending:  # bucket i-1 acknowledged: its buffer may be reused next round
-                    f.get(timeout)
-                if prev is not None:
-                    weight_sync.release(prev)
-                pending = [e.update_weights_from_ipc.call(handle, metas, version, i == len(bks) - 1) for e in engines]
-                prev = handle
-                sent += buf.numel() * len(engines)
-            for f in pending:
-                f.get(timeout)
-        finally:
-            if prev is not None:
-                weight_sync.release(prev)
-        bufs = buf = None  # noqa: F841 (freed before collecting the IPC limbo)
-        torch.cuda.ipc_collect()
-        return sent
-
-    def _push_broadcast(self, engines: list, ids: tuple, bks: list, version: int, timeout: float) -> int:
-        """A broadcast group of this rank (rank 0) and the engines (1..n), one flat buffer per
-        bucket. The group is made on the first push to these engines and kept for the next
-        ones (NCCL's set-up is paid once); pushing to another set of engines, a failed push
-        and :meth:`shutdown` tear it down."""
-        if self._bcast is not None and (self._bcast[0] != ids or None in ids):
-            self._drop_broadcast_group(timeout)
-        if self._bcast is None:
-            self._bcast = (ids, *self._new_broadcast_group(engines, timeout), engines)
-        _, name, group, _ = self._bcast
-        sent = 0
-        try:
-            for i, bucket in enumerate(bks):
-                buf, metas = weight_sync.flatten(bucket, self.device)
-                names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
-                recvs = [e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, i == len(bks) - 1) for e in engines]
-                group.broadcast(buf)
-                for f in recvs:
-                    f.get(timeout)
-                sent += buf.numel() * len(engines)
-        except BaseException:
-            self._drop_broadcast_group(timeout)
-            raise
-        return sent
-
-    def _new_broadcast_group(self, engines: list, timeout: float) -> tuple:
-        import socket
-        import uuid
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        name = f"weights-{uuid.uuid4().hex[:12]}"
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        n = len(engines) + 1
-        joins = [e.init_weights_update_group.call(addr, port, i + 1, n, name, backend, timeout) for i, e in enumerate(engines)]
-        group = None
-        try:
-            group = weight_sync.BroadcastGroup(addr, port, 0, n, backend, timeout, name)
-            for f in joins:
-                f.get(timeout)
-        except BaseException:
-            self._destroy_on_engines(engines, name, timeout)
-            if group is not None:
-                group.close()
-            raise
-        return name, group
-
-    def _drop_broadcast_group(self, timeout: float) -> None:
-        if self._bcast is None:
-            return
-        _, name, group, engines = self._bcast
-        self._bcast = None
-        self._destroy_on_engines(engines, name, timeout)
-        group.close()
-
-    @staticmethod
-    def _destroy_on_engines(engines: list, name: str, timeout: float) -> None:
-        for f in [e.destroy_weights_update_group.call(name) for e in engines]:
-            try:
-                f.get(min(timeout, 30.0))
-            except Exception:  # noqa: BLE001 (the push's own error, if any, is the one to report)
-                pass
+            return self.sender.push(plan, weight_sync.buckets(full, bucket_bytes), version, timeout)
 
     @endpoint
     def offload(self) -> int:
@@ -550,7 +414,8 @@ class TrainerActor(Actor):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        self._drop_broadcast_group(30.0)
+        if self.sender is not None:
+            self.sender.close(30.0)
         if dist.is_initialized():
             dist.barrier()
             parallel_state.destroy_model_parallel()

@@ -1,0 +1,199 @@
+"""The trainer's side of weight sync: which transport serves each engine, and pushing one
+weight version through it (the engine's side: ``TorchEngine.update_weights*``; the shared
+layout and transports: :mod:`engines.weight_sync`).
+
+Transports, per engine: ``ipc`` (CUDA IPC from the trainer rank on the engine's GPU),
+``distributed`` (a broadcast group of trainer rank 0 and the engines, kept across pushes to
+the same engines) and ``relay`` (CPU tensors as relay frames: CPU engines, and SGLang, which
+takes weights through ``update_weights``). ``auto`` picks them in that order of preference.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from . import BroadcastGroup, device_uuid, flatten, ipc_handle, release
+
+TRANSPORTS = ("auto", "ipc", "distributed", "relay")
+TEARDOWN_TIMEOUT = 30.0  # seconds to wait for an engine to leave a broadcast group
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one engine gets the weights: its transport, the trainer rank that sends them,
+    and what the engine said about itself (``weight_sync_info``)."""
+
+    engine: object  # an EngineActor mesh of one engine
+    transport: str
+    sender_rank: int
+    info: dict
+
+
+@dataclass
+class _Group:
+    """A broadcast group kept across pushes to the same engines."""
+
+    engine_ids: tuple
+    name: str
+    group: BroadcastGroup
+    engines: list
+
+
+class WeightSender:
+    """One trainer rank's sender. Every trainer rank calls :meth:`plan` and :meth:`push`
+    (``plan`` gathers the ranks' GPUs); each rank sends to the engines routed to it."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank = rank
+        self.device = device
+        self._group: _Group | None = None
+
+    def plan(self, engines: list, transport: str, timeout: float) -> list[Route]:
+        """Per engine, its :class:`Route`. ``auto``: CUDA IPC from the rank on the engine's
+        GPU; a broadcast group from rank 0 when no trainer rank is on that GPU; the relay
+        path on CPU and for engines that are not the built-in one. A collective over the
+        trainer ranks."""
+        import torch.distributed as dist
+
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        uuids: list = [None] * dist.get_world_size()
+        dist.all_gather_object(uuids, device_uuid(self.device))
+        routes = []
+        for engine in engines:
+            info = engine.weight_sync_info.call().get(timeout).values()[0]
+            colocated = next((r for r, u in enumerate(uuids) if u is not None and u == info["uuid"]), None)
+            chosen = transport
+            if chosen == "auto":
+                if self.device.type != "cuda" or info["device_type"] != "cuda" or info["backend"] != "torch":
+                    chosen = "relay"
+                else:
+                    chosen = "ipc" if colocated is not None else "distributed"
+            if chosen == "ipc" and colocated is None:
+                raise ValueError(f"weight sync by CUDA IPC needs the engine on a trainer GPU; engine GPU {info['uuid']} is not one of {uuids}")
+            routes.append(Route(engine, chosen, colocated if chosen == "ipc" else 0, info))
+        return routes
+
+    def push(self, routes: list[Route], buckets: list, version: int, timeout: float) -> int:
+        """Send ``buckets`` (lists of (HF name, tensor)) as ``version`` to the engines routed
+        to this rank. Returns once every engine applied every bucket (no bucket buffer is
+        reused or freed before its receiver acknowledged it); the bytes this rank sent."""
+        mine = [r for r in routes if r.sender_rank == self.rank]
+        by_transport = {t: [r.engine for r in mine if r.transport == t] for t in ("ipc", "distributed", "relay")}
+        sent = 0
+        if by_transport["ipc"]:
+            cross_process = any(r.info.get("pid") != os.getpid() for r in mine if r.transport == "ipc")
+            sent += self._push_ipc(by_transport["ipc"], buckets, version, timeout, cross_process)
+        if by_transport["distributed"]:
+            ids = tuple(r.info.get("engine_id") for r in mine if r.transport == "distributed")
+            sent += self._push_broadcast(by_transport["distributed"], ids, buckets, version, timeout)
+        if by_transport["relay"]:
+            # copies: the relay may move what it sends into shared memory (never the params)
+            cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket} for bucket in buckets]
+            for f in [e.update_weights.call(cpu, version) for e in by_transport["relay"]]:
+                f.get(timeout)
+            sent += sum(t.numel() * t.element_size() for b in cpu for t in b.values()) * len(by_transport["relay"])
+        return sent
+
+    def close(self, timeout: float = TEARDOWN_TIMEOUT) -> None:
+        """Tear down the kept broadcast group, if any (the engines leave it too)."""
+        if self._group is None:
+            return
+        kept, self._group = self._group, None
+        _leave(kept.engines, kept.name, timeout)
+        kept.group.close()
+
+    def _push_ipc(self, engines: list, buckets: list, version: int, timeout: float, cross_process: bool) -> int:
+        """CUDA IPC, double-buffered: bucket i+1 is packed into the other buffer while the
+        engines copy bucket i; a buffer is repacked only after its bucket was acknowledged.
+        An engine in this very process (colocated actors share the worker) reads the buffer
+        directly (see :func:`engines.weight_sync.open_ipc`)."""
+        buffers: list = [None, None]
+        buffer = None
+        pending: list = []
+        previous = None
+        sent = 0
+        try:
+            for i, bucket in enumerate(buckets):
+                buffer, metas = flatten(bucket, self.device, out=buffers[i % 2])
+                buffers[i % 2] = buffer
+                torch.cuda.current_stream(self.device).synchronize()  # packed before anyone reads it
+                handle = ipc_handle(buffer, cross_process)
+                for f in pending:  # bucket i-1 acknowledged: its buffer may be reused next round
+                    f.get(timeout)
+                if previous is not None:
+                    release(previous)
+                last = i == len(buckets) - 1
+                pending = [e.update_weights_from_ipc.call(handle, metas, version, last) for e in engines]
+                previous = handle
+                sent += buffer.numel() * len(engines)
+            for f in pending:
+                f.get(timeout)
+        finally:
+            if previous is not None:
+                release(previous)
+        buffers = buffer = None  # noqa: F841 (freed before collecting the IPC limbo)
+        torch.cuda.ipc_collect()
+        return sent
+
+    def _push_broadcast(self, engines: list, engine_ids: tuple, buckets: list, version: int, timeout: float) -> int:
+        """A broadcast group of this rank (rank 0) and the engines (1..n), one flat buffer per
+        bucket. The group is made on the first push to these engines and kept for the next
+        ones (its set-up is paid once); pushing to another set of engines, a failed push and
+        :meth:`close` tear it down."""
+        if self._group is not None and (self._group.engine_ids != engine_ids or None in engine_ids):
+            self.close(timeout)
+        if self._group is None:
+            self._group = _Group(engine_ids, *_join(engines, self.device, timeout), engines)
+        name, group = self._group.name, self._group.group
+        sent = 0
+        try:
+            for i, bucket in enumerate(buckets):
+                buffer, metas = flatten(bucket, self.device)
+                names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
+                last = i == len(buckets) - 1
+                receives = [e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, last) for e in engines]
+                group.broadcast(buffer)
+                for f in receives:
+                    f.get(timeout)
+                sent += buffer.numel() * len(engines)
+        except BaseException:
+            self.close(timeout)
+            raise
+        return sent
+
+
+def _join(engines: list, device: torch.device, timeout: float) -> tuple[str, BroadcastGroup]:
+    """A new broadcast group of this process (rank 0) and ``engines``; its name and group."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    name = f"weights-{uuid.uuid4().hex[:12]}"
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    size = len(engines) + 1
+    joins = [e.init_weights_update_group.call(address, port, i + 1, size, name, backend, timeout) for i, e in enumerate(engines)]
+    group = None
+    try:
+        group = BroadcastGroup(address, port, 0, size, backend, timeout, name)
+        for f in joins:
+            f.get(timeout)
+    except BaseException:
+        _leave(engines, name, timeout)
+        if group is not None:
+            group.close()
+        raise
+    return name, group
+
+
+def _leave(engines: list, name: str, timeout: float) -> None:
+    for f in [e.destroy_weights_update_group.call(name) for e in engines]:
+        try:
+            f.get(min(timeout, TEARDOWN_TIMEOUT))
+        except Exception:  # noqa: BLE001 (the push's own error, if any, is the one to report)
+            pass
