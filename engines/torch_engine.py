@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import relay
+
 from .interface import (
     Engine,
     EngineFailed,
@@ -153,7 +155,7 @@ class TorchEngine(Engine):
             # team around each costs more than it saves (2 cores, tiny model: 2,067 -> 6,413
             # tokens/s at batch 8 with one thread; two threads were slower at 64 as well), and
             # colocated CPU workers already share the cores.
-            threads = cpu_threads or int(os.environ.get("RELAY_ENGINE_CPU_THREADS", "1"))
+            threads = cpu_threads or relay.settings().engine_cpu_threads
             self._exec.submit(torch.set_num_threads, threads).result()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -945,5 +947,4 @@ def _aborted(rid: int, aborts: set) -> bool:
 
 
 def default_kv_tokens() -> int | None:
-    v = os.environ.get("RELAY_KV_CACHE_TOKENS")
-    return int(v) if v else None
+    return relay.settings().kv_cache_tokens

@@ -37,9 +37,6 @@ from .grpo import StoppedWithCheckpoint
 from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
 
-#: An agent exits when the controller has not acknowledged its heartbeats for this long.
-AGENT_PARENT_TIMEOUT = "10"
-
 
 @dataclass
 class JobFailed(Exception):
@@ -103,7 +100,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
     _prepare_process_env(0)
     os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
     os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
-    rdzv.set("secret", {"secret": os.environ["RELAY_JOB_SECRET"], "job_id": os.environ["RELAY_JOB_ID"]})
+    rdzv.set("secret", {"secret": relay.settings().job_secret, "job_id": relay.settings().job_id})
 
     failures = _failures()
     relay.set_unhandled_fault_hook(lambda f: failures.put_nowait(("runtime", -1, -1, f)))
@@ -277,7 +274,7 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
     creds = await rdzv.get("secret")
     os.environ["RELAY_JOB_SECRET"] = creds["secret"]
     os.environ["RELAY_JOB_ID"] = creds["job_id"]
-    os.environ["RELAY_PARENT_TIMEOUT"] = os.environ.get("RELAY_AGENT_TIMEOUT", AGENT_PARENT_TIMEOUT)
+    os.environ["RELAY_PARENT_TIMEOUT"] = f"{relay.settings().agent_timeout:g}"  # for this agent and its workers
     _prepare_process_env(rank)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the controller decides (it checkpoints first)
