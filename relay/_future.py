@@ -187,7 +187,7 @@ class ValueMesh(Generic[R]):
 
 
 _wire.register_codec(
-    ValueMesh, "relay.ValueMesh", lambda vm: [vm._view.dims, vm._view.members], lambda v: ValueMesh(View(v[0], v[1]))
+    ValueMesh, "relay.ValueMesh", lambda vm: [vm._view.dims, vm._view.members], lambda v: ValueMesh(View(*v))
 )
 
 

@@ -29,9 +29,11 @@ from ._settings import settings
 STARTUP_GRACE = 20.0
 
 
-class HeartbeatMonitor(threading.Thread):
+class HeartbeatMonitor:
+    """Acks beats and reports processes gone silent, on a thread of its own."""
+
     def __init__(self, ctx: zmq.Context, address: str, on_lost: Callable[[str, str], None]):
-        super().__init__(name="relay-heartbeat-monitor", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="relay-heartbeat-monitor", daemon=True)
         self.address = address
         self._ctx = ctx
         self._on_lost = on_lost
@@ -72,10 +74,13 @@ class HeartbeatMonitor(threading.Thread):
         self._halt.set()
 
     def start(self) -> None:
-        super().start()
+        self._thread.start()
         self._ready.wait(5)
 
-    def run(self) -> None:
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
@@ -146,9 +151,11 @@ class HeartbeatMonitor(threading.Thread):
             pass
 
 
-class Heartbeater(threading.Thread):
+class Heartbeater:
+    """Beats to a monitor, on a thread of its own; exits the process when its parent is gone."""
+
     def __init__(self, ctx: zmq.Context, address: str, proc_id: str, parent_pid: int):
-        super().__init__(name="relay-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="relay-heartbeat", daemon=True)
         self._ctx = ctx
         self._address = address
         self._proc_id = proc_id
@@ -158,7 +165,10 @@ class Heartbeater(threading.Thread):
         self._parent_timeout = cfg.parent_timeout
         self._signer = Signer()
 
-    def run(self) -> None:
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self._address)

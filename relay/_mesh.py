@@ -130,8 +130,8 @@ class ActorMesh:
 
     @classmethod
     def _from_wire(cls, d: dict) -> ActorMesh:
-        specs = {e[0]: EndpointSpec(*e) for e in d["endpoints"]}
-        members = [_Member(m[0], Point(m[1], m[2], m[3])) for m in d["members"]]
+        specs = {name: EndpointSpec(name, *rest) for name, *rest in d["endpoints"]}
+        members = [_Member(proc, Point(rank, coords, extent)) for proc, rank, coords, extent in d["members"]]
         return cls(d["name"], d["cls"], specs, View(d["dims"], members), _SpawnState(None))
 
 
