@@ -229,7 +229,7 @@ def markdown_table() -> str:
     """The table of docs/relay.md's "Environment" section."""
     rows = ["| variable | set by | default | meaning |", "|---|---|---|---|"]
     for v in VARIABLES:
-        default = "unset" if v.default in ("", None, ()) else v.default
+        default = "unset" if v.default in ("", None, ()) or v.parse is _tcp else v.default
         if v.field == "shm_min_bytes":
             default = "4 MiB"
         elif isinstance(default, bool):
