@@ -79,6 +79,8 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
 
 
 def main() -> None:
+    import relay
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--size", default="0.6b")
@@ -89,7 +91,7 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=256)
     ap.add_argument("--modes", default="split,defer")
     ap.add_argument("--train-args", default="", help="extra `relay train` flags, e.g. '--bf16'")
-    ap.add_argument("--cache", default=os.environ.get("RELAY_CACHE", ".cache") + "/grpo-bench")
+    ap.add_argument("--cache", default=relay.settings().cache + "/grpo-bench")
     args = ap.parse_args()
     cache = os.path.abspath(args.cache)
     policy, judge, data = build(cache, args.size, args.device)

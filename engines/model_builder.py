@@ -11,6 +11,8 @@ import json
 import os
 import string
 
+import relay
+
 ARCHS = ("qwen3", "qwen2", "llama")
 
 #: Model shapes. "tiny"/"small" are for CPU tests; the others copy real architectures'
@@ -104,7 +106,7 @@ def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed
 def builds_on_first_use(path: str) -> bool:
     """Whether :func:`ensure_model` builds a missing ``path``: it lies under the cache
     directory (``$RELAY_CACHE``, default ``.cache``, relative to the working directory)."""
-    cache = os.path.abspath(os.environ.get("RELAY_CACHE", ".cache"))
+    cache = os.path.abspath(relay.settings().cache)
     return os.path.abspath(path).startswith(cache + os.sep)
 
 
@@ -115,7 +117,7 @@ def ensure_model(path: str, seed: int = 7) -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     if not builds_on_first_use(path):
-        cache = os.path.abspath(os.environ.get("RELAY_CACHE", ".cache"))
+        cache = os.path.abspath(relay.settings().cache)
         raise FileNotFoundError(f"model {path!r} not found (only models under {cache} are built on first use)")
     tmp = path + f".tmp{os.getpid()}"
     make_model("qwen3", "tiny", tmp, seed=seed)

@@ -113,7 +113,9 @@ class SGLangEngine(Engine):
     async def start(self) -> None:
         import aiohttp
 
-        module = os.environ.get("RELAY_SGLANG_LAUNCH", "sglang.launch_server")
+        import relay
+
+        module = relay.settings().sglang_launch
         self.proc = subprocess.Popen([sys.executable, "-m", module, *self.args], start_new_session=True)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
         deadline = time.monotonic() + self.start_timeout

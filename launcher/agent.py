@@ -120,9 +120,9 @@ class BundleProbe(Actor):
     @endpoint
     async def where(self) -> dict:
         return {
-            "bundle": int(os.environ.get("RELAY_BUNDLE", "-1")),
-            "node": int(os.environ.get("RELAY_NODE", "-1")),
-            "host": f"{socket.gethostname()}/{os.environ.get('RELAY_HOST', '127.0.0.1')}",  # name / address others reach it at
+            "bundle": relay.settings().bundle,
+            "node": relay.settings().node,
+            "host": f"{socket.gethostname()}/{relay.settings().host}",  # name / address others reach it at
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             "master": f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",

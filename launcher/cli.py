@@ -174,6 +174,8 @@ def _config_command(sub, name: str, help: str, description: str = "") -> argpars
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import relay
+
     p = argparse.ArgumentParser(
         prog="relay",
         description="GRPO post-training with an LLM judge (GenRM) over a Monarch-style ZeroMQ actor runtime.",
@@ -241,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     jd.add_argument("--config", required=True, help="YAML config with a GenRM judge")
     jd.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     jd.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    jd.add_argument("--token", default=os.environ.get("RELAY_GENRM_TOKEN"),
+    jd.add_argument("--token", default=relay.settings().genrm_token or None,
                     help="require 'Authorization: Bearer TOKEN' on every route (default: $RELAY_GENRM_TOKEN; "
                     "a token given here is visible to other users in ps: prefer the variable or --token-file)")
     jd.add_argument("--token-file", default=None, help="read the bearer token from this file (its first line)")

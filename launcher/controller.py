@@ -37,9 +37,6 @@ from .grpo import StoppedWithCheckpoint
 from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
 
-#: An agent exits when the controller has not acknowledged its heartbeats for this long.
-AGENT_PARENT_TIMEOUT = "10"
-
 
 @dataclass
 class JobFailed(Exception):
@@ -103,21 +100,21 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
     _prepare_process_env(0)
     os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
     os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
-    rdzv.set("secret", {"secret": os.environ["RELAY_JOB_SECRET"], "job_id": os.environ["RELAY_JOB_ID"]})
+    rdzv.set("secret", {"secret": relay.settings().job_secret, "job_id": relay.settings().job_id})
 
     failures = _failures()
     relay.set_unhandled_fault_hook(lambda f: failures.put_nowait(("runtime", -1, -1, f)))
-    rt = relay.current_runtime()
+    loop = asyncio.get_running_loop()
     stop_signal = asyncio.Event()
     got_signal: list[str] = []
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        rt.loop.add_signal_handler(sig, lambda s=sig: (got_signal.append(signal.Signals(s).name), stop_signal.set()))
+        loop.add_signal_handler(sig, lambda s=sig: (got_signal.append(signal.Signals(s).name), stop_signal.set()))
 
     here = this_proc()
     sink = here.spawn("controller", ControllerSink)
     local_agent = here.spawn("agent", NodeAgent, 0, cfg.device)
     await asyncio.gather(sink.initialized(), local_agent.initialized())
-    rdzv.set("controller", {"addr": rt.address, "hb": rt.ensure_monitor()})
+    rdzv.set("controller", {"addr": relay.inbox_address(), "hb": relay.heartbeat_address()})
 
     print(render_plan(plan), file=out, flush=True)
     agents: dict[int, relay.ActorMesh] = {0: local_agent}
@@ -131,7 +128,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             info = await rdzv.get(f"agent/{r}")
             ref = ProcRef(f"agent{r}", info["addr"], "agents", r, info["host"], info["pid"])
             agent_refs[r] = ref
-            rt.watch_remote(ref)  # silence for the heartbeat timeout stops the job
+            relay.watch_heartbeats(ref)  # silence for the heartbeat timeout stops the job
             agents[r] = ProcMesh.attach([ref], name=f"agent{r}").actors("agent", NodeAgent)
         missing = await check_inputs_on_every_node(cfg, mode, agents)  # before any worker starts
         if missing:
@@ -228,7 +225,7 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             await asyncio.wait_for(job.close(graceful=code in (0, EXIT_CHECKPOINTED_ON_SIGNAL)), 90)
         except Exception as e:  # noqa: BLE001 (the workers are stopped next in any case)
             print(f"relay: closing the job: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    await _shutdown(agents, agent_refs, rt, exit_code=code)
+    await _shutdown(agents, agent_refs, exit_code=code)
     if code == 0:
         print("shut down cleanly", file=out, flush=True)
     return code
@@ -258,11 +255,11 @@ async def _silent_agents(agents: dict[int, relay.ActorMesh], agent_refs: dict[in
     return [r for r, p in zip(agent_refs, pings) if isinstance(p, BaseException)]
 
 
-async def _shutdown(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], rt, exit_code: int) -> None:
+async def _shutdown(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], exit_code: int) -> None:
     """Stop every agent's workers, then the agents themselves (best effort, bounded); every
     node's process exits with the job's ``exit_code``."""
     for r in list(agent_refs):
-        rt.unwatch_remote(f"agent{r}")
+        relay.unwatch_heartbeats(f"agent{r}")
     calls = [a.shutdown.call_one(10.0, exit_code).result(20) for a in agents.values()]
     results = await asyncio.gather(*calls, return_exceptions=True)
     del results  # a dead agent cannot be stopped; its own watchdog ends its workers
@@ -277,20 +274,16 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
     creds = await rdzv.get("secret")
     os.environ["RELAY_JOB_SECRET"] = creds["secret"]
     os.environ["RELAY_JOB_ID"] = creds["job_id"]
-    os.environ["RELAY_PARENT_TIMEOUT"] = os.environ.get("RELAY_AGENT_TIMEOUT", AGENT_PARENT_TIMEOUT)
+    os.environ["RELAY_PARENT_TIMEOUT"] = f"{relay.settings().agent_timeout:g}"  # for this agent and its workers
     _prepare_process_env(rank)
-    rt = relay.current_runtime()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the controller decides (it checkpoints first)
-        rt.loop.add_signal_handler(sig, lambda: None)
+        loop.add_signal_handler(sig, lambda: None)
     agent = this_proc().spawn("agent", NodeAgent, rank, cfg.device)
     await agent.initialized()
     ctrl = await rdzv.get("controller")
-    import zmq
-
-    from relay._heartbeat import Heartbeater
-
-    Heartbeater(zmq.Context.instance(), ctrl["hb"], f"agent{rank}", parent_pid=0).start()
-    rdzv.set(f"agent/{rank}", {"addr": rt.address, "host": os.environ["RELAY_HOST"], "pid": os.getpid()})
+    relay.start_heartbeat(ctrl["hb"], f"agent{rank}")
+    rdzv.set(f"agent/{rank}", {"addr": relay.inbox_address(), "host": relay.settings().host, "pid": os.getpid()})
     code = await agent.wait_done.call_one().result(timeout=10 * 24 * 3600)
     if code:
         print(f"relay: node {rank}: the job ended with exit code {code} (the head node's log says why)", file=sys.stderr, flush=True)

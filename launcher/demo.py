@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+import relay
+
 #: the issue's bar: held-out accuracy must rise by at least this much (absolute)
 TARGET_RISE = 0.10
 #: the judge's held-out accuracy below which the demo warns: every token of its reply must be
@@ -30,7 +32,7 @@ JUDGE_TARGET = 0.85
 
 
 def _root() -> str:
-    return os.path.abspath(os.path.join(os.environ.get("RELAY_CACHE", ".cache"), "demo"))
+    return os.path.abspath(os.path.join(relay.settings().cache, "demo"))
 
 
 def _run(title: str, argv: list[str], log_path: str) -> None:

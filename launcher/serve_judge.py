@@ -24,8 +24,10 @@ import relay
 from engines.actor import EngineActor
 from engines.model_builder import ensure_model
 from launcher.config import JobConfig
-from relay._auth import SECRET_ENV, SECRET_FILE_ENV, job_secret, read_secret_file, write_secret_file
+from relay import job_secret, read_secret_file, write_secret_file
 from reward.judge import start_judge_service
+
+SECRET_ENV, SECRET_FILE_ENV = "RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE"
 
 
 def secret_file_path(port: int) -> str:
@@ -38,13 +40,14 @@ def _choose_secret() -> tuple[str, str]:
     """Settle this job's secret before any relay process exists (they inherit it):
     ``("env", "")``, ``("file", path)`` or ``("generated", secret)`` (to be written to a file
     once the port is known). Raises ValueError (what to change) for a bad variable or file."""
-    exported, path = os.environ.get(SECRET_ENV), os.environ.get(SECRET_FILE_ENV)
-    job_secret()  # validates RELAY_JOB_SECRET, else reads the file, else makes one and exports it
+    cfg = relay.settings()
+    exported, path = cfg.job_secret, cfg.job_secret_file
+    secret = job_secret().hex()  # validates RELAY_JOB_SECRET, else reads the file, else makes one and exports it
     if exported:
         return "env", ""
     if path:
         return "file", path
-    return "generated", os.environ[SECRET_ENV]
+    return "generated", secret
 
 
 def _secret_lines(addr: str, source: str, path: str) -> list[str]:

@@ -103,6 +103,7 @@ class Context:
 
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("relay_actor", default=None)
 _message_rank: contextvars.ContextVar[int] = contextvars.ContextVar("relay_message_rank", default=-1)
+_runtime_var: contextvars.ContextVar[Any] = contextvars.ContextVar("relay_runtime", default=None)  # an actor's runtime
 
 
 def context() -> Context:

@@ -8,7 +8,7 @@ not verify is dropped and counted. Buffer *contents* are covered only when
 ``RELAY_MAC_PAYLOAD=1`` (off by default: hashing bulk tensors would halve bulk bandwidth;
 their sizes are always covered, so frames cannot be added, dropped or resized).
 
-The handshake (relay/_runtime.py, ``Runtime.authenticate``): a process that attaches to
+The handshake (relay/_calls.py, ``CallTable.authenticate``): a process that attaches to
 another can send an authenticated hello and wait for its MAC'd ack, which echoes a fresh
 nonce; a hello that does not verify gets :data:`AUTH_REJECTED` (rate-limited by
 :class:`TokenBucket`), every other unauthenticated message gets nothing.
@@ -22,6 +22,8 @@ import secrets
 import struct
 import time
 
+from ._settings import settings
+
 SECRET_ENV = "RELAY_JOB_SECRET"
 SECRET_FILE_ENV = "RELAY_JOB_SECRET_FILE"
 MAC_SIZE = 32
@@ -34,23 +36,42 @@ _generated: str | None = None  # the secret this process made up, when it had no
 _from_file: tuple[str, str] | None = None  # (path, secret) when read from RELAY_JOB_SECRET_FILE
 
 
-def job_secret() -> bytes:
-    """The job's secret: ``RELAY_JOB_SECRET``, else the file named by
-    ``RELAY_JOB_SECRET_FILE``, else one generated here. It is exported to children."""
+def secret_hex() -> str:
+    """The job's secret as hex: ``RELAY_JOB_SECRET``, else the file named by
+    ``RELAY_JOB_SECRET_FILE`` (read once), else one this process made up (once). Writes no
+    environment: a spawner passes it to its workers in theirs."""
     global _generated, _from_file
-    value = os.environ.get(SECRET_ENV)
-    if not value:
-        path = os.environ.get(SECRET_FILE_ENV)
-        if path:
-            value = read_secret_file(path)
-            _from_file = (path, value)
-        else:
-            value = _generated = secrets.token_hex(32)
-        os.environ[SECRET_ENV] = value
+    cfg = settings()
+    if cfg.job_secret:
+        return cfg.job_secret
+    path = cfg.job_secret_file
+    if path:
+        if _from_file is None or _from_file[0] != path:
+            _from_file = (path, read_secret_file(path))
+        return _from_file[1]
+    if _generated is None:
+        _generated = secrets.token_hex(32)
+    return _generated
+
+
+def _key(value: str) -> bytes:
     try:
         return bytes.fromhex(value)
     except ValueError:
-        raise ValueError(f"{SECRET_ENV} must be a hex string (e.g. from: python -c 'import secrets; print(secrets.token_hex(32))')") from None
+        raise ValueError(
+            f"{SECRET_ENV} must be a hex string (e.g. from: python -c 'import secrets; print(secrets.token_hex(32))')"
+        ) from None
+
+
+def job_secret() -> bytes:
+    """Settle this process's job secret and return it: ``RELAY_JOB_SECRET``, else the file
+    named by ``RELAY_JOB_SECRET_FILE``, else one generated here. It is exported as
+    ``RELAY_JOB_SECRET``, so every process started from here inherits it. Raises ValueError
+    (saying what to change) for a value that is not hex or a file that cannot be read."""
+    value = secret_hex()
+    key = _key(value)
+    os.environ[SECRET_ENV] = value
+    return key
 
 
 def read_secret_file(path: str) -> str:
@@ -84,12 +105,16 @@ def write_secret_file(path: str, value: str) -> None:
 
 def secret_origin() -> str:
     """Where this process's secret comes from, in words, for error messages."""
-    value = os.environ.get(SECRET_ENV)
-    if not value or value == _generated:
-        return f"this process has no {SECRET_ENV} (nor {SECRET_FILE_ENV}), so it made up a secret of its own"
-    if _from_file is not None and _from_file[1] == value:
-        return f"this process's secret comes from {SECRET_FILE_ENV}={_from_file[0]}"
-    return f"this process's secret comes from {SECRET_ENV}"
+    cfg = settings()
+    value = cfg.job_secret
+    from_file = f"this process's secret comes from {SECRET_FILE_ENV}={_from_file[0]}" if _from_file else ""
+    if value and value != _generated:
+        if _from_file is not None and _from_file[1] == value:
+            return from_file
+        return f"this process's secret comes from {SECRET_ENV}"
+    if not value and cfg.job_secret_file and _from_file is not None:
+        return from_file
+    return f"this process has no {SECRET_ENV} (nor {SECRET_FILE_ENV}), so it made up a secret of its own"
 
 
 def secret_advice() -> str:
@@ -122,8 +147,8 @@ class Signer:
     __slots__ = ("_key", "_payload")
 
     def __init__(self, key: bytes | None = None):
-        self._key = key if key is not None else job_secret()
-        self._payload = os.environ.get("RELAY_MAC_PAYLOAD", "0") == "1"
+        self._key = key if key is not None else _key(secret_hex())
+        self._payload = settings().mac_payload
 
     def _mac(self, header, buffers) -> bytes:
         if not buffers:

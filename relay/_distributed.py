@@ -7,12 +7,13 @@ import os
 import socket
 
 from ._actor import Actor, context, endpoint
+from ._settings import settings
 
 
 class _DistEnv(Actor):
     @endpoint
     def free_port(self) -> tuple[str, int]:
-        host = os.environ.get("RELAY_HOST", "127.0.0.1")
+        host = settings().host
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             return host, s.getsockname()[1]

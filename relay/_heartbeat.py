@@ -23,42 +23,24 @@ import msgpack
 import zmq
 
 from ._auth import Signer
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        v = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    if v <= 0:
-        raise ValueError(f"{name} must be > 0, got {v}")
-    return v
-
-
-def heartbeat_interval() -> float:
-    return _env_float("RELAY_HEARTBEAT_INTERVAL", 0.5)
-
-
-def heartbeat_timeout() -> float:
-    return _env_float("RELAY_HEARTBEAT_TIMEOUT", 5.0)
-
+from ._settings import settings
 
 #: Extra time a new process gets for its first beat (interpreter start-up on a busy machine).
 STARTUP_GRACE = 20.0
 
 
-class HeartbeatMonitor(threading.Thread):
+class HeartbeatMonitor:
+    """Acks beats and reports processes gone silent, on a thread of its own."""
+
     def __init__(self, ctx: zmq.Context, address: str, on_lost: Callable[[str, str], None]):
-        super().__init__(name="relay-heartbeat-monitor", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="relay-heartbeat-monitor", daemon=True)
         self.address = address
         self._ctx = ctx
         self._on_lost = on_lost
         self._signer = Signer()
-        self._timeout = heartbeat_timeout()
-        self._interval = heartbeat_interval()
+        cfg = settings()
+        self._timeout = cfg.heartbeat_timeout
+        self._interval = cfg.heartbeat_interval
         self._lock = threading.Lock()
         self._deadline: dict[str, float] = {}  # proc_id -> monotonic deadline
         self._last: dict[str, float | None] = {}  # proc_id -> last beat (None: none yet)
@@ -92,10 +74,13 @@ class HeartbeatMonitor(threading.Thread):
         self._halt.set()
 
     def start(self) -> None:
-        super().start()
+        self._thread.start()
         self._ready.wait(5)
 
-    def run(self) -> None:
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
@@ -141,7 +126,7 @@ class HeartbeatMonitor(threading.Thread):
         if len(frames) != 3 or not self._signer.verify(frames[1], frames[2]):
             self.dropped += 1
             try:  # for the failure message only: an unverified claim is never trusted
-                claimed = msgpack.unpackb(frames[-1])[0]
+                (claimed,) = msgpack.unpackb(frames[-1])
                 with self._lock:
                     if claimed in self._deadline:
                         self._unverified[claimed] = self._unverified.get(claimed, 0) + 1
@@ -149,7 +134,7 @@ class HeartbeatMonitor(threading.Thread):
                 pass
             return
         try:
-            proc_id = msgpack.unpackb(frames[2])[0]
+            (proc_id,) = msgpack.unpackb(frames[2])
         except Exception:
             self.dropped += 1
             return
@@ -166,18 +151,24 @@ class HeartbeatMonitor(threading.Thread):
             pass
 
 
-class Heartbeater(threading.Thread):
+class Heartbeater:
+    """Beats to a monitor, on a thread of its own; exits the process when its parent is gone."""
+
     def __init__(self, ctx: zmq.Context, address: str, proc_id: str, parent_pid: int):
-        super().__init__(name="relay-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="relay-heartbeat", daemon=True)
         self._ctx = ctx
         self._address = address
         self._proc_id = proc_id
         self._parent_pid = parent_pid
-        self._interval = heartbeat_interval()
-        self._parent_timeout = _env_float("RELAY_PARENT_TIMEOUT", 60.0)
+        cfg = settings()
+        self._interval = cfg.heartbeat_interval
+        self._parent_timeout = cfg.parent_timeout
         self._signer = Signer()
 
-    def run(self) -> None:
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self._address)

@@ -1,4 +1,5 @@
-"""Meshes: HostMesh -> ProcMesh -> ActorMesh, the endpoint adverbs, Future and ValueMesh."""
+"""Meshes: HostMesh -> ProcMesh -> ActorMesh, and the endpoint adverbs (call, call_one,
+choose, stream, broadcast). What the adverbs give back is in relay/_future.py."""
 
 from __future__ import annotations
 
@@ -7,190 +8,29 @@ import concurrent.futures
 import contextvars
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic
 
 from . import _wire
 from ._actor import EndpointSpec, _current, class_path, endpoints_of
-from ._errors import CallTimeout, SupervisionError
-from ._runtime import AUTH_TIMEOUT, K_SPAWN, ProcRef, Runtime, current_runtime
-from ._shape import Point, View
-
-R = TypeVar("R")
-
-
-_DEFAULT_TIMEOUT: list = []
-
-
-def default_timeout() -> float:
-    """RELAY_CALL_TIMEOUT (seconds, default 600), read once."""
-    if not _DEFAULT_TIMEOUT:
-        _DEFAULT_TIMEOUT.append(float(os.environ.get("RELAY_CALL_TIMEOUT", "600")))
-    return _DEFAULT_TIMEOUT[0]
-
-
-# ------------------------------------------------------------------------------------------
-# Future
-
-
-class Future(Generic[R]):
-    """The result of an adverb. ``await fut`` (default timeout), ``await fut.result(t)``, or
-    ``fut.get(t)`` from code that is not running an event loop (e.g. a sync endpoint).
-
-    A timeout raises :class:`CallTimeout` and does not consume the future: wait again if you like.
-    """
-
-    __slots__ = ("_rt", "_fut", "_timeout", "_what")
-
-    def __init__(self, rt: Runtime, fut: asyncio.Future, timeout: float, what: str):
-        # An error nobody awaits is dropped quietly, as for a fire-and-forget call.
-        fut.add_done_callback(_retrieve)
-        self._rt = rt
-        self._fut = fut
-        self._timeout = timeout
-        self._what = what
-
-    def __await__(self):
-        return self.result().__await__()
-
-    async def result(self, timeout: float | None = None) -> R:
-        fut = self._fut
-        if not fut.done():
-            t = self._timeout if timeout is None else timeout
-            loop = self._rt.loop
-            waiter = loop.create_future()
-
-            def wake(_: Any = None) -> None:
-                if not waiter.done():
-                    waiter.set_result(None)
-
-            fut.add_done_callback(wake)
-            handle = loop.call_later(t, wake)
-            try:
-                await waiter
-            finally:
-                handle.cancel()
-                fut.remove_done_callback(wake)
-            if not fut.done():
-                raise CallTimeout(f"{self._what} did not answer within {t:g} s")
-        return fut.result()
-
-    def get(self, timeout: float | None = None) -> R:
-        rt = self._rt
-        if rt.loop.is_running():
-            if rt.in_loop_thread():
-                raise RuntimeError("Future.get() would block the event loop: use 'await' here")
-            return asyncio.run_coroutine_threadsafe(self.result(timeout), rt.loop).result()
-        return rt.loop.run_until_complete(self.result(timeout))
-
-    def done(self) -> bool:
-        return self._fut.done()
-
-
-def _retrieve(f: asyncio.Future) -> None:
-    if not f.cancelled():
-        f.exception()
-
-
-def _future_from_thread(rt: Runtime, make: Callable[[], Future], what: str, timeout: float) -> Future:
-    """Run an adverb issued from a thread other than the runtime's on the runtime's loop."""
-    ctx = contextvars.copy_context()
-    cf: concurrent.futures.Future = concurrent.futures.Future()
-
-    def start() -> None:
-        try:
-            inner = make()
-        except BaseException as e:
-            cf.set_exception(e)
-            return
-        inner._fut.add_done_callback(lambda f: _copy_result(f, cf))
-
-    rt.loop.call_soon_threadsafe(start, context=ctx)
-    return _ThreadFuture(rt, cf, timeout, what)
-
-
-def _copy_result(src: asyncio.Future, dst: concurrent.futures.Future) -> None:
-    if src.cancelled():
-        dst.cancel()
-    elif src.exception() is not None:
-        dst.set_exception(src.exception())
-    else:
-        dst.set_result(src.result())
-
-
-class _ThreadFuture(Future):
-    """A Future created off the runtime's loop thread: only ``get()`` applies."""
-
-    __slots__ = ("_cf",)
-
-    def __init__(self, rt: Runtime, cf: concurrent.futures.Future, timeout: float, what: str):
-        self._rt, self._cf, self._timeout, self._what = rt, cf, timeout, what
-
-    def __await__(self):
-        return asyncio.wrap_future(self._cf).__await__()
-
-    async def result(self, timeout: float | None = None):
-        t = self._timeout if timeout is None else timeout
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._cf)), t)
-        except asyncio.TimeoutError:
-            raise CallTimeout(f"{self._what} did not answer within {t:g} s") from None
-
-    def get(self, timeout: float | None = None):
-        t = self._timeout if timeout is None else timeout
-        try:
-            return self._cf.result(t)
-        except concurrent.futures.TimeoutError:
-            raise CallTimeout(f"{self._what} did not answer within {t:g} s") from None
-
-    def done(self) -> bool:
-        return self._cf.done()
-
-
-# ------------------------------------------------------------------------------------------
-# ValueMesh
-
-
-class ValueMesh(Generic[R]):
-    """One value per rank of the mesh a ``call`` went to, in rank order."""
-
-    def __init__(self, view: View):
-        self._view = view
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def __iter__(self) -> Iterator[R]:
-        return iter(self._view.members)
-
-    def values(self) -> list[R]:
-        return list(self._view.members)
-
-    def items(self) -> list[tuple[Point, R]]:
-        return list(zip(self._view.points(), self._view.members))
-
-    def item(self, **coords: int) -> R:
-        sub = self._view.slice(**coords)
-        if len(sub) != 1:
-            raise ValueError(f"item() needs every dim of {list(self._view.dims)}, got {coords}")
-        return sub.members[0]
-
-    @property
-    def extent(self) -> dict[str, int]:
-        return dict(self._view.dims)
-
-    def slice(self, **dims: int | slice) -> ValueMesh[R]:
-        return ValueMesh(self._view.slice(**dims))
-
-    def __repr__(self) -> str:
-        return f"ValueMesh({self._view.dims}, {self._view.members!r})"
-
-
-_wire.register_codec(
-    ValueMesh, "relay.ValueMesh", lambda vm: [vm._view.dims, vm._view.members], lambda v: ValueMesh(View(v[0], v[1]))
+from ._calls import AUTH_TIMEOUT
+from ._errors import SupervisionError
+from ._future import (
+    Future,
+    R,
+    ValueMesh,
+    _chain,
+    _future_from_thread,
+    _stream,
+    _wait_shared,
+    default_timeout,
 )
-
+from ._messages import Spawn
+from ._processes import ProcRef
+from ._runtime import Runtime, current_runtime
+from ._settings import settings
+from ._shape import Point, View
 
 # ------------------------------------------------------------------------------------------
 # ActorMesh and endpoints
@@ -290,8 +130,8 @@ class ActorMesh:
 
     @classmethod
     def _from_wire(cls, d: dict) -> ActorMesh:
-        specs = {e[0]: EndpointSpec(*e) for e in d["endpoints"]}
-        members = [_Member(m[0], Point(m[1], m[2], m[3])) for m in d["members"]]
+        specs = {name: EndpointSpec(name, *rest) for name, *rest in d["endpoints"]}
+        members = [_Member(proc, Point(rank, coords, extent)) for proc, rank, coords, extent in d["members"]]
         return cls(d["name"], d["cls"], specs, View(d["dims"], members), _SpawnState(None))
 
 
@@ -341,7 +181,7 @@ class EndpointRef(Generic[R]):
 
         def send() -> None:
             for i, m in enumerate(members):
-                f = rt.call(m.proc, name, method, i, payload, buffers, want_reply)
+                f = rt.calls.call(m.proc, name, method, i, payload, buffers, want_reply)
                 if on_part is not None:
                     on_part(i, f)
 
@@ -429,41 +269,6 @@ class EndpointRef(Generic[R]):
             rt.loop.call_soon_threadsafe(lambda: self.broadcast(*args, **kwargs), context=ctx)
             return
         self._send(rt, self._mesh, args, kwargs, False, None)
-
-
-async def _wait_shared(fut: asyncio.Future, timeout: float, what: str) -> None:
-    """Wait for a future others share, without cancelling it if we are cancelled."""
-    if not fut.done():
-        await asyncio.wait([fut], timeout=timeout)
-        if not fut.done():
-            raise CallTimeout(f"{what} within {timeout:g} s")
-    if fut.cancelled():
-        raise RuntimeError(f"{what}: cancelled")
-    exc = fut.exception()
-    if exc is not None:
-        raise exc
-
-
-def _chain(src: asyncio.Future, dst: asyncio.Future) -> None:
-    if dst.done():
-        return
-    if src.cancelled():
-        dst.cancel()
-    elif src.exception() is not None:
-        dst.set_exception(src.exception())
-    else:
-        dst.set_result(src.result())
-
-
-async def _stream(rt: Runtime, queue: asyncio.Queue, n: int, timeout: float, what: str):
-    deadline = rt.loop.time() + timeout
-    for _ in range(n):
-        left = deadline - rt.loop.time()
-        try:
-            f = await asyncio.wait_for(queue.get(), max(left, 0))
-        except asyncio.TimeoutError:
-            raise CallTimeout(f"{what} stream did not finish within {timeout:g} s") from None
-        yield f.result()
 
 
 # ------------------------------------------------------------------------------------------
@@ -558,13 +363,9 @@ class ProcMesh:
         futs = []
         for m in mesh._view.members:
             pt = m.point
-            futs.append(
-                rt.request(
-                    m.proc.addr,
-                    [mesh._name, mesh._cls_path, payload, [pt.rank, pt.coords, pt.extent], self._name, owner_addr, owner_actor],
-                    K_SPAWN,
-                )
-            )
+            point = [pt.rank, pt.coords, pt.extent]
+            spawn = Spawn(0, mesh._name, mesh._cls_path, payload, point, self._name, owner_addr, owner_actor)
+            futs.append(rt.calls.request(m.proc.addr, spawn))
         state.flush()
         results = await asyncio.gather(*futs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -579,7 +380,7 @@ class ProcMesh:
         left after ``timeout`` is killed. Calls in flight fail with SupervisionError."""
         if not self._owned:
             raise RuntimeError(f"proc mesh {self._name!r} was not spawned by this process; stop it through its owner")
-        await self._rt.stop_procs(self._view.members, timeout)
+        await self._rt.procs.stop_procs(self._view.members, timeout)
 
     @classmethod
     def attach(cls, procs: list[ProcRef], name: str = "attached", dims: dict[str, int] | None = None) -> ProcMesh:
@@ -597,7 +398,7 @@ class ProcMesh:
         address). Raises :class:`AuthenticationError` when one rejects it or none answers
         within ``timeout``, naming RELAY_JOB_SECRET / RELAY_JOB_SECRET_FILE; without it, a
         call signed with another secret is dropped and only its own timeout ends it."""
-        await asyncio.gather(*(self._rt.authenticate(p.addr, timeout) for p in self._view.members))
+        await asyncio.gather(*(self._rt.calls.authenticate(p.addr, timeout) for p in self._view.members))
 
     def actors(self, name: str, cls: type) -> ActorMesh:
         """A reference to the actors named ``name`` (of class ``cls``) already running on
@@ -661,7 +462,7 @@ class HostMesh:
                 raise TypeError("env must map str to str")
             envs.append(e)
         owner = _current.get()
-        owned = rt.spawn_local(name, len(points), envs, owner.name if owner is not None else "")
+        owned = rt.procs.spawn_local(name, len(points), envs, owner.name if owner is not None else "")
         ready = asyncio.ensure_future(asyncio.gather(*(o.hello for o in owned)), loop=rt.loop)
         ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # reported via supervision
         return ProcMesh(name, View(dims, [o.ref for o in owned]), rt, ready)
@@ -678,7 +479,7 @@ def this_proc() -> ProcMesh:
     """This process as a one-process mesh: ``this_proc().spawn(...)`` hosts actors here."""
     rt = current_runtime()
     addr = rt.ensure_inbox()
-    ref = ProcRef(rt.proc_id, addr, "this_proc", 0, os.environ.get("RELAY_HOST", "127.0.0.1"), os.getpid())
+    ref = ProcRef(rt.proc_id, addr, "this_proc", 0, settings().host, os.getpid())
     ready = rt.loop.create_future()
     ready.set_result(None)
     return ProcMesh("this_proc", View({"procs": 1}, [ref]), rt, ready, owned=False)
@@ -686,7 +487,7 @@ def this_proc() -> ProcMesh:
 
 def this_host() -> HostMesh:
     """The host this process runs on, as a one-host mesh."""
-    return HostMesh([os.environ.get("RELAY_HOST", "127.0.0.1")])
+    return HostMesh([settings().host])
 
 
 __all__ = ["ActorMesh", "EndpointRef", "Future", "HostMesh", "ProcMesh", "ValueMesh", "this_host", "SupervisionError"]

@@ -15,25 +15,37 @@ import itertools
 import mmap
 import os
 import re
+import secrets
 import shutil
+
+from ._settings import settings
 
 _ROOT = "/dev/shm"
 _NAME = re.compile(r"^[0-9]+-[0-9]+$")
 _seq = itertools.count()
+_generated_job: str | None = None  # the job id this process made up (it is the job's root)
 
 
 def enabled() -> bool:
-    return os.environ.get("RELAY_SHM", "1") != "0" and os.path.isdir(_ROOT)
+    return settings().shm and os.path.isdir(_ROOT)
 
 
-def min_bytes() -> int:
-    return int(os.environ.get("RELAY_SHM_MIN_BYTES", str(4 << 20)))
+def job_id() -> str:
+    """``RELAY_JOB_ID``, else an id made up once by this process (the root of its job);
+    the spawner passes it to its workers."""
+    global _generated_job
+    job = settings().job_id
+    if job:
+        return job
+    if _generated_job is None:
+        _generated_job = secrets.token_hex(8)
+    return _generated_job
 
 
 def job_dir() -> str:
-    job = os.environ.get("RELAY_JOB_ID", "")
+    job = job_id()
     if not re.fullmatch(r"[0-9a-f]{8,64}", job):
-        raise RuntimeError("RELAY_JOB_ID is not set to a hex id; the relay runtime sets it")
+        raise RuntimeError(f"RELAY_JOB_ID must be a hex id (8 to 64 digits), got {job!r}")
     return os.path.join(_ROOT, f"relay-{job}")
 
 

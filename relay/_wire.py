@@ -139,7 +139,8 @@ class Encoder:
 
     def _packer(self) -> msgpack.Packer:
         while len(self._packers) <= self._depth:
-            self._packers.append(msgpack.Packer(default=self._default, strict_types=True, use_bin_type=True, autoreset=True))
+            packer = msgpack.Packer(default=self._default, strict_types=True, use_bin_type=True, autoreset=True)
+            self._packers.append(packer)
         return self._packers[self._depth]
 
     def pack(self, obj: Any) -> bytes:

@@ -16,18 +16,19 @@ import signal
 import socket
 import sys
 
+from ._settings import Settings, settings
 
-def _prepare_imports() -> None:
-    extra = [p for p in os.environ.get("RELAY_SYS_PATH", "").split(os.pathsep) if p]
-    for p in reversed(extra):
+
+def _prepare_imports(cfg: Settings) -> None:
+    for p in reversed(cfg.sys_path):
         if p not in sys.path:
             sys.path.insert(0, p)
 
 
-def _redirect_output() -> None:
+def _redirect_output(cfg: Settings) -> None:
     """RELAY_LOG_FILE set: this process's stdout and stderr (Python's and native code's,
     warnings included) are appended to that file instead of the spawner's console."""
-    path = os.environ.get("RELAY_LOG_FILE")
+    path = cfg.log_file
     if not path:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -42,16 +43,17 @@ def _redirect_output() -> None:
 def main() -> None:
     # Ctrl-C in a terminal reaches the whole process group: the root decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _redirect_output()
+    cfg = settings()
+    _redirect_output(cfg)
     import zmq
 
     from ._heartbeat import Heartbeater
-    from ._runtime import K_HELLO, Runtime, install_runtime
+    from ._messages import Started
+    from ._runtime import Runtime, install_runtime
 
-    proc_id = os.environ["RELAY_PROC_ID"]
-    parent_pid = int(os.environ.get("RELAY_PARENT_PID", "0"))
-    Heartbeater(zmq.Context.instance(), os.environ["RELAY_PARENT_HB"], proc_id, parent_pid).start()
-    _prepare_imports()
+    proc_id = cfg.proc_id
+    Heartbeater(zmq.Context.instance(), cfg.parent_hb, proc_id, cfg.parent_pid).start()
+    _prepare_imports(cfg)
     try:
         import uvloop
 
@@ -61,18 +63,18 @@ def main() -> None:
     asyncio.set_event_loop(loop)
 
     async def serve() -> None:
-        rt = Runtime(loop, bind=os.environ["RELAY_BIND"])
+        rt = Runtime(loop, bind=cfg.bind)
         install_runtime(rt)
         addr = rt.ensure_inbox()
-        if os.environ.get("RELAY_IGNORE_SIGTERM") == "1":
+        if cfg.ignore_sigterm:
             # The spawner decides when this process stops (slurm signals every process of a
             # job step at once; the controller then checkpoints first). Relay itself stops
             # workers with a message, then SIGKILL; a dead spawner ends them by heartbeat.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         else:
-            loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(rt._on_stop(b"", 0)))
-        rt.send_to(os.environ["RELAY_PARENT_ADDR"], [K_HELLO, proc_id, addr, os.getpid(), socket.gethostname()])
+            loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(rt.on_stop()))
+        rt.send_to(cfg.parent_addr, Started(proc_id, addr, os.getpid(), socket.gethostname()))
         await rt.stopped
 
     loop.run_until_complete(serve())

@@ -31,6 +31,7 @@ import itertools
 import os
 import uuid
 
+import relay
 from engines.interface import SamplingParams
 from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
@@ -187,10 +188,10 @@ _clients: dict = {}
 
 def get_genrm_client(address: str | None = None, actor: str | None = None) -> GenRMClient:
     """The client of this process and event loop (created on first use)."""
-    address = address or os.environ.get(ENV_ADDR)
+    address = address or relay.settings().genrm_addr
     if not address:
         raise RuntimeError(f"no judge address: pass address=... or run inside a job (which sets {ENV_ADDR})")
-    actor = actor or os.environ.get(ENV_ACTOR, "genrm")
+    actor = actor or relay.settings().genrm_actor
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import time
 
 import torch
+
+import relay
 
 from ..interface import (
     Engine,
@@ -101,7 +102,7 @@ class TorchEngine(Engine):
             # thread). A decode step is hundreds of small ops: forking and joining an OpenMP
             # team around each costs more than it saves, and colocated CPU workers already
             # share the cores.
-            threads = cpu_threads or int(os.environ.get("RELAY_ENGINE_CPU_THREADS", "1"))
+            threads = cpu_threads or relay.settings().engine_cpu_threads
             self._exec.submit(torch.set_num_threads, threads).result()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None

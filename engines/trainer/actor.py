@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+import relay
 from engines import weight_sync
 from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
@@ -43,8 +44,9 @@ def _init_process_group(dist, backend: str) -> None:
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-    limit = float(env.get("RELAY_DIST_INIT_TIMEOUT", "60"))
-    me = f"bundle {env.get('RELAY_BUNDLE', '?')}, node {env.get('RELAY_NODE', '?')}, host {env.get('RELAY_HOST', '?')}"
+    cfg = relay.settings()
+    limit = cfg.dist_init_timeout
+    me = f"bundle {cfg.bundle}, node {cfg.node}, host {cfg.host}"
     where = f"trainer rank {rank} of {world} ({me})"
     hint = ("Check that every node is up and reaches that address (RELAY_HOST / the network interface); "
             "RELAY_DIST_INIT_TIMEOUT sets the limit")

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from relay import _wire, this_host
+from relay import _wire, job_secret, this_host
 from relay._auth import Signer
 from tests.helpers import run
 from tests.relay.actors import Counter, Echo
@@ -121,7 +121,7 @@ def test_handshake_acks_the_job_secret_and_rejects_a_wrong_or_missing_one(tmp_pa
         echo = procs.spawn("echo", Echo)
         await echo.initialized()
         addr = procs.procs[0].addr
-        secret = os.environ["RELAY_JOB_SECRET"]  # the job's secret, which the server holds
+        secret = job_secret().hex()  # the job's secret, which the server holds
         good_file = tmp_path / "good.secret"
         good_file.write_text(secret + "\n")
         wrong_file = tmp_path / "wrong.secret"
@@ -180,7 +180,11 @@ def test_a_rejection_is_constant_smaller_than_the_hello_and_rate_limited():
     elapsed time are answered; the rest are counted as suppressed. A signed hello sent the
     same way is acked with a reply signed by the job's secret, echoing its nonce."""
     from relay._auth import AUTH_REJECTED
-    from relay._runtime import _HELLO_MAX, _HELLO_PREFIX, _REJECT_BURST, _REJECT_RATE, K_AUTH
+    from relay._messages import HELLO_MAX as _HELLO_MAX
+    from relay._messages import HELLO_PREFIX as _HELLO_PREFIX
+    from relay._messages import K_AUTH
+    from relay._transport import REJECT_BURST as _REJECT_BURST
+    from relay._transport import REJECT_RATE as _REJECT_RATE
 
     for rid in (1, 2**16, 2**64 - 1):  # the hello layout the server recognizes without decoding
         packed = msgpack.packb([K_AUTH, rid, secrets.token_hex(16)])

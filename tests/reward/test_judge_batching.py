@@ -9,7 +9,7 @@ import json
 import pytest
 
 from engines.interface import GenerateResult
-from relay import Actor, current_runtime, endpoint, this_proc
+from relay import Actor, endpoint, inbox_address, this_proc
 from reward.client import GenRMClient
 from reward.errors import BadMessages, JudgeAsleep, JudgeEngineError, UnknownRouteKey
 from reward.judge import JudgeService
@@ -131,7 +131,7 @@ def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_mode
                 http = await asyncio.gather(*(post({"seed": i}) for i in range(8)), *(post(p) for p in POISONS))
         finally:
             await gateway.server.close()
-        client = GenRMClient(current_runtime().ensure_inbox())
+        client = GenRMClient(inbox_address())
 
         async def call(sp):
             try:
@@ -165,7 +165,7 @@ def test_concurrent_requests_share_engine_calls_and_get_their_own_answers(judge_
 def test_client_coalesces_calls_but_each_caller_gets_its_result_or_error(judge_model):
     async def main():
         judge, (engine,) = await start([False], model=judge_model)
-        client = GenRMClient(current_runtime().ensure_inbox())
+        client = GenRMClient(inbox_address())
 
         async def one(i):
             try:
