@@ -181,22 +181,24 @@ class Engine(abc.ABC):
         return {"backend": type(self).__name__, "device_type": "cpu", "uuid": None}
 
     async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
-        raise NotImplementedError(self._no_transport("CUDA IPC"))
+        raise NotImplementedError(_no_transport(self, "CUDA IPC"))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                         group_name: str, backend: str, timeout_s: float) -> None:
-        raise NotImplementedError(self._no_transport("a broadcast group"))
+        raise NotImplementedError(_no_transport(self, "a broadcast group"))
 
     async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
                                               group_name: str, last: bool = True) -> None:
-        raise NotImplementedError(self._no_transport("a broadcast group"))
+        raise NotImplementedError(_no_transport(self, "a broadcast group"))
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        raise NotImplementedError(self._no_transport("a broadcast group"))
+        raise NotImplementedError(_no_transport(self, "a broadcast group"))
 
-    def _no_transport(self, what: str) -> str:
-        return (f"{type(self).__name__} takes no weights by {what}: it takes them through update_weights "
-                "(the trainer's weight sender routes it there)")
+
+
+def _no_transport(engine: Engine, what: str) -> str:
+    return (f"{type(engine).__name__} takes no weights by {what}: it takes them through update_weights "
+            "(the trainer's weight sender routes it there)")
 
 
 def check_tags(tags) -> tuple[str, ...]:

@@ -73,7 +73,7 @@ class SGLangEngine(Engine):
         self.weights_cpu_backup = weights_cpu_backup
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
-        self.args = self.server_args(
+        self.args = server_args(
             model_path, tp_size, dp_size, pp_size, ep_size, mem_fraction_static, context_length, base_gpu_id, self.port, colocated, weights_cpu_backup, extra_args or {}
         )
         self.proc: subprocess.Popen | None = None
@@ -83,30 +83,6 @@ class SGLangEngine(Engine):
         self._rid = 0
         self._tok = None  # the HF tokenizer, loaded on first use (see tokenizer)
         self.events: list[tuple] = []
-
-    @staticmethod
-    def server_args(model_path, tp, dp, pp, ep, mem_fraction, context_length, base_gpu_id, port, colocated, backup, extra) -> list[str]:
-        """Our config -> ``sglang.launch_server`` arguments."""
-        args = [
-            "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port),
-            "--tp-size", str(tp), "--dp-size", str(dp), "--pp-size", str(pp), "--ep-size", str(ep),
-            "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup",
-        ]
-        if mem_fraction is not None:
-            args += ["--mem-fraction-static", str(mem_fraction)]
-        if context_length is not None:
-            args += ["--context-length", str(context_length)]
-        if colocated:
-            args.append("--enable-memory-saver")
-        if backup:
-            args.append("--enable-weights-cpu-backup")
-        for k, v in extra.items():
-            flag = "--" + k.replace("_", "-")
-            if v is True:
-                args.append(flag)
-            elif v not in (False, None):
-                args += [flag, str(v)]
-        return args
 
     # ------------------------------------------------------------------ process
 
@@ -277,7 +253,7 @@ class SGLangEngine(Engine):
         if drain == "finish":
             await self._wait_idle()
         await self._drain()
-        before = self._gpu_free()
+        before = _gpu_free()
         await self._post("/release_memory_occupation", {"tags": tags})
         await self._wait_released(before)
         self._asleep.update(tags)
@@ -293,23 +269,13 @@ class SGLangEngine(Engine):
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{self.name}: requests did not finish within {self.drain_timeout:g} s")
 
-    def _gpu_free(self) -> int | None:
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                return torch.cuda.mem_get_info()[0]
-        except Exception:
-            pass
-        return None
-
     async def _wait_released(self, before: int | None, timeout: float = 30.0) -> None:
         """The release call can return before the memory is free (slime#579): wait for it."""
         if before is None:
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._gpu_free() > before:
+            if _gpu_free() > before:
                 return
             await asyncio.sleep(0.05)
 
@@ -336,18 +302,19 @@ class SGLangEngine(Engine):
             payload = base64.b64encode(_forking_dumps(items)).decode()
             await self._post(
                 "/update_weights_from_tensor",
-                {"serialized_named_tensors": [payload] * max(1, self._tp()), "flush_cache": True, "weight_version": str(version)},
+                {"serialized_named_tensors": [payload] * max(1, int(self.args[self.args.index("--tp-size") + 1])), "flush_cache": True, "weight_version": str(version)},
             )
         self.weight_version = version
         self.events.append((time.monotonic(), "update_weights", version))
 
-    def _tp(self) -> int:
-        return int(self.args[self.args.index("--tp-size") + 1])
-
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str = "weight_update_group") -> None:
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "nccl",
+                                        timeout_s: float = 600.0) -> None:
+        """Join SGLang's server to a broadcast group (``timeout_s`` is the server's own)."""
         await self._post(
             "/init_weights_update_group",
-            {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name, "backend": "nccl"},
+            {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+             "world_size": world_size, "group_name": group_name, "backend": backend},
         )
 
     async def update_weights_distributed(self, names: list, dtypes: list, shapes: list, version: int, broadcast=None, group_name: str = "weight_update_group") -> None:
@@ -406,3 +373,38 @@ def _forking_dumps(items: list) -> bytes:
     buf = io.BytesIO()
     ForkingPickler(buf).dump(items)
     return buf.getvalue()
+
+
+def server_args(model_path, tp, dp, pp, ep, mem_fraction, context_length, base_gpu_id, port, colocated, backup, extra) -> list[str]:
+    """Our config -> ``sglang.launch_server`` arguments."""
+    args = [
+        "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port),
+        "--tp-size", str(tp), "--dp-size", str(dp), "--pp-size", str(pp), "--ep-size", str(ep),
+        "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup",
+    ]
+    if mem_fraction is not None:
+        args += ["--mem-fraction-static", str(mem_fraction)]
+    if context_length is not None:
+        args += ["--context-length", str(context_length)]
+    if colocated:
+        args.append("--enable-memory-saver")
+    if backup:
+        args.append("--enable-weights-cpu-backup")
+    for k, v in extra.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            args.append(flag)
+        elif v not in (False, None):
+            args += [flag, str(v)]
+    return args
+
+
+def _gpu_free() -> int | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info()[0]
+    except Exception:
+        pass
+    return None

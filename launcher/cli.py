@@ -29,7 +29,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from launcher.allocator import make_plan, render_plan
-    from launcher.config import ConfigError, check_job, load_config
+    from launcher.config import ConfigError, load_config
+    from launcher.job_checks import check_job
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -75,7 +76,8 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _sbatch(args: argparse.Namespace) -> int:
     from launcher.allocator import PlanError, make_plan
-    from launcher.config import ConfigError, check_job, load_config, parse_overrides
+    from launcher.config import ConfigError, load_config, parse_overrides
+    from launcher.job_checks import check_job
     from launcher.sbatch import render_sbatch
 
     try:

@@ -417,39 +417,6 @@ def _check_sampling(cfg: JobConfig) -> None:
             raise ConfigError(f"GenRM instance {inst.name!r}: sampling_config (--genrm-sampling-config): {e}") from None
 
 
-def user_code_flags() -> list[str]:
-    """The fields whose value is a ``module.func`` path (imported by :func:`check_job`)."""
-    return [name for name, f in FIELDS.items() if f.metadata.get("user_code")]
-
-
-def check_job(cfg: JobConfig, sft: bool = False) -> None:
-    """What a job needs beyond well-formed values, checked by every entry point (``relay
-    plan / train / sbatch``, ``python -m launcher``) before any process starts: a judge for
-    ``--rm-type dapo-genrm``, a reward when it trains, and every ``module.func`` flag
-    importable now (from ``sys.path``: the entry points put the working directory first, as
-    ``python -m`` does). ``sft``: only the trainer runs, so rewards and hooks are not used."""
-    if sft:
-        return
-    if cfg.rm_type == "dapo-genrm" and not cfg.custom_rm_path and not cfg.genrm:
-        raise ConfigError(
-            "--rm-type dapo-genrm scores every sample with a judge, and this config has none: add a genrm model "
-            "(--genrm-model-path PATH with a 'genrm' entry in --resource or --genrm-num-gpus N) or judge instances "
-            "(--genrm-instances '{\"route_key\": {\"model_path\": ..., \"num_gpus\": N}}'), "
-            "or use a reward without a judge (--rm-type dapo)"
-        )
-    if cfg.prompt_data and not cfg.custom_rm_path and cfg.rm_type is None:
-        raise ConfigError("training needs a reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func")
-    from reward.rewards import load_callable
-
-    for name in user_code_flags():
-        path = getattr(cfg, name)
-        if path is not None:
-            try:
-                load_callable(path, "--" + name.replace("_", "-"))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-
-
 def parse_overrides(argv: list[str]) -> dict[str, Any]:
     """``--flag value`` / ``--flag=value`` / bare ``--bool-flag`` pairs -> {field: raw value}."""
     out: dict[str, Any] = {}

@@ -8,8 +8,9 @@ import dataclasses
 import sys
 
 from .allocator import PlanError
-from .config import ConfigError, check_job, load_config
+from .config import ConfigError, load_config
 from .controller import JobFailed, run_agent, run_controller
+from .job_checks import check_job
 from .rendezvous import Rank, torchrun_rank, use_network_interface
 
 

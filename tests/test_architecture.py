@@ -50,7 +50,8 @@ def _imports(module: str, tree: ast.AST, top_level_only: bool) -> set[str]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            # `from package import module` imports that module; `from module import name`, the module
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
         else:
             continue
         for name in names:
