@@ -212,8 +212,8 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             # gone (its heartbeat timeout may not have passed yet)
             silent = await _silent_agents(agents, agent_refs)
             if silent:
-                message = "; ".join(f"node {r} agent (host {agent_refs[r].host}, pid {agent_refs[r].pid}) does not answer; its workers "
-                                    f"(bundles {_bundles_of_node(plan, r)}) are lost" for r in silent) + f" (first error seen: {message})"
+                message = "; ".join(f"node {r} agent (host {agent_refs[r].host}, pid {agent_refs[r].pid}) {why}; its workers "
+                                    f"(bundles {_bundles_of_node(plan, r)}) are lost" for r, why in silent.items()) + f" (first error seen: {message})"
         code = 1
     for f in (task, waiter, stopper):
         if not f.done():
@@ -249,10 +249,14 @@ def _bundles_of_node(plan: Plan, node: int) -> str:
     return f"{start}..{start + plan.gpus_per_node - 1}"
 
 
-async def _silent_agents(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], timeout: float = 2.0) -> list[int]:
-    """The other nodes whose agents do not answer a ping within ``timeout``."""
+async def _silent_agents(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], timeout: float = 2.0) -> dict[int, str]:
+    """The other nodes whose agents do not answer a ping within ``timeout``, each with why
+    (what relay knows of its death, e.g. the connection dropped, or that it does not answer)."""
     pings = await asyncio.gather(*(agents[r].info.call_one().result(timeout) for r in agent_refs), return_exceptions=True)
-    return [r for r, p in zip(agent_refs, pings) if isinstance(p, BaseException)]
+    return {
+        r: p.failure.reason if isinstance(p, relay.SupervisionError) else "does not answer"
+        for r, p in zip(agent_refs, pings) if isinstance(p, BaseException)
+    }
 
 
 async def _shutdown(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], exit_code: int) -> None:

@@ -116,7 +116,9 @@ def test_killing_an_agent_stops_the_job_within_10_s():
         assert controller_node is not None, "the controller did not report the failure"
         elapsed, err = controller_node
         assert elapsed < 10, (elapsed, err[-3000:])
-        assert f"node 1 agent (host 127.0.0.1, pid {agent})" in err and "missed heartbeats" in err and "bundles 2..3" in err
+        assert f"node 1 agent (host 127.0.0.1, pid {agent})" in err and "bundles 2..3" in err
+        # the agent's death is seen by its missed heartbeats or, sooner, by its dropped connection
+        assert "missed heartbeats" in err or "connection lost (the process exited or its host is unreachable)" in err, err[-3000:]
     finally:
         reap(nodes)
 
