@@ -30,12 +30,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args()
-    path = make_model("qwen3", a.size, tempfile.mkdtemp(prefix="decode-prof-"), seed=0, dtype="bfloat16", init_device="cuda")
+    path = make_model(
+        "qwen3", a.size, tempfile.mkdtemp(prefix="decode-prof-"), seed=0, dtype="bfloat16", init_device="cuda"
+    )
     eng = TorchEngine(path, device="cuda", kv_cache_tokens=a.batch * (a.context + 64), max_running=a.batch)
     prompts = [[5 + (i + j) % 90 for j in range(a.context)] for i in range(a.batch)]
 
     async def fill():  # fill the cache with each sequence's context (prefill + one decode)
-        await asyncio.gather(*(eng.generate(p, {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}) for p in prompts))
+        await asyncio.gather(
+            *(eng.generate(p, {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}) for p in prompts)
+        )
 
     asyncio.run(fill())
     # A decode batch by hand: each sequence's context in contiguous blocks.
@@ -43,7 +47,7 @@ def main() -> None:
     blocks = -(-(a.context + 1) // bs)
     tables = torch.arange(a.batch * blocks, dtype=torch.int32, device="cuda").view(a.batch, blocks)
     pos = torch.full((a.batch,), a.context, device="cuda")
-    slots = (tables[:, -1].long() * bs + a.context % bs)
+    slots = tables[:, -1].long() * bs + a.context % bs
     ids = torch.full((a.batch,), 7, device="cuda")
     lens = torch.full((a.batch,), a.context + 1, dtype=torch.int32, device="cuda")
 
@@ -71,10 +75,18 @@ def main() -> None:
     rows = [r for r in rows if not r[0].startswith("aten::")]
     total = sum(r[1] for r in rows)
     rows.sort(key=lambda r: -r[1])
-    out = {"bench": "decode_profile", "model": f"qwen3-{a.size}", "batch": a.batch, "context": a.context,
-           "eager_step_ms": round(eager_ms, 3), "kernel_ms_per_step": round(total / 1e3, 3),
-           "kernels_per_step": sum(r[2] for r in rows),
-           "top": [{"kernel": k, "ms": round(us / 1e3, 3), "calls": c, "share": round(us / total, 3)} for k, us, c in rows[:14]]}
+    out = {
+        "bench": "decode_profile",
+        "model": f"qwen3-{a.size}",
+        "batch": a.batch,
+        "context": a.context,
+        "eager_step_ms": round(eager_ms, 3),
+        "kernel_ms_per_step": round(total / 1e3, 3),
+        "kernels_per_step": sum(r[2] for r in rows),
+        "top": [
+            {"kernel": k, "ms": round(us / 1e3, 3), "calls": c, "share": round(us / total, 3)} for k, us, c in rows[:14]
+        ],
+    }
     print(json.dumps(out))
 
 

@@ -38,7 +38,9 @@ def sync(device: str) -> None:
 async def builtin_tok_s(eng: TorchEngine, batch: int, prompt: int, new: int) -> float:
     prompts = [[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)]
     sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
-    await asyncio.gather(*(eng.generate(p, {**sp, "max_new_tokens": 2}) for p in prompts))  # warm-up (captures this batch's graph)
+    await asyncio.gather(
+        *(eng.generate(p, {**sp, "max_new_tokens": 2}) for p in prompts)
+    )  # warm-up (captures this batch's graph)
     t = time.perf_counter()
     res = await asyncio.gather(*(eng.generate(p, sp) for p in prompts))
     el = time.perf_counter() - t
@@ -113,9 +115,20 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--skip-hf-above", type=int, default=10**9, help="skip transformers at batch sizes above this")
     ap.add_argument("--swap-only", action="store_true", help="only the sleep/wake figures (e.g. for a 4b judge)")
-    ap.add_argument("--hf-compile-batches", default="", help="also measure transformers with a static cache + torch.compile at these batch sizes (GPU; slow: compiles per shape)")
+    ap.add_argument(
+        "--hf-compile-batches",
+        default="",
+        help="also measure transformers with a static cache + torch.compile at these batch sizes (GPU; slow: compiles "
+             "per shape)",
+    )
     ap.add_argument("--no-swap", action="store_true", help="skip the sleep/wake figures")
-    ap.add_argument("--rounds", type=int, default=None, help="alternate built-in and transformers this many times per batch size; medians reported (default: 5 on CPU, 1 on GPU)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="alternate built-in and transformers this many times per batch size; medians reported (default: 5 on CPU, "
+             "1 on GPU)",
+    )
     a = ap.parse_args()
     dev = a.device
     prompt = a.prompt or (128 if dev == "cuda" else 16)
@@ -125,7 +138,14 @@ def main() -> None:
     path = make_model("qwen3", a.size, tmp, seed=0, dtype=dtype, init_device=dev)
     import transformers
 
-    result = {"bench": "engine", "device": dev, "model": f"qwen3-{a.size}", "dtype": dtype, "prompt": prompt, "new_tokens": new}
+    result = {
+        "bench": "engine",
+        "device": dev,
+        "model": f"qwen3-{a.size}",
+        "dtype": dtype,
+        "prompt": prompt,
+        "new_tokens": new,
+    }
     if dev == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         result["copy_gb_s"] = round(copy_bandwidth(dev) / 1e9, 1)  # read + write counted; not the roofline's
@@ -134,7 +154,12 @@ def main() -> None:
         result["read_gb_s_by_kernel"] = {k: round(v / 1e9, 1) for k, v in read.items() if k != "best"}
         result["matmul_tflops"] = round(matmul_flops(dev) / 1e12, 1)
     if a.swap_only:
-        result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
+        result.update(
+            {
+                k: round(v, 4) if isinstance(v, float) else v
+                for k, v in asyncio.run(swap_times(path, dev, dtype)).items()
+            }
+        )
         print(json.dumps(result))
         return
     batches = [int(b) for b in a.batches.split(",")]
@@ -202,7 +227,12 @@ def main() -> None:
                 result[f"roofline_frac_b{b}"] = round(bytes_step / step_s / (result["read_gb_s"] * 1e9), 3)
                 result[f"flops_frac_b{b}"] = round(flops_step / step_s / (result["matmul_tflops"] * 1e12), 4)
     if not a.no_swap:
-        result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in asyncio.run(swap_times(path, dev, dtype)).items()})
+        result.update(
+            {
+                k: round(v, 4) if isinstance(v, float) else v
+                for k, v in asyncio.run(swap_times(path, dev, dtype)).items()
+            }
+        )
     print(json.dumps(result))
 
 

@@ -61,7 +61,11 @@ class InstantEngine(Actor):
 
     @endpoint(concurrent=True)
     async def generate_rendered(self, requests):
-        n = [len(ids) for ids in encode_rendered(self.tok, [t for t, _ in requests])] if self.tok else [0] * len(requests)
+        n = (
+            [len(ids) for ids in encode_rendered(self.tok, [t for t, _ in requests])]
+            if self.tok
+            else [0] * len(requests)
+        )
         return [GenerateResult([16], "1", [-0.1], "stop", k, 0) for k in n]
 
     @endpoint(concurrent=True)
@@ -91,11 +95,16 @@ async def load(call, n: int, concurrency: int = 64) -> dict:
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     el = time.perf_counter() - t0
     lat.sort()
-    return {"req_s": round(len(lat) / el), "p50_ms": round(statistics.median(lat) * 1e3, 2), "p99_ms": round(lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3, 2)}
+    return {
+        "req_s": round(len(lat) / el),
+        "p50_ms": round(statistics.median(lat) * 1e3, 2),
+        "p99_ms": round(lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3, 2),
+    }
 
 
 async def http_load(port: int, n: int, concurrency: int, check: bool) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
+
         async def call():
             async with s.post(f"http://127.0.0.1:{port}/genrm/generate", json={"messages": MSG}) as r:
                 if check:
@@ -110,7 +119,14 @@ def _median_of(rounds: list[dict], prefix: str) -> dict:
 
 
 async def main(n: int, rounds: int, engine_tokenizes: bool) -> dict:
-    out = {"bench": "gateway", "requests": n, "rounds": rounds, "concurrency": 64, "cpus": os.cpu_count(), "engine_tokenizes": engine_tokenizes}
+    out = {
+        "bench": "gateway",
+        "requests": n,
+        "rounds": rounds,
+        "concurrency": 64,
+        "cpus": os.cpu_count(),
+        "engine_tokenizes": engine_tokenizes,
+    }
     tok_dir = make_model("qwen3", "tiny", tempfile.mkdtemp(prefix="gw-bench-"), seed=0)
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     engine = procs.spawn("engine", InstantEngine, tok_dir, engine_tokenizes)
@@ -121,7 +137,11 @@ async def main(n: int, rounds: int, engine_tokenizes: bool) -> dict:
 
     # floor hosted like the gateway: a minimal aiohttp echo in a process of its own
     fport = free_port()
-    floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_http_floor.py"), str(fport)], stdout=subprocess.PIPE, text=True)
+    floor = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_http_floor.py"), str(fport)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert floor.stdout.readline().strip() == "ready", "the floor server did not start"
 
@@ -171,7 +191,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--engine-tokenizes", action="store_true", help="the instant engine tokenizes the rendered chats, as a real one does")
+    ap.add_argument(
+        "--engine-tokenizes",
+        action="store_true",
+        help="the instant engine tokenizes the rendered chats, as a real one does",
+    )
     a = ap.parse_args()
     try:
         import uvloop

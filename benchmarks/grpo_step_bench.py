@@ -40,18 +40,68 @@ def build(cache: str, size: str, device: str) -> tuple[str, str, dict]:
 def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -> dict:
     g = args.gpus
     if mode == "split":
-        layout = ["--config", "tiny-cpu-split", "--resource", json.dumps({"actor": [1, g], "rollout": [1, g // 2], "genrm": [1, g - g // 2]}),
-                  "--sglang-mem-fraction-static", "0.5", "--genrm-engine-config", json.dumps({"mem_fraction_static": 0.3})]
+        layout = [
+            "--config",
+            "tiny-cpu-split",
+            "--resource",
+            json.dumps({"actor": [1, g], "rollout": [1, g // 2], "genrm": [1, g - g // 2]}),
+            "--sglang-mem-fraction-static",
+            "0.5",
+            "--genrm-engine-config",
+            json.dumps({"mem_fraction_static": 0.3}),
+        ]
     else:
-        layout = ["--config", "tiny-cpu-defer", "--resource", json.dumps({"actor": [1, g], "rollout": [1, g], "genrm": [1, g]}),
-                  "--sglang-mem-fraction-static", "0.8", "--genrm-engine-config", json.dumps({"mem_fraction_static": 0.8})]
+        layout = [
+            "--config",
+            "tiny-cpu-defer",
+            "--resource",
+            json.dumps({"actor": [1, g], "rollout": [1, g], "genrm": [1, g]}),
+            "--sglang-mem-fraction-static",
+            "0.8",
+            "--genrm-engine-config",
+            json.dumps({"mem_fraction_static": 0.8}),
+        ]
     run_dir = os.path.join(cache, "runs", f"{mode}-{int(time.time())}")
-    cmd = [sys.executable, "-m", "launcher.cli", "train", *layout, "--device", args.device, "--gpus-per-node", str(g),
-           "--hf-checkpoint", policy, "--genrm-model-path", judge, "--prompt-data", data["train"], "--run-dir", run_dir,
-           "--num-rollout", str(args.steps), "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.n),
-           "--global-batch-size", str(args.prompts * args.n), "--rollout-max-response-len", str(args.response_len),
-           "--genrm-sampling-config", json.dumps({"temperature": 0.0, "max_response_len": 8}), "--genrm-parse", "loose",
-           "--genrm-gateway-port", "0", "--lr", "1e-6", "--kv-cache-tokens", "65536", *args.train_args.split()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.cli",
+        "train",
+        *layout,
+        "--device",
+        args.device,
+        "--gpus-per-node",
+        str(g),
+        "--hf-checkpoint",
+        policy,
+        "--genrm-model-path",
+        judge,
+        "--prompt-data",
+        data["train"],
+        "--run-dir",
+        run_dir,
+        "--num-rollout",
+        str(args.steps),
+        "--rollout-batch-size",
+        str(args.prompts),
+        "--n-samples-per-prompt",
+        str(args.n),
+        "--global-batch-size",
+        str(args.prompts * args.n),
+        "--rollout-max-response-len",
+        str(args.response_len),
+        "--genrm-sampling-config",
+        json.dumps({"temperature": 0.0, "max_response_len": 8}),
+        "--genrm-parse",
+        "loose",
+        "--genrm-gateway-port",
+        "0",
+        "--lr",
+        "1e-6",
+        "--kv-cache-tokens",
+        "65536",
+        *args.train_args.split(),
+    ]
     t = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, RELAY_CACHE=cache))
     wall = time.monotonic() - t
@@ -61,8 +111,17 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
         recs = [r for r in map(json.loads, f) if r.get("kind") == "train"]
     steady = recs[1:] or recs
     phases = ("rollout", "reward", "swap", "train", "sync", "orchestration")
-    out = {"mode": mode, "device": args.device, "size": args.size, "gpus": g, "train_args": args.train_args, "steps": len(recs), "wall_s": round(wall, 1),
-           "samples_per_step": recs[0]["samples"], "response_len_mean": round(statistics.fmean(r["rollout/response_len"] for r in steady), 1)}
+    out = {
+        "mode": mode,
+        "device": args.device,
+        "size": args.size,
+        "gpus": g,
+        "train_args": args.train_args,
+        "steps": len(recs),
+        "wall_s": round(wall, 1),
+        "samples_per_step": recs[0]["samples"],
+        "response_len_mean": round(statistics.fmean(r["rollout/response_len"] for r in steady), 1),
+    }
     step = statistics.fmean(r["time/step"] for r in steady)
     out["step_s"] = round(step, 3)
     for ph in phases:

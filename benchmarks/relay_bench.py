@@ -115,7 +115,10 @@ async def bench_relay(n_rtt: int, n_pipe: int, n_fan: int, n_bulk: int) -> dict:
             lambda p: one.echo.call_one(p).result(),
             lambda p: mesh.echo.call(p).result(),
             lambda a: one.size.call_one(a).result(),
-            n_rtt, n_pipe, n_fan, n_bulk,
+            n_rtt,
+            n_pipe,
+            n_fan,
+            n_bulk,
         )
     )
     await procs.stop()
@@ -203,7 +206,12 @@ async def bench_floor(n_rtt: int, n_pipe: int, n_fan: int, n_bulk: int) -> dict:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    n = dict(n_rtt=300 if quick else 2000, n_pipe=6400 if quick else 32000, n_fan=100 if quick else 500, n_bulk=5 if quick else 20)
+    n = dict(
+        n_rtt=300 if quick else 2000,
+        n_pipe=6400 if quick else 32000,
+        n_fan=100 if quick else 500,
+        n_bulk=5 if quick else 20,
+    )
     try:
         import uvloop
 

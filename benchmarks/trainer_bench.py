@@ -95,7 +95,9 @@ async def bench(args, path: str) -> dict:
     nprocs = None
     if args.device == "cuda":
         eprocs = this_host().spawn_procs(per_host={"gpus": 1})
-        engines["xproc"] = eprocs.spawn("engine_remote", EngineActor, path, "torch", **ekw)  # GPU 0, another process: CUDA IPC
+        engines["xproc"] = eprocs.spawn(
+            "engine_remote", EngineActor, path, "torch", **ekw
+        )  # GPU 0, another process: CUDA IPC
         if nccl:  # another GPU ("gpus" is only a label: the process is pointed at GPU 1)
             nprocs = this_host().spawn_procs(per_host={"gpus": 1}, env={"CUDA_VISIBLE_DEVICES": "1"})
             engines["nccl"] = nprocs.spawn("engine_nccl", EngineActor, path, "torch", **ekw)  # the NCCL broadcast group
@@ -110,7 +112,11 @@ async def bench(args, path: str) -> dict:
         t0 = time.perf_counter()
         sent = await t.push_weights.call_one([e], 2, args.bucket_mb << 20, 600.0, transport).result(1200)
         el = time.perf_counter() - t0
-        key = (f"export_{transport}_{name}" if name != "nccl" else "export_nccl") if args.device == "cuda" else "export_relay"
+        key = (
+            (f"export_{transport}_{name}" if name != "nccl" else "export_nccl")
+            if args.device == "cuda"
+            else "export_relay"
+        )
         out[f"{key}_first_s"] = first  # the first push of a broadcast group also sets it up
         out[f"{key}_s"] = el
         out[f"{key}_s_per_gb"] = el / (sent / GB)

@@ -36,7 +36,9 @@ class EngineActor(Actor):
             raise ValueError(f"unknown engine backend {self.backend!r}; use 'torch' or 'sglang'")
 
     @endpoint(concurrent=True)
-    async def generate(self, prompt, sampling: dict | None = None, chat_template_kwargs: dict | None = None) -> GenerateResult:
+    async def generate(
+        self, prompt, sampling: dict | None = None, chat_template_kwargs: dict | None = None
+    ) -> GenerateResult:
         return await self.engine.generate(prompt, sampling, chat_template_kwargs)
 
     @endpoint(concurrent=True)
@@ -82,7 +84,9 @@ class EngineActor(Actor):
         finally:
             for tag in tags:
                 self._tagged.pop(tag, None)
-        return [RequestCancelled("cancelled by its caller") if isinstance(r, asyncio.CancelledError) else r for r in results]
+        return [
+            RequestCancelled("cancelled by its caller") if isinstance(r, asyncio.CancelledError) else r for r in results
+        ]
 
     @endpoint(concurrent=True)
     async def cancel(self, tags: list) -> int:
@@ -118,15 +122,30 @@ class EngineActor(Actor):
         await self.engine.update_weights_from_ipc(handle, metas, version, last)
 
     @endpoint
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group", backend: str = "nccl",
-                                        timeout_s: float = 600.0) -> None:
-        await self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
-                                                    backend, timeout_s)
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
+        await self.engine.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+        )
 
     @endpoint
-    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
-                                              group_name: str = "weight_update_group", last: bool = True) -> None:
+    async def update_weights_from_distributed(
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        version: int,
+        group_name: str = "weight_update_group",
+        last: bool = True,
+    ) -> None:
         await self.engine.update_weights_from_distributed(names, dtypes, shapes, version, group_name, last)
 
     @endpoint
@@ -155,7 +174,9 @@ class EngineActor(Actor):
 
     @endpoint(concurrent=True)
     async def events(self) -> list:
-        return [list(e[:2]) + [list(e[2]) if isinstance(e[2], tuple) else e[2]] for e in getattr(self.engine, "events", [])]
+        return [
+            list(e[:2]) + [list(e[2]) if isinstance(e[2], tuple) else e[2]] for e in getattr(self.engine, "events", [])
+        ]
 
     async def __cleanup__(self, exc) -> None:
         if self.engine is not None:

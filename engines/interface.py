@@ -76,19 +76,31 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or an integer in [1, {MAX_INT32}], got {short_repr(k)}")
         n = _integer("max_new_tokens", self.max_new_tokens, f"an integer in [1, {MAX_NEW_TOKENS}]")
         if not 1 <= n <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens (max_response_len) must be an integer in [1, {MAX_NEW_TOKENS}], got {short_repr(n)}")
+            raise ValueError(
+                f"max_new_tokens (max_response_len) must be an integer in [1, {MAX_NEW_TOKENS}], got {short_repr(n)}"
+            )
         if isinstance(self.stop, str):  # one stop string, as SGLang and OpenAI accept
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOPS:
-            raise ValueError(f"stop must be a string or a list of at most {MAX_STOPS} strings, got {short_repr(self.stop)}")
+            raise ValueError(
+                f"stop must be a string or a list of at most {MAX_STOPS} strings, got {short_repr(self.stop)}"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise ValueError(f"stop: each entry must be a non-empty string of at most {MAX_STOP_CHARS} characters, got {short_repr(s)}")
+                raise ValueError(
+                    f"stop: each entry must be a non-empty string of at most {MAX_STOP_CHARS} characters, got "
+                    f"{short_repr(s)}"
+                )
         if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {short_repr(self.stop_token_ids)}")
+            raise ValueError(
+                f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                f"{short_repr(self.stop_token_ids)}"
+            )
         for i in self.stop_token_ids:
             if _integer("stop_token_ids", i, "token ids (integers >= 0)") < 0 or i > MAX_INT32:
-                raise ValueError(f"stop_token_ids: each entry must be an integer in [0, {MAX_INT32}], got {short_repr(i)}")
+                raise ValueError(
+                    f"stop_token_ids: each entry must be an integer in [0, {MAX_INT32}], got {short_repr(i)}"
+                )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {short_repr(self.ignore_eos)}")
         if self.seed is not None and not 0 <= _integer("seed", self.seed, "an integer >= 0, or null") <= MAX_INT64:
@@ -143,7 +155,9 @@ class Engine(abc.ABC):
     flight first drains them (``drain="abort"`` aborts them, ``"finish"`` lets them end)."""
 
     @abc.abstractmethod
-    async def generate(self, prompt, sampling: SamplingParams | dict | None = None, chat_template_kwargs: dict | None = None) -> GenerateResult: ...
+    async def generate(
+        self, prompt, sampling: SamplingParams | dict | None = None, chat_template_kwargs: dict | None = None
+    ) -> GenerateResult: ...
 
     @abc.abstractmethod
     async def sleep(self, tags=TAGS, drain: str = "abort") -> None: ...
@@ -183,22 +197,32 @@ class Engine(abc.ABC):
     async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
         raise NotImplementedError(_no_transport(self, "CUDA IPC"))
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str, backend: str, timeout_s: float) -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         raise NotImplementedError(_no_transport(self, "a broadcast group"))
 
-    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
-                                              group_name: str, last: bool = True) -> None:
+    async def update_weights_from_distributed(
+        self, names: list, dtypes: list, shapes: list, version: int, group_name: str, last: bool = True
+    ) -> None:
         raise NotImplementedError(_no_transport(self, "a broadcast group"))
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         raise NotImplementedError(_no_transport(self, "a broadcast group"))
 
 
-
 def _no_transport(engine: Engine, what: str) -> str:
-    return (f"{type(engine).__name__} takes no weights by {what}: it takes them through update_weights "
-            "(the trainer's weight sender routes it there)")
+    return (
+        f"{type(engine).__name__} takes no weights by {what}: it takes them through update_weights "
+        "(the trainer's weight sender routes it there)"
+    )
 
 
 def check_tags(tags) -> tuple[str, ...]:

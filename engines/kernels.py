@@ -36,7 +36,9 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, use_triton: bool | None = None):
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, context_lens, scale: float, use_triton: bool | None = None
+):
     if use_triton is None:
         use_triton = triton_usable(q.device)
     if use_triton:
@@ -54,7 +56,12 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
     vals = v_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)
     mask = torch.arange(width * page, device=q.device)[None, :] < context_lens.long()[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        q[:, :, None, :],
+        keys.to(q.dtype),
+        vals.to(q.dtype),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
     )
     return out[:, :, 0, :]
 
@@ -63,10 +70,28 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        Q, K, V, BT, LENS, OUT, scale,
-        s_qb, s_qh, s_kn, s_kt, s_kh, s_btb, s_ob, s_oh,
-        GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-        PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+        Q,
+        K,
+        V,
+        BT,
+        LENS,
+        OUT,
+        scale,
+        s_qb,
+        s_qh,
+        s_kn,
+        s_kt,
+        s_kh,
+        s_btb,
+        s_ob,
+        s_oh,
+        GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr,
+        D: tl.constexpr,
+        D_P: tl.constexpr,
+        PAGE: tl.constexpr,
+        TILE: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -76,7 +101,9 @@ if triton is not None:
         gmask = g < GROUP
         dmask = d < D
         heads = kvh * GROUP + g
-        q = tl.load(Q + seq * s_qb + heads[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            Q + seq * s_qb + heads[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
+        )
         t = tl.arange(0, TILE)
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
@@ -106,7 +133,11 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(OUT + seq * s_ob + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        tl.store(
+            OUT + seq * s_ob + heads[:, None] * s_oh + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=gmask[:, None] & dmask[None, :],
+        )
 
 
 def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float):
@@ -115,16 +146,35 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
     if h % kvh:
         raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
     if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("paged_decode_attention: q and the caches must be contiguous in the head dimension, k and v alike")
+        raise ValueError(
+            "paged_decode_attention: q and the caches must be contiguous in the head dimension, k and v alike"
+        )
     group = h // kvh
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
     _decode_kernel[(b, kvh)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=max(16, triton.next_power_of_2(d)),
-        PAGE=page, TILE=64, IEEE=ieee,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_P=max(16, triton.next_power_of_2(group)),
+        D=d,
+        D_P=max(16, triton.next_power_of_2(d)),
+        PAGE=page,
+        TILE=64,
+        IEEE=ieee,
         num_warps=4,
     )
     return out
@@ -146,7 +196,9 @@ if triton is not None:
         mask = cols < n
         x = tl.load(X + row * s_x + cols, mask=mask, other=0.0)
         if HAS_RES:  # s = x + r (rounded to the model dtype, as torch adds), then normalise s
-            x = (x.to(tl.float32) + tl.load(R + row * s_r + cols, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+            x = (x.to(tl.float32) + tl.load(R + row * s_r + cols, mask=mask, other=0.0).to(tl.float32)).to(
+                X.dtype.element_ty
+            )
             tl.store(S + row * s_s + cols, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n
@@ -155,8 +207,22 @@ if triton is not None:
         tl.store(Y + row * s_y + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_kernel(X, W, POS, INV, Y, s_xb, s_xh, s_yb, s_yh, eps,
-                          HEADS: tl.constexpr, D: tl.constexpr, HALF_P: tl.constexpr, NORM: tl.constexpr):
+    def _norm_rope_kernel(
+        X,
+        W,
+        POS,
+        INV,
+        Y,
+        s_xb,
+        s_xh,
+        s_yb,
+        s_yh,
+        eps,
+        HEADS: tl.constexpr,
+        D: tl.constexpr,
+        HALF_P: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         b = pid // HEADS
         h = pid % HEADS
@@ -199,19 +265,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty_like(x)
     s = torch.empty_like(x) if residual is not None else y
     r = residual if residual is not None else x
-    _rms_norm_kernel[(x.shape[0],)](x, r, weight, y, s, x.stride(0), r.stride(0), y.stride(0), s.stride(0), n, eps,
-                                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    _rms_norm_kernel[(x.shape[0],)](
+        x,
+        r,
+        weight,
+        y,
+        s,
+        x.stride(0),
+        r.stride(0),
+        y.stride(0),
+        s.stride(0),
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=triton.next_power_of_2(n),
+        num_warps=4,
+    )
     return (y, s) if residual is not None else y
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float):
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float
+):
     """Per head of ``x`` [B, H, D]: RMSNorm with ``weight`` (skipped when None), then the
     rotary embedding at ``positions`` [B] (rotate-half convention, ``inv_freq`` [D/2])."""
     b, h, d = x.shape
     y = torch.empty((b, h, d), dtype=x.dtype, device=x.device)
-    _norm_rope_kernel[(b * h,)](x, weight if weight is not None else x, positions, inv_freq, y,
-                                x.stride(0), x.stride(1), y.stride(0), y.stride(1), eps,
-                                HEADS=h, D=d, HALF_P=triton.next_power_of_2(d // 2), NORM=weight is not None, num_warps=1)
+    _norm_rope_kernel[(b * h,)](
+        x,
+        weight if weight is not None else x,
+        positions,
+        inv_freq,
+        y,
+        x.stride(0),
+        x.stride(1),
+        y.stride(0),
+        y.stride(1),
+        eps,
+        HEADS=h,
+        D=d,
+        HALF_P=triton.next_power_of_2(d // 2),
+        NORM=weight is not None,
+        num_warps=1,
+    )
     return y
 
 
@@ -220,7 +316,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.shape[-1]
     y = torch.empty_like(up)
     block = 1024
-    _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](
+        gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n, BLOCK=block, num_warps=4
+    )
     return y
 
 
@@ -240,7 +338,9 @@ def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-_S_SEED, _S_POS, _S_TOK, _S_MIX1, _S_MIX2 = (_signed(c) for c in (_K_SEED, _K_POS, _K_TOK, _MIX1, _MIX2))  # as torch int64
+_S_SEED, _S_POS, _S_TOK, _S_MIX1, _S_MIX2 = (
+    _signed(c) for c in (_K_SEED, _K_POS, _K_TOK, _MIX1, _MIX2)
+)  # as torch int64
 
 
 def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
@@ -263,9 +363,21 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
 if triton is not None:
 
     @triton.jit
-    def _seeded_gumbel_kernel(LOGITS, s_l, TEMP, SEED, POS, OUT, vocab,
-                              K_SEED: tl.constexpr, K_POS: tl.constexpr, K_TOK: tl.constexpr,
-                              MIX1: tl.constexpr, MIX2: tl.constexpr, BLOCK: tl.constexpr):
+    def _seeded_gumbel_kernel(
+        LOGITS,
+        s_l,
+        TEMP,
+        SEED,
+        POS,
+        OUT,
+        vocab,
+        K_SEED: tl.constexpr,
+        K_POS: tl.constexpr,
+        K_TOK: tl.constexpr,
+        MIX1: tl.constexpr,
+        MIX2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         seed = tl.load(SEED + row).to(tl.uint64)
         pos = tl.load(POS + row).to(tl.uint64)
@@ -292,13 +404,28 @@ if triton is not None:
         tl.store(OUT + row + tl.arange(0, 1), best_idx)
 
 
-def seeded_gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def seeded_gumbel_argmax(
+    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """Token ids [R] (int64) sampled from softmax(logits / temps) with the noise of each
     row's (seed, position): float32 ``logits`` [R, V], ``temps`` [R], int64 ``seeds`` and
     ``positions`` [R]."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _seeded_gumbel_kernel[(rows,)](logits, logits.stride(0), temps, seeds, positions, out, vocab,
-                                   K_SEED=_K_SEED, K_POS=_K_POS, K_TOK=_K_TOK, MIX1=_MIX1, MIX2=_MIX2,
-                                   BLOCK=1024, num_warps=4)
+    _seeded_gumbel_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        temps,
+        seeds,
+        positions,
+        out,
+        vocab,
+        K_SEED=_K_SEED,
+        K_POS=_K_POS,
+        K_TOK=_K_TOK,
+        MIX1=_MIX1,
+        MIX2=_MIX2,
+        BLOCK=1024,
+        num_warps=4,
+    )
     return out

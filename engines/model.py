@@ -41,7 +41,10 @@ class ModelConfig:
         model_type = d.get("model_type", "")
         arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.get(model_type)
         if arch is None:
-            raise ValueError(f"model_type {model_type!r} is not supported by the built-in engine (qwen2, qwen3, llama dense); use --engine sglang")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported by the built-in engine (qwen2, qwen3, llama dense); use "
+                f"--engine sglang"
+            )
         rope = d.get("rope_parameters") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -189,8 +192,14 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        lens: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """Whole prompts, none of them in the cache yet: ``input_ids`` [S, L] right-padded,
         ``lens`` [S] their lengths, ``slots`` [S, L] the cache slot (block * block_size +
         offset) each token's K/V is written to (padding: a scratch slot). Causal attention
@@ -217,8 +226,16 @@ class CausalLM(nn.Module):
         return self._logits(last)
 
     @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """One new token per sequence (``input_ids`` [B] at ``positions`` [B], K/V written
         to ``slots`` [B]) attending over its cached context through ``block_tables`` [B, W]
         (int32) and ``context_lens`` [B] (int32, including the new token). Static shapes
@@ -226,7 +243,7 @@ class CausalLM(nn.Module):
         float32 logits."""
         cfg = self.cfg
         x = self.model.embed_tokens(input_ids)
-        scale = cfg.head_dim ** -0.5
+        scale = cfg.head_dim**-0.5
         if triton_usable(x.device):
             return self._decode_fused(x, positions, slots, block_tables, context_lens, k_cache, v_cache)
         cos, sin = self._rope(positions, x.dtype)
@@ -240,7 +257,9 @@ class CausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(x)
 
-    def _write_kv(self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_kv(
+        self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         kvh, d = self.cfg.num_kv_heads, self.cfg.head_dim
         kc.view(-1, kvh, d).index_copy_(0, slots, k.reshape(-1, kvh, d).to(kc.dtype))
         vc.view(-1, kvh, d).index_copy_(0, slots, v.reshape(-1, kvh, d).to(vc.dtype))
@@ -250,7 +269,7 @@ class CausalLM(nn.Module):
         Triton interpreter): same maths, a third of the kernel launches."""
         cfg = self.cfg
         b, h, kvh, d, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        scale = d ** -0.5
+        scale = d**-0.5
         residual = None
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
@@ -258,12 +277,26 @@ class CausalLM(nn.Module):
                 hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps), x
             else:
                 hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual=residual)
-            q = norm_rope(attn.q_proj(hidden).view(b, h, d), attn.q_norm.weight if cfg.qk_norm else None, positions, self.inv_freq, eps)
-            k = norm_rope(attn.k_proj(hidden).view(b, kvh, d), attn.k_norm.weight if cfg.qk_norm else None, positions, self.inv_freq, eps)
+            q = norm_rope(
+                attn.q_proj(hidden).view(b, h, d),
+                attn.q_norm.weight if cfg.qk_norm else None,
+                positions,
+                self.inv_freq,
+                eps,
+            )
+            k = norm_rope(
+                attn.k_proj(hidden).view(b, kvh, d),
+                attn.k_norm.weight if cfg.qk_norm else None,
+                positions,
+                self.inv_freq,
+                eps,
+            )
             v = attn.v_proj(hidden).view(b, kvh, d)
             self._write_kv(k_cache[i], v_cache[i], slots, k, v)
             o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
-            hidden, residual = rms_norm(attn.o_proj(o.view(b, h * d)), layer.post_attention_layernorm.weight, eps, residual=residual)
+            hidden, residual = rms_norm(
+                attn.o_proj(o.view(b, h * d)), layer.post_attention_layernorm.weight, eps, residual=residual
+            )
             mlp = layer.mlp
             x = mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
         hidden, _ = rms_norm(x, self.model.norm.weight, eps, residual=residual)

@@ -18,10 +18,42 @@ ARCHS = ("qwen3", "qwen2", "llama")
 #: Model shapes. "tiny"/"small" are for CPU tests; the others copy real architectures'
 #: shapes (random weights) for benchmarks.
 SIZES: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128),
-    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128),
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+    ),
+    "small": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=128,
+    ),
+    "0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    "4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -83,7 +115,15 @@ def hf_config(arch: str, size: str, **overrides):
     return transformers.LlamaConfig(head_dim=head_dim, **common)
 
 
-def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed: int = 0, dtype: str = "float32", init_device: str = "cpu", **overrides) -> str:
+def make_model(
+    arch: str = "qwen3",
+    size: str = "tiny",
+    out: str = "model",
+    seed: int = 0,
+    dtype: str = "float32",
+    init_device: str = "cpu",
+    **overrides,
+) -> str:
     """Write a complete checkpoint directory; returns its path. Same seed (and
     ``init_device``), same bytes. ``init_device="cuda"`` initializes large shapes fast."""
     import torch
@@ -91,7 +131,11 @@ def make_model(arch: str = "qwen3", size: str = "tiny", out: str = "model", seed
 
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars in job logs
     cfg = hf_config(arch, size, **overrides)
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[arch]
+    cls = {
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "llama": transformers.LlamaForCausalLM,
+    }[arch]
     torch.manual_seed(seed)
     with torch.device(init_device):
         model = cls(cfg).to(getattr(torch, dtype))

@@ -74,7 +74,18 @@ class SGLangEngine(Engine):
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
         self.args = server_args(
-            model_path, tp_size, dp_size, pp_size, ep_size, mem_fraction_static, context_length, base_gpu_id, self.port, colocated, weights_cpu_backup, extra_args or {}
+            model_path,
+            tp_size,
+            dp_size,
+            pp_size,
+            ep_size,
+            mem_fraction_static,
+            context_length,
+            base_gpu_id,
+            self.port,
+            colocated,
+            weights_cpu_backup,
+            extra_args or {},
         )
         self.proc: subprocess.Popen | None = None
         self._session = None
@@ -97,9 +108,14 @@ class SGLangEngine(Engine):
         deadline = time.monotonic() + self.start_timeout
         while True:
             if self.proc.poll() is not None:
-                raise SGLangError(f"{self.name}: sglang server exited with code {self.proc.returncode} during start-up (args: {' '.join(self.args)})")
+                raise SGLangError(
+                    f"{self.name}: sglang server exited with code {self.proc.returncode} during start-up (args: "
+                    f"{' '.join(self.args)})"
+                )
             try:
-                async with self._session.get(f"{self.url}/health_generate", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                async with self._session.get(
+                    f"{self.url}/health_generate", timeout=aiohttp.ClientTimeout(total=30)
+                ) as r:
                     if r.status == 200:
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -153,9 +169,13 @@ class SGLangEngine(Engine):
         sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         sp.validate()
         params = {
-            "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
             "max_new_tokens": sp.max_new_tokens,  # always sent: the server's default is 128
-            "ignore_eos": sp.ignore_eos, "no_stop_trim": False, "skip_special_tokens": True,
+            "ignore_eos": sp.ignore_eos,
+            "no_stop_trim": False,
+            "skip_special_tokens": True,
         }
         if sp.stop:
             params["stop"] = list(sp.stop)
@@ -164,9 +184,16 @@ class SGLangEngine(Engine):
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed
         self._rid += 1
-        body = {"rid": f"{self.name}-{self._rid}", "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+        body = {
+            "rid": f"{self.name}-{self._rid}",
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
+            out = self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+            )
             body["input_ids"] = list(out["input_ids"] if hasattr(out, "keys") else out)
         elif isinstance(prompt, str):
             body["text"] = prompt
@@ -302,28 +329,60 @@ class SGLangEngine(Engine):
             payload = base64.b64encode(_forking_dumps(items)).decode()
             await self._post(
                 "/update_weights_from_tensor",
-                {"serialized_named_tensors": [payload] * max(1, int(self.args[self.args.index("--tp-size") + 1])), "flush_cache": True, "weight_version": str(version)},
+                {
+                    "serialized_named_tensors": [payload] * max(1, int(self.args[self.args.index("--tp-size") + 1])),
+                    "flush_cache": True,
+                    "weight_version": str(version),
+                },
             )
         self.weight_version = version
         self.events.append((time.monotonic(), "update_weights", version))
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group", backend: str = "nccl",
-                                        timeout_s: float = 600.0) -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
         """Join SGLang's server to a broadcast group (``timeout_s`` is the server's own)."""
         await self._post(
             "/init_weights_update_group",
-            {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-             "world_size": world_size, "group_name": group_name, "backend": backend},
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
         )
 
-    async def update_weights_distributed(self, names: list, dtypes: list, shapes: list, version: int, broadcast=None, group_name: str = "weight_update_group") -> None:
+    async def update_weights_distributed(
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        version: int,
+        broadcast=None,
+        group_name: str = "weight_update_group",
+    ) -> None:
         """Announce a bucket, then let the trainer broadcast it (``broadcast()``) while the
         server receives it over the NCCL group set up by :meth:`init_weights_update_group`."""
         request = asyncio.ensure_future(
             self._post(
                 "/update_weights_from_distributed",
-                {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": True, "weight_version": str(version)},
+                {
+                    "names": names,
+                    "dtypes": dtypes,
+                    "shapes": shapes,
+                    "group_name": group_name,
+                    "flush_cache": True,
+                    "weight_version": str(version),
+                },
             )
         )
         if broadcast is not None:
@@ -375,12 +434,28 @@ def _forking_dumps(items: list) -> bytes:
     return buf.getvalue()
 
 
-def server_args(model_path, tp, dp, pp, ep, mem_fraction, context_length, base_gpu_id, port, colocated, backup, extra) -> list[str]:
+def server_args(
+    model_path, tp, dp, pp, ep, mem_fraction, context_length, base_gpu_id, port, colocated, backup, extra
+) -> list[str]:
     """Our config -> ``sglang.launch_server`` arguments."""
     args = [
-        "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port),
-        "--tp-size", str(tp), "--dp-size", str(dp), "--pp-size", str(pp), "--ep-size", str(ep),
-        "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup",
+        "--model-path",
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp),
+        "--dp-size",
+        str(dp),
+        "--pp-size",
+        str(pp),
+        "--ep-size",
+        str(ep),
+        "--base-gpu-id",
+        str(base_gpu_id),
+        "--skip-server-warmup",
     ]
     if mem_fraction is not None:
         args += ["--mem-fraction-static", str(mem_fraction)]

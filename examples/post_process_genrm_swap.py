@@ -18,7 +18,17 @@ from reward.dapo_genrm import score
 
 async def custom_reward_post_process(args, samples: list[dict]):
     judge = get_genrm_client().generate
-    results = await asyncio.gather(*(score(s, judge, parse=getattr(args, "genrm_parse", "strict"), template=getattr(args, "genrm_prompt_template", None)) for s in samples))
+    results = await asyncio.gather(
+        *(
+            score(
+                s,
+                judge,
+                parse=getattr(args, "genrm_parse", "strict"),
+                template=getattr(args, "genrm_prompt_template", None),
+            )
+            for s in samples
+        )
+    )
     raw = [r["score"] for r in results]
     n = max(1, getattr(args, "n_samples_per_prompt", 1))
     if len(raw) % n:

@@ -25,7 +25,9 @@ async def reward_func(args, sample: dict) -> dict:
     response = sample.get("response", "")
     quality_reply, safety_reply = await asyncio.gather(
         client.generate(judge_messages(str(question), label, response), route_key="quality"),
-        client.generate([{"role": "user", "content": SAFETY_PROMPT.format(answer=final_answer(response))}], route_key="safety"),
+        client.generate(
+            [{"role": "user", "content": SAFETY_PROMPT.format(answer=final_answer(response))}], route_key="safety"
+        ),
     )
     quality = parse_verdict(quality_reply, "loose") or 0
     safety = parse_verdict(safety_reply, "loose") or 0

@@ -11,8 +11,9 @@ judge), ``ValueError`` / :class:`~reward.errors.UnknownRouteKey` for bad request
 retried), :class:`~reward.errors.JudgeEngineError` when an engine step failed the request
 (not retried: a request that breaks steps must not be sent again and again),
 :class:`~reward.errors.JudgeUnavailable` after bounded retries of transport failures.
-Cancelling a call (its task) cancels the request in the service and in its engine. Outside a job, pass ``address`` and give the process the judge's secret
-(``RELAY_JOB_SECRET``, or ``RELAY_JOB_SECRET_FILE`` naming the file ``relay judge`` printed).
+Cancelling a call (its task) cancels the request in the service and in its engine. Outside
+a job, pass ``address`` and give the process the judge's secret (``RELAY_JOB_SECRET``, or
+``RELAY_JOB_SECRET_FILE`` naming the file ``relay judge`` printed).
 
 The first call proves the secret with relay's authenticated handshake
 (``ProcMesh.authenticate``): a wrong or missing secret raises
@@ -119,7 +120,9 @@ class JudgeBatcher:
 
 
 class GenRMClient:
-    def __init__(self, address: str, actor: str = "genrm", timeout: float = 600.0, retries: int = 2, auth_timeout: float = 5.0):
+    def __init__(
+        self, address: str, actor: str = "genrm", timeout: float = 600.0, retries: int = 2, auth_timeout: float = 5.0
+    ):
         self.address = address
         self.timeout = timeout
         self.retries = retries
@@ -146,11 +149,19 @@ class GenRMClient:
             await self._procs.authenticate(self.auth_timeout)
         except AuthenticationError as e:
             raise AuthenticationError(
-                e.addr, f"judge client: {e} `relay judge` prints the file that holds its secret: use RELAY_JOB_SECRET_FILE=<that file>."
+                e.addr,
+                f"judge client: {e} `relay judge` prints the file that holds its secret: use "
+                f"RELAY_JOB_SECRET_FILE=<that file>.",
             ) from None
         self._authenticated = True
 
-    async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None, timeout: float | None = None) -> str:
+    async def generate(
+        self,
+        messages: list,
+        sampling_params: dict | None = None,
+        route_key: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
         # a bad request fails this call alone, here, before it is batched with other calls
         # (an integer past 64 bits, or nesting deeper than msgpack packs, would make the whole
         # batch's message unsendable)
@@ -179,7 +190,9 @@ class GenRMClient:
         parse-failure rate in its metrics)."""
         self._mesh.record_parse.broadcast(route_key, ok)
 
-    async def generate_many(self, list_of_messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> list[str]:
+    async def generate_many(
+        self, list_of_messages: list, sampling_params: dict | None = None, route_key: str | None = None
+    ) -> list[str]:
         return list(await asyncio.gather(*(self.generate(m, sampling_params, route_key) for m in list_of_messages)))
 
 

@@ -50,7 +50,10 @@ def check_template(template: str) -> str:
         raise ValueError(f"--genrm-prompt-template is not a valid format string: {e}") from None
     bad = names - {"question", "label", "answer"}
     if bad or "answer" not in names:
-        raise ValueError(f"--genrm-prompt-template may use {{question}}, {{label}}, {{answer}} (and must use {{answer}}); got {sorted(names)}")
+        raise ValueError(
+            f"--genrm-prompt-template may use {{question}}, {{label}}, {{answer}} (and must use {{answer}}); got "
+            f"{sorted(names)}"
+        )
     return template
 
 
@@ -68,7 +71,10 @@ def parse_verdict(text: str, mode: str = "strict") -> int | None:
 
 
 async def score(
-    sample: dict, judge: Callable[[list[dict]], Awaitable[str]], parse: str = "strict", report: Callable[[bool], None] | None = None,
+    sample: dict,
+    judge: Callable[[list[dict]], Awaitable[str]],
+    parse: str = "strict",
+    report: Callable[[bool], None] | None = None,
     template: str | None = None,
 ) -> dict:
     """``sample`` has ``response`` and ``label`` (or ``metadata.label``) and the question in

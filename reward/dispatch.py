@@ -166,7 +166,9 @@ class EnginePool:
         """
         slot = self.slots[i]
         try:
-            results = await slot.mesh.generate_rendered.call_one([[job.prompt, job.sampling, job.tag] for job in batch]).result()
+            results = await slot.mesh.generate_rendered.call_one(
+                [[job.prompt, job.sampling, job.tag] for job in batch]
+            ).result()
             if len(results) != len(batch):
                 raise ValueError(f"the engine answered {len(results)} results for {len(batch)} requests")
         except (SupervisionError, CallTimeout, ConnectionError) as e:
@@ -212,7 +214,9 @@ class EnginePool:
             job.future.set_exception(ValueError(f"the judge engine refused the request: {result}"))
         else:
             self.metrics.inc(self.name, "errors_engine")
-            job.future.set_exception(JudgeEngineError(f"GenRM instance {self.name!r}: the engine failed this request: {result}"))
+            job.future.set_exception(
+                JudgeEngineError(f"GenRM instance {self.name!r}: the engine failed this request: {result}")
+            )
 
 
 def _settle(job: Job, error: BaseException) -> None:

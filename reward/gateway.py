@@ -44,7 +44,13 @@ log = logging.getLogger("relay.judge.gateway")
 
 # Counters of the serving process's relay runtime shown in /genrm/metrics: what reached the
 # judge's ZeroMQ inbox without the job's secret, and the answers to such handshakes.
-RELAY_STATS = ("dropped_unauthenticated", "dropped_malformed", "auth_handshakes", "auth_rejections_sent", "auth_rejections_suppressed")
+RELAY_STATS = (
+    "dropped_unauthenticated",
+    "dropped_malformed",
+    "auth_handshakes",
+    "auth_rejections_sent",
+    "auth_rejections_suppressed",
+)
 LOG_EVERY = 10.0  # seconds between two log lines about the same kind of failure
 
 
@@ -55,7 +61,9 @@ def validate_request(body) -> tuple[list, dict | None, str | None]:
         raise ValueError("the body must be a JSON object with 'messages'")
     unknown = set(body) - {"messages", "sampling_params", "route_key"}
     if unknown:
-        raise ValueError(f"unknown fields {short_repr(sorted(unknown), 80)}; allowed: messages, sampling_params, route_key")
+        raise ValueError(
+            f"unknown fields {short_repr(sorted(unknown), 80)}; allowed: messages, sampling_params, route_key"
+        )
     return check_request(body.get("messages"), body.get("sampling_params"), body.get("route_key"))
 
 
@@ -134,7 +142,9 @@ class Gateway:
         method, handler = route
         if request.method != method and not (method == "GET" and request.method == "HEAD"):
             self._count("method_not_allowed")
-            return _error(f"{short_repr(request.method)} is not allowed on {request.path}; use {method}", 405, {"Allow": method})
+            return _error(
+                f"{short_repr(request.method)} is not allowed on {request.path}; use {method}", 405, {"Allow": method}
+            )
         refused = self._authorize(request) if self.token else self._same_host(request)
         if refused is not None:
             return refused
@@ -145,7 +155,11 @@ class Gateway:
         if scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), self.token):
             return None
         self._count("unauthorized")
-        return _error("missing or wrong bearer token: send 'Authorization: Bearer <token>'", 401, {"WWW-Authenticate": 'Bearer realm="genrm"'})
+        return _error(
+            "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+            401,
+            {"WWW-Authenticate": 'Bearer realm="genrm"'},
+        )
 
     def _same_host(self, request: Request) -> Response | None:
         """Without a token: refuse what only a browser on another site would send."""
@@ -155,13 +169,18 @@ class Gateway:
             return _error("an HTTP/1.1 request needs a Host header")
         if host is not None and not _local_name(_host_of(host.strip()), self._names):
             self._count("bad_host")
-            return _error(f"Host {short_repr(host)} is not served here: use this machine's address or name (or set a token)", 403)
+            return _error(
+                f"Host {short_repr(host)} is not served here: use this machine's address or name (or set a token)", 403
+            )
         origin = request.headers.get("origin")
         if origin is not None and origin != "null":
             authority = origin.partition("://")[2] or origin
             if not _local_name(_host_of(authority), self._names):
                 self._count("bad_origin")
-                return _error(f"requests from the web origin {short_repr(origin)} are refused (set a token to serve other hosts)", 403)
+                return _error(
+                    f"requests from the web origin {short_repr(origin)} are refused (set a token to serve other hosts)",
+                    403,
+                )
         return None
 
     async def generate(self, request: Request) -> Response:
@@ -171,7 +190,10 @@ class Gateway:
             return _error("send the body as JSON with 'Content-Type: application/json'", 415)
         try:
             body = json.loads(request.body)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers; nesting too deep
+        except (
+            ValueError,
+            RecursionError,
+        ) as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers; nesting too deep
             self._count("invalid_json")
             reason = "nested too deeply" if isinstance(e, RecursionError) else short_repr(str(e), 160)
             return _error(f"Invalid request body: not JSON ({reason})")
@@ -211,7 +233,9 @@ class Gateway:
         elif any(v.get("sleeping") for v in inst.values()):
             out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
         if not healthy:
-            out["error"] = "; ".join(f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy")
+            out["error"] = "; ".join(
+                f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy"
+            )
         # 503 only when some instance cannot answer at all; asleep is healthy (it wakes)
         return Response.json(out, 503 if any(v.get("available") is False for v in inst.values()) else 200)
 
@@ -221,12 +245,17 @@ class Gateway:
         rstats = {k: transport.get(k, 0) for k in RELAY_STATS}
         http = dict(self.server.stats)
         if request.query.get("format") == "json":
-            return Response.json({"service": "genrm", "instances": snap, "gateway_errors": self.errors, "http": http, "relay": rstats})
-        return Response(200, prometheus_text(snap, self.errors, rstats, http).encode(), "text/plain; version=0.0.4; charset=utf-8")
+            return Response.json(
+                {"service": "genrm", "instances": snap, "gateway_errors": self.errors, "http": http, "relay": rstats}
+            )
+        return Response(
+            200, prometheus_text(snap, self.errors, rstats, http).encode(), "text/plain; version=0.0.4; charset=utf-8"
+        )
 
 
-async def serve(service, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
-                limits: HttpLimits | None = None) -> tuple[HttpServer, int]:
+async def serve(
+    service, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, limits: HttpLimits | None = None
+) -> tuple[HttpServer, int]:
     """Serve ``service`` (a JudgeService of this process) on the running loop; returns the
     server (``await server.close()``) and its port. Use :meth:`JudgeService.serve_http`
     from outside."""

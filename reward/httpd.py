@@ -70,7 +70,6 @@ STAT_NAMES = (
 )
 
 
-
 class HttpServer:
     """Serves ``handler`` on one TCP address of the running loop (see the module's
     contracts). ``on_error(request, exc)`` hears of each handler exception (``request`` the
@@ -125,8 +124,6 @@ class HttpServer:
         if self._on_error is not None:
             with contextlib.suppress(Exception):
                 self._on_error(request, exc)
-
-
 
 
 class _State(enum.Enum):
@@ -305,7 +302,14 @@ class _Connection(asyncio.Protocol):
         )
         path, _, query = target.partition("?")
         self._request = Request(
-            method, target, path, dict(parse_qsl(query, keep_blank_values=True)) if query else {}, headers, b"", version, self._peer
+            method,
+            target,
+            path,
+            dict(parse_qsl(query, keep_blank_values=True)) if query else {},
+            headers,
+            b"",
+            version,
+            self._peer,
         )
         self._body_length = length
         self._state = _State.READ_BODY
@@ -412,5 +416,3 @@ class _Connection(asyncio.Protocol):
     def _body_expired(self) -> None:
         self._stats["timeouts_body"] += 1
         self._refuse(408, f"body not received within {self._limits.body_timeout:g} s")
-
-

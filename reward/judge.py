@@ -76,8 +76,13 @@ class _Admitted:
 class JudgeService(Actor):
     """``instances``: {route_key: {model_path, num_gpus, sampling_config, engines: [mesh, ...]}}."""
 
-    def __init__(self, instances: dict, max_concurrency_per_engine: int = 64, cache: str = "deterministic",
-                 cache_size: int = 16384):
+    def __init__(
+        self,
+        instances: dict,
+        max_concurrency_per_engine: int = 64,
+        cache: str = "deterministic",
+        cache_size: int = 16384,
+    ):
         if cache not in ("deterministic", "always", "off"):
             raise ValueError("cache must be 'deterministic', 'always' or 'off'")
         self.spec = instances
@@ -101,8 +106,12 @@ class JudgeService(Actor):
                 raise ValueError(f"GenRM instance {name!r} has no engines")
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec["model_path"])
             self.instances[name] = _Instance(
-                name, spec["model_path"], spec.get("num_gpus", len(engines)), EnginePool(name, engines, self.cap, self.metrics),
-                ChatTemplate.of(tokenizer, template_kwargs), sampling,
+                name,
+                spec["model_path"],
+                spec.get("num_gpus", len(engines)),
+                EnginePool(name, engines, self.cap, self.metrics),
+                ChatTemplate.of(tokenizer, template_kwargs),
+                sampling,
             )
         # Reach every engine now: relay learns that a process this one does not own has died
         # when their connection drops, so connect before the first request; an engine whose
@@ -116,7 +125,9 @@ class JudgeService(Actor):
         key = route_key or DEFAULT_ROUTE
         inst = self.instances.get(key)
         if inst is None:
-            raise UnknownRouteKey(f"No GenRM instance registered for route_key={short_repr(key)}; available={sorted(self.instances)}")
+            raise UnknownRouteKey(
+                f"No GenRM instance registered for route_key={short_repr(key)}; available={sorted(self.instances)}"
+            )
         return inst
 
     def _admit(self, sampling_params: dict | None, route_key: str | None) -> _Admitted:
@@ -145,7 +156,9 @@ class JudgeService(Actor):
     async def generate(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> str:
         return await self.submit(messages, sampling_params, route_key)
 
-    def submit(self, messages: list, sampling_params: dict | None = None, route_key: str | None = None) -> asyncio.Future:
+    def submit(
+        self, messages: list, sampling_params: dict | None = None, route_key: str | None = None
+    ) -> asyncio.Future:
         """In this process (the HTTP gateway): admit one request now (its errors raise here)
         and return the future of its response text. Rendering happens here too, or off the
         event loop for a request with much text (its errors then come with the future).
@@ -170,9 +183,14 @@ class JudgeService(Actor):
         groups: dict[tuple, list] = {}  # (instance, template kwargs) -> [(position, messages, admitted, id)]
         for j, request in enumerate(requests):
             try:
-                if (not isinstance(request, (list, tuple)) or len(request) not in (3, 4)
-                        or (len(request) == 4 and not isinstance(request[3], str))):
-                    raise TypeError("each request must be [messages, sampling_params, route_key] or [..., request id (a string)]")
+                if (
+                    not isinstance(request, (list, tuple))
+                    or len(request) not in (3, 4)
+                    or (len(request) == 4 and not isinstance(request[3], str))
+                ):
+                    raise TypeError(
+                        "each request must be [messages, sampling_params, route_key] or [..., request id (a string)]"
+                    )
                 check_request(*request[:3])
                 admitted = self._admit(request[1], request[2])
             except Exception as e:  # noqa: BLE001 - this request's error, returned in its place
@@ -194,7 +212,9 @@ class JudgeService(Actor):
                     future.add_done_callback(lambda _f, rid=request_id: self._by_client_id.pop(rid, None))
         # plain futures (no task per request): the engine calls settle them
         for j, result in zip(where, await asyncio.gather(*futures, return_exceptions=True)):
-            out[j] = RequestCancelled("cancelled by its caller") if isinstance(result, asyncio.CancelledError) else result
+            out[j] = (
+                RequestCancelled("cancelled by its caller") if isinstance(result, asyncio.CancelledError) else result
+            )
         return out
 
     @staticmethod
@@ -252,8 +272,9 @@ class JudgeService(Actor):
                 self.cache.popitem(last=False)
 
     @endpoint(concurrent=True)
-    async def serve_http(self, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
-                         limits: dict | None = None) -> int:
+    async def serve_http(
+        self, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, limits: dict | None = None
+    ) -> int:
         """Serve the HTTP gateway (:mod:`reward.gateway`) from this process; returns the port
         it listens on (``port=0``: any free port). ``limits``: :class:`reward.httpd.HttpLimits`
         fields (timeouts, connection cap, body size). Once per service."""
@@ -266,7 +287,9 @@ class JudgeService(Actor):
         try:
             self._http, bound = await serve(self, host, port, token, _within_fd_limit(http_limits))
         except OSError as e:
-            raise OSError(f"the judge gateway cannot listen on {host}:{port} ({e.strerror or e}); choose another port") from None
+            raise OSError(
+                f"the judge gateway cannot listen on {host}:{port} ({e.strerror or e}); choose another port"
+            ) from None
         return bound
 
     async def __cleanup__(self, exc) -> None:
@@ -288,7 +311,10 @@ class JudgeService(Actor):
             self.metrics.inc(inst.name, "parse_warned")
             log.warning(
                 "GenRM instance %r: %d of %d judge outputs are not a bare 0/1: set "
-                "chat_template_kwargs.enable_thinking=false or use parse=loose", inst.name, bad, n,
+                "chat_template_kwargs.enable_thinking=false or use parse=loose",
+                inst.name,
+                bad,
+                n,
             )
 
     @endpoint(concurrent=True)
@@ -305,8 +331,9 @@ class JudgeService(Actor):
         for name, inst in self.instances.items():
             pool = inst.pool
             serving = pool.working
-            statuses = await asyncio.gather(*(pool.slots[i].mesh.health.call_one().result(10) for i in serving),
-                                            return_exceptions=True)
+            statuses = await asyncio.gather(
+                *(pool.slots[i].mesh.health.call_one().result(10) for i in serving), return_exceptions=True
+            )
             slow = []
             for i, status in zip(serving, statuses):
                 if isinstance(status, (SupervisionError, ConnectionError)):
@@ -333,17 +360,25 @@ class JudgeService(Actor):
         engine that did not answer within 5 s or left dispatch)."""
         snap = self.metrics.snapshot()
         info = {
-            name: {"model_path": inst.model_path, "num_gpus": inst.num_gpus, "num_engines": len(inst.pool.slots),
-                   **snap.get(name, {})}
+            name: {
+                "model_path": inst.model_path,
+                "num_gpus": inst.num_gpus,
+                "num_engines": len(inst.pool.slots),
+                **snap.get(name, {}),
+            }
             for name, inst in self.instances.items()
         }
         if engines:
             for name, inst in self.instances.items():
                 slots = inst.pool.slots
-                stats = await asyncio.gather(*(slot.mesh.stats.call_one().result(5) for slot in slots), return_exceptions=True)
+                stats = await asyncio.gather(
+                    *(slot.mesh.stats.call_one().result(5) for slot in slots), return_exceptions=True
+                )
                 info[name]["engines"] = [
-                    {"error": slot.down} if slot.down is not None
-                    else {"error": f"{type(s).__name__}: {s}"} if isinstance(s, Exception)
+                    {"error": slot.down}
+                    if slot.down is not None
+                    else {"error": f"{type(s).__name__}: {s}"}
+                    if isinstance(s, Exception)
                     else {k: s[k] for k in ENGINE_STATS if k in s}
                     for slot, s in zip(slots, stats)
                 ]
@@ -397,15 +432,24 @@ def _within_fd_limit(limits):
             pass
     if soft != resource.RLIM_INFINITY and soft < want:
         cap = max(1, soft - 256)
-        log.warning("judge gateway: the open-file limit (%d) holds %d connections, not %d: capping there",
-                    soft, cap, limits.max_connections)
+        log.warning(
+            "judge gateway: the open-file limit (%d) holds %d connections, not %d: capping there",
+            soft,
+            cap,
+            limits.max_connections,
+        )
         return dataclasses.replace(limits, max_connections=cap)
     return limits
 
 
 def _engine_sampling(params: SamplingParams) -> dict:
     return {
-        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-        "max_new_tokens": params.max_new_tokens, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos, "seed": params.seed,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_new_tokens": params.max_new_tokens,
+        "stop": list(params.stop),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+        "seed": params.seed,
     }

@@ -7,7 +7,13 @@ import collections
 import itertools
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
-ENGINE_STATS = ("requests_finished", "tokens_generated", "step_failures", "running", "waiting")  # per engine, on request
+ENGINE_STATS = (
+    "requests_finished",
+    "tokens_generated",
+    "step_failures",
+    "running",
+    "waiting",
+)  # per engine, on request
 
 
 class Metrics:
@@ -36,17 +42,24 @@ class Metrics:
             cumulative = list(itertools.accumulate(histogram[:-1]))
             out[instance]["latency_s"] = {
                 "buckets": [[b, c] for b, c in zip([*LATENCY_BUCKETS, "+Inf"], cumulative)],
-                "sum": histogram[-1], "count": cumulative[-1],
+                "sum": histogram[-1],
+                "count": cumulative[-1],
             }
         return dict(out)
 
 
 _COUNTERS = (
-    ("requests", "judge requests admitted"), ("tokens_in", "prompt tokens judged"), ("tokens_out", "tokens the judge generated"),
-    ("cache_hits", "requests answered from the judgment cache"), ("rejected_asleep", "requests refused while asleep"),
-    ("errors_transport", "engine calls that failed in transport"), ("errors_engine", "requests an engine failed"),
-    ("refused", "requests an engine refused"), ("cancelled", "requests whose callers gave up"),
-    ("engines_down", "engines that left dispatch"), ("verdicts", "verdicts reported by reward code"),
+    ("requests", "judge requests admitted"),
+    ("tokens_in", "prompt tokens judged"),
+    ("tokens_out", "tokens the judge generated"),
+    ("cache_hits", "requests answered from the judgment cache"),
+    ("rejected_asleep", "requests refused while asleep"),
+    ("errors_transport", "engine calls that failed in transport"),
+    ("errors_engine", "requests an engine failed"),
+    ("refused", "requests an engine refused"),
+    ("cancelled", "requests whose callers gave up"),
+    ("engines_down", "engines that left dispatch"),
+    ("verdicts", "verdicts reported by reward code"),
     ("parse_failures", "verdicts reward code could not read"),
 )
 _HTTP_GAUGES = ("connections_open",)
@@ -72,16 +85,32 @@ def prometheus_text(snap: dict, gateway_errors: dict, relay_stats: dict | None =
         out.extend(samples)
 
     for key, help_ in _COUNTERS:
-        family(f"genrm_{key}_total", "counter", f"GenRM {help_}",
-               [f'genrm_{key}_total{{route_key="{_label(inst)}"}} {_number(vals.get(key, 0))}' for inst, vals in snap.items()])
-    family("genrm_gateway_errors_total", "counter", "gateway answers other than 200, by kind",
-           [f'genrm_gateway_errors_total{{kind="{_label(k)}"}} {n}' for k, n in sorted(gateway_errors.items())])
+        family(
+            f"genrm_{key}_total",
+            "counter",
+            f"GenRM {help_}",
+            [
+                f'genrm_{key}_total{{route_key="{_label(inst)}"}} {_number(vals.get(key, 0))}'
+                for inst, vals in snap.items()
+            ],
+        )
+    family(
+        "genrm_gateway_errors_total",
+        "counter",
+        "gateway answers other than 200, by kind",
+        [f'genrm_gateway_errors_total{{kind="{_label(k)}"}} {n}' for k, n in sorted(gateway_errors.items())],
+    )
     for k, n in sorted((http or {}).items()):
         kind = "gauge" if k in _HTTP_GAUGES else "counter"
         name = f"genrm_http_{k}" if kind == "gauge" else f"genrm_http_{k}_total"
         family(name, kind, f"judge gateway HTTP server: {k.replace('_', ' ')}", [f"{name} {n}"])
     for k, n in (relay_stats or {}).items():
-        family(f"genrm_relay_{k}_total", "counter", f"judge process relay runtime: {k.replace('_', ' ')}", [f"genrm_relay_{k}_total {n}"])
+        family(
+            f"genrm_relay_{k}_total",
+            "counter",
+            f"judge process relay runtime: {k.replace('_', ' ')}",
+            [f"genrm_relay_{k}_total {n}"],
+        )
     samples = []
     for inst, vals in snap.items():
         h = vals.get("latency_s")

@@ -19,11 +19,27 @@ MAX_TEMPLATE_KWARGS = 16  # chat_template_kwargs entries a request may give
 MAX_TEMPLATE_KWARG_CHARS = 256  # length of a string value (or a key) in them
 #: apply_chat_template's own parameters and the variables it sets: never from a request
 #: (``chat_template`` would run the caller's template source in the service).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "chat_template", "tools", "documents", "messages", "conversation", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now",
-})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "tools",
+        "documents",
+        "messages",
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 
 
 def check_request(messages, sampling_params, route_key) -> tuple[list, dict | None, str | None]:
@@ -36,18 +52,25 @@ def check_request(messages, sampling_params, route_key) -> tuple[list, dict | No
     if len(messages) > MAX_MESSAGES:
         raise BadMessages(f"at most {MAX_MESSAGES} messages")
     for i, message in enumerate(messages):
-        if (type(message) is not dict or message.keys() - {"role", "content"}
-                or type(message.get("role")) is not str or type(message.get("content")) is not str):
+        if (
+            type(message) is not dict
+            or message.keys() - {"role", "content"}
+            or type(message.get("role")) is not str
+            or type(message.get("content")) is not str
+        ):
             raise BadMessages(f"messages[{i}] must be an object with string 'role' and 'content' (and nothing else)")
         if message["role"] not in ROLES:
-            raise BadMessages(f"messages[{i}].role must be system, user or assistant, got {short_repr(message['role'])}")
+            raise BadMessages(
+                f"messages[{i}].role must be system, user or assistant, got {short_repr(message['role'])}"
+            )
     if sampling_params is not None and not isinstance(sampling_params, dict):
         raise ValueError("'sampling_params' must be an object")
     if sampling_params:
         check_template_kwargs(sampling_params.get("chat_template_kwargs"))
     if route_key is not None and (not isinstance(route_key, str) or len(route_key) > MAX_ROUTE_KEY_CHARS):
-        raise ValueError(f"'route_key' must be a string of at most {MAX_ROUTE_KEY_CHARS} characters, "
-                         f"got {short_repr(route_key)}")
+        raise ValueError(
+            f"'route_key' must be a string of at most {MAX_ROUTE_KEY_CHARS} characters, got {short_repr(route_key)}"
+        )
     return messages, sampling_params, route_key
 
 
@@ -65,11 +88,15 @@ def check_template_kwargs(value) -> None:
         if not isinstance(key, str) or len(key) > MAX_TEMPLATE_KWARG_CHARS:
             raise ValueError(f"chat_template_kwargs: keys must be short strings, got {short_repr(key)}")
         if key in RESERVED_TEMPLATE_KWARGS:
-            raise ValueError(f"chat_template_kwargs.{short_repr(key)} is not allowed: "
-                             "the judge's chat template and its inputs are set by its configuration")
+            raise ValueError(
+                f"chat_template_kwargs.{short_repr(key)} is not allowed: "
+                "the judge's chat template and its inputs are set by its configuration"
+            )
         if not _scalar(item):
-            raise ValueError(f"chat_template_kwargs.{short_repr(key)} must be null, a boolean, a finite number or a "
-                             f"string of at most {MAX_TEMPLATE_KWARG_CHARS} characters, got {short_repr(item)}")
+            raise ValueError(
+                f"chat_template_kwargs.{short_repr(key)} must be null, a boolean, a finite number or a "
+                f"string of at most {MAX_TEMPLATE_KWARG_CHARS} characters, got {short_repr(item)}"
+            )
 
 
 def _scalar(value) -> bool:

@@ -52,7 +52,9 @@ def load_callable(path: str, what: str) -> Callable:
     (``what``), the module and the directories searched, and says what to change."""
     module, sep, name = str(path).strip().replace(":", ".").rpartition(".")
     if not sep or not module or not name:
-        raise ValueError(f"{what} {path}: must look like 'package.module.function' (a module's import path, then the function)")
+        raise ValueError(
+            f"{what} {path}: must look like 'package.module.function' (a module's import path, then the function)"
+        )
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -97,7 +99,9 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None) -
                 client = get_genrm_client()
                 j = client.generate
                 report = lambda ok: client.report_parse(None, ok)  # noqa: E731
-            return await dapo_genrm.score(sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None))
+            return await dapo_genrm.score(
+                sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None)
+            )
 
         inner = genrm
     elif cfg.rm_type == "dummy":

@@ -58,10 +58,14 @@ class ChatTemplate:
         ``MAX_RENDERED_CHARS`` is refused (ValueError)."""
         if self.compiled is not None and kwargs is self.kwargs and all(_plain_chat(c) for c in conversations):
             template, variables = self.compiled
-            texts = [template.render(messages=c, tools=None, documents=None, add_generation_prompt=True, **variables)
-                     for c in conversations]
+            texts = [
+                template.render(messages=c, tools=None, documents=None, add_generation_prompt=True, **variables)
+                for c in conversations
+            ]
         else:
-            texts = self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **kwargs)
+            texts = self.tokenizer.apply_chat_template(
+                conversations, add_generation_prompt=True, tokenize=False, **kwargs
+            )
         if not isinstance(texts, list) or len(texts) != len(conversations):  # a conversation was not a list
             raise TypeError("messages must be a list of {role, content} objects")
         for text in texts:
@@ -73,8 +77,11 @@ class ChatTemplate:
 def message_chars(conversations: list) -> int:
     """Characters of message content in ``conversations`` (malformed parts count 0)."""
     return sum(
-        len(m["content"]) for c in conversations if isinstance(c, list)
-        for m in c if isinstance(m, dict) and isinstance(m.get("content"), str)
+        len(m["content"])
+        for c in conversations
+        if isinstance(c, list)
+        for m in c
+        if isinstance(m, dict) and isinstance(m.get("content"), str)
     )
 
 
@@ -89,7 +96,8 @@ def _compiled_template(tokenizer, kwargs: dict) -> tuple | None:
         )
 
         return _compile_jinja_template(tokenizer.get_chat_template()), _plain_template_data(
-            {**tokenizer.special_tokens_map, **kwargs})
+            {**tokenizer.special_tokens_map, **kwargs}
+        )
     except Exception:  # noqa: BLE001 - no fast path; the general one reports real errors
         return None
 
@@ -101,7 +109,11 @@ def _template_reads(tokenizer, compiled: tuple | None) -> frozenset:
         import jinja2
         from jinja2 import meta
 
-        env = compiled[0].environment if compiled is not None else jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        env = (
+            compiled[0].environment
+            if compiled is not None
+            else jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        )
         return frozenset(meta.find_undeclared_variables(env.parse(tokenizer.get_chat_template())))
     except Exception:  # noqa: BLE001 - no template or unparsable: a request may set none
         return frozenset()
@@ -110,5 +122,6 @@ def _template_reads(tokenizer, compiled: tuple | None) -> frozenset:
 def _plain_chat(messages) -> bool:
     """Messages that transformers' normalization leaves as they are: dicts of str role/content."""
     return type(messages) is list and all(
-        type(m) is dict and m.keys() <= {"role", "content"} and all(type(v) is str for v in m.values()) for m in messages
+        type(m) is dict and m.keys() <= {"role", "content"} and all(type(v) is str for v in m.values())
+        for m in messages
     )

@@ -48,14 +48,21 @@ def _init_process_group(dist, backend: str) -> None:
     limit = cfg.dist_init_timeout
     me = f"bundle {cfg.bundle}, node {cfg.node}, host {cfg.host}"
     where = f"trainer rank {rank} of {world} ({me})"
-    hint = ("Check that every node is up and reaches that address (RELAY_HOST / the network interface); "
-            "RELAY_DIST_INIT_TIMEOUT sets the limit")
+    hint = (
+        "Check that every node is up and reaches that address (RELAY_HOST / the network interface); "
+        "RELAY_DIST_INIT_TIMEOUT sets the limit"
+    )
     deadline = time.monotonic() + limit
     try:
-        store = TCPStore(addr, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=limit), wait_for_workers=False)
+        store = TCPStore(
+            addr, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=limit), wait_for_workers=False
+        )
     except Exception as e:  # noqa: BLE001 (re-raised with who and where)
-        raise RuntimeError(f"{where}: torch.distributed did not form within {limit:g} s: could not join the store of rank 0 at {addr}:{port} "
-                           f"({e}). {hint}") from None
+        raise RuntimeError(
+            f"{where}: torch.distributed did not form within {limit:g} s: could not join the store of rank 0 at "
+            f"{addr}:{port} "
+            f"({e}). {hint}"
+        ) from None
     store.set(f"relay/joined/{rank}", where)
     while True:
         missing = [r for r in range(world) if not store.check([f"relay/joined/{r}"])]
@@ -63,16 +70,32 @@ def _init_process_group(dist, backend: str) -> None:
             break
         if time.monotonic() > deadline:
             expected = "; ".join(f"rank {r}" for r in missing)
-            raise RuntimeError(f"{where}: torch.distributed did not form within {limit:g} s: not every rank joined the store at {addr}:{port} "
-                               f"(missing: {expected}; the controller's placement table says which bundle each rank is). {hint}")
+            raise RuntimeError(
+                f"{where}: torch.distributed did not form within {limit:g} s: not every rank joined the store at "
+                f"{addr}:{port} "
+                f"(missing: {expected}; the controller's placement table says which bundle each rank is). {hint}"
+            )
         time.sleep(0.05)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 class TrainerActor(Actor):
-    def __init__(self, model_path: str, tp: int = 1, lr: float = 1e-6, weight_decay: float = 0.0, clip_grad: float = 1.0,
-                 lr_decay_style: str = "constant", lr_warmup_iters: int = 0, total_iters: int = 1000, seed: int = 1234, loss: dict | None = None,
-                 micro_batch_tokens: int = 8192, bf16: bool = False, optimizer: str = "auto"):
+    def __init__(
+        self,
+        model_path: str,
+        tp: int = 1,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        clip_grad: float = 1.0,
+        lr_decay_style: str = "constant",
+        lr_warmup_iters: int = 0,
+        total_iters: int = 1000,
+        seed: int = 1234,
+        loss: dict | None = None,
+        micro_batch_tokens: int = 8192,
+        bf16: bool = False,
+        optimizer: str = "auto",
+    ):
         self.model_path = model_path
         self.tp = tp
         self.opt_args = dict(lr=lr, weight_decay=weight_decay)
@@ -101,11 +124,15 @@ class TrainerActor(Actor):
         from .megatron_model import build_gpt, hf_to_megatron, shard_for_rank
 
         cpu_shim.install()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         with _PROCESS_SETUP:
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)
-        self.model = build_gpt(self.cfg, tp=self.tp, dtype=torch.bfloat16 if self.bf16 else torch.float32).to(self.device)
+        self.model = build_gpt(self.cfg, tp=self.tp, dtype=torch.bfloat16 if self.bf16 else torch.float32).to(
+            self.device
+        )
         files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
         hf = {}
         for f in files:
@@ -114,7 +141,9 @@ class TrainerActor(Actor):
         missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
-            raise KeyError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
+            raise KeyError(
+                f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {list(unexpected)[:3]}"
+            )
         from .optim import MegatronAdamW, TorchAdamW
 
         # auto: Megatron's distributed optimizer where it helps (DP > 1: optimizer state
@@ -123,10 +152,20 @@ class TrainerActor(Actor):
         if kind == "auto":
             kind = "megatron" if (self.dp_size > 1 or self.bf16) else "torch"
         if kind == "megatron":
-            self.opt = MegatronAdamW(self.model, clip_grad=self.clip_grad, bf16=self.bf16, device=self.device, **self.opt_args)
+            self.opt = MegatronAdamW(
+                self.model, clip_grad=self.clip_grad, bf16=self.bf16, device=self.device, **self.opt_args
+            )
         else:
-            self.opt = TorchAdamW(self.model, clip_grad=self.clip_grad, dp_group=self.dp_group, dp_size=self.dp_size, device=self.device,
-                                  tp_group=self.tp_group, tp_size=self.tp, **self.opt_args)
+            self.opt = TorchAdamW(
+                self.model,
+                clip_grad=self.clip_grad,
+                dp_group=self.dp_group,
+                dp_size=self.dp_size,
+                device=self.device,
+                tp_group=self.tp_group,
+                tp_size=self.tp,
+                **self.opt_args,
+            )
 
     def _init_parallel(self, dist) -> None:
         """torch.distributed and Megatron's model-parallel groups, once per process (a second
@@ -139,7 +178,10 @@ class TrainerActor(Actor):
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
         elif parallel_state.get_tensor_model_parallel_world_size() != self.tp:
-            raise ValueError(f"this process already runs tensor parallel size {parallel_state.get_tensor_model_parallel_world_size()}, not {self.tp}")
+            raise ValueError(
+                f"this process already runs tensor parallel size "
+                f"{parallel_state.get_tensor_model_parallel_world_size()}, not {self.tp}"
+            )
         model_parallel_cuda_manual_seed(self.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -236,8 +278,15 @@ class TrainerActor(Actor):
         return out
 
     @endpoint
-    def train_step(self, seqs: list, response_masks: list, advantages: list, rollout_logprobs: list | None = None,
-                   ref_logprobs: list | None = None, temperature: float = 1.0) -> dict:
+    def train_step(
+        self,
+        seqs: list,
+        response_masks: list,
+        advantages: list,
+        rollout_logprobs: list | None = None,
+        ref_logprobs: list | None = None,
+        temperature: float = 1.0,
+    ) -> dict:
         """One optimizer step of GRPO on these sequences. ``response_masks[i][t]`` marks the
         response tokens among tokens 1..n of sequence i; ``rollout_logprobs`` / ``ref_logprobs``
         (aligned the same way) feed TIS / mismatch_kl and the KL loss."""
@@ -323,8 +372,14 @@ class TrainerActor(Actor):
             return [{n: t.detach().cpu().contiguous() for n, t in b} for b in weight_sync.buckets(full, bucket_bytes)]
 
     @endpoint
-    def push_weights(self, engines: list, version: int, bucket_bytes: int = 512 << 20, timeout: float = 600.0,
-                     transport: str = "auto") -> int:
+    def push_weights(
+        self,
+        engines: list,
+        version: int,
+        bucket_bytes: int = 512 << 20,
+        timeout: float = 600.0,
+        transport: str = "auto",
+    ) -> int:
         """Weight sync of ``version`` into each engine (an EngineActor mesh of one engine):
         :meth:`engines.weight_sync.sender.WeightSender.push`. Every trainer rank must call
         (the TP gather). Returns the bytes this rank sent."""
@@ -385,7 +440,10 @@ class TrainerActor(Actor):
             raise RuntimeError("the trainer is offloaded; onload() before loading a checkpoint")
         state = torch.load(os.path.join(path, f"trainer-tp{self.tp_rank}.pt"), weights_only=False)
         if state.get("optimizer", "torch") != self.opt.kind:
-            raise ValueError(f"checkpoint holds {state.get('optimizer', 'torch')!r} optimizer state; this trainer runs {self.opt.kind!r} (set optimizer= to match)")
+            raise ValueError(
+                f"checkpoint holds {state.get('optimizer', 'torch')!r} optimizer state; this trainer runs "
+                f"{self.opt.kind!r} (set optimizer= to match)"
+            )
         self.model.load_state_dict(state["model"], strict=False)
         self.opt.load_state_dict(state["opt"])
         self.step = state["step"]
@@ -398,8 +456,13 @@ class TrainerActor(Actor):
         """Which optimizer path runs (``torch`` / ``megatron``), whether its state is sharded
         over DP, the DP size, the params' dtype and the dtype the optimizer updates in."""
         name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
-        return {"kind": self.opt.kind, "distributed": self.opt.kind == "megatron", "dp": self.dp_size,
-                "params_dtype": name(next(self.model.parameters()).dtype), "master_dtype": name(self.opt.master_dtype)}
+        return {
+            "kind": self.opt.kind,
+            "distributed": self.opt.kind == "megatron",
+            "dp": self.dp_size,
+            "params_dtype": name(next(self.model.parameters()).dtype),
+            "master_dtype": name(self.opt.master_dtype),
+        }
 
     @endpoint
     def gpu_memory(self) -> dict:

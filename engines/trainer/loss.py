@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Per-sample advantages: reward minus its group's mean, divided by the group's std + eps
     (unless ``normalize_std`` is off). Samples are in group order; groups must be complete."""
     if rewards.ndim != 1:

@@ -83,7 +83,10 @@ def _split_qkv(cfg: ModelConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(HF name, Megatron name) pairs that map one to one (no layout change); the fused
     q/k/v and gate/up tensors are handled by the two converters below."""
-    pairs = [("model.embed_tokens.weight", "embedding.word_embeddings.weight"), ("model.norm.weight", "decoder.final_layernorm.weight")]
+    pairs = [
+        ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        ("model.norm.weight", "decoder.final_layernorm.weight"),
+    ]
     if not cfg.tie_word_embeddings:
         pairs.append(("lm_head.weight", "output_layer.weight"))
     for i in range(cfg.num_layers):
@@ -95,7 +98,10 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
             (h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"),
         ]
         if cfg.qk_norm:
-            pairs += [(h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"), (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight")]
+            pairs += [
+                (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
+                (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
+            ]
     return pairs
 
 
@@ -105,7 +111,9 @@ def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_rows(cfg, hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"])
+            out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_rows(
+                cfg, hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"]
+            )
         mlp = f"model.layers.{i}.mlp."
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]], dim=0)
     return out
@@ -131,7 +139,12 @@ def causal_mask(seq: int) -> torch.Tensor:
 
 # Tensor-parallel layout of the GPTModel parameters (local spec): column-parallel weights
 # split their rows, row-parallel ones their columns; the GLU fc1 holds [gate_r; up_r] per rank.
-_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_COLUMN = (
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+)
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
@@ -181,7 +194,14 @@ def gather_full(model, tp_group, copy: bool = True) -> dict[str, torch.Tensor]:
     return out
 
 
-def token_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    mask: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Per-token log-probs of ``targets`` under the model, vocab-parallel (no full-vocab
     gather across TP): ``-vocab_parallel_cross_entropy(logits / T, targets)``."""
     from megatron.core import tensor_parallel

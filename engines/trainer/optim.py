@@ -143,8 +143,18 @@ class TorchAdamW(_Optimizer):
 
     kind = "torch"
 
-    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, dp_group, dp_size: int, device,
-                 tp_group=None, tp_size: int = 1):
+    def __init__(
+        self,
+        model,
+        lr: float,
+        weight_decay: float,
+        clip_grad: float,
+        dp_group,
+        dp_size: int,
+        device,
+        tp_group=None,
+        tp_size: int = 1,
+    ):
         super().__init__(device)
         self.model = model
         self.tp_group, self.tp_size = tp_group, tp_size
@@ -187,8 +197,16 @@ class TorchAdamW(_Optimizer):
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.model.parameters() if p.grad is not None and (self.tp_size == 1 or param_is_not_tensor_parallel_duplicate(p))]
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
+        counted = [
+            p.grad
+            for p in self.model.parameters()
+            if p.grad is not None and (self.tp_size == 1 or param_is_not_tensor_parallel_duplicate(p))
+        ]
+        sq = (
+            torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum()
+            if counted
+            else torch.zeros((), device=self.device)
+        )
         if self.tp_size > 1:
             import torch.distributed as dist
 
@@ -231,12 +249,19 @@ class MegatronAdamW(_Optimizer):
         with cpu_shim.megatron_cuda_calls():
             self.ddp = DistributedDataParallel(
                 model.config,
-                DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False),
+                DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False
+                ),
                 model,
             )
             config = OptimizerConfig(
-                optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                clip_grad=clip_grad if clip_grad > 0 else float("inf"), use_distributed_optimizer=True,
+                optimizer="adam",
+                lr=lr,
+                weight_decay=weight_decay,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                clip_grad=clip_grad if clip_grad > 0 else float("inf"),
+                use_distributed_optimizer=True,
             )
             self.opt = get_megatron_optimizer(config, [self.ddp])
         self._parts = getattr(self.opt, "chained_optimizers", [self.opt])
@@ -270,7 +295,6 @@ class MegatronAdamW(_Optimizer):
         state = [st for st in _unique_storages(state) if st.data_ptr() not in owned]
         grads = _unique_storages(b.grad_data for b in buffers)
         return params, state, grads
-
 
     def state_dict(self) -> dict:
         """Collective over DP: param groups and step, plus the sharded master weights and

@@ -43,7 +43,11 @@ def flatten(named: list, device, out: torch.Tensor | None = None) -> tuple[torch
     """Pack ``[(name, tensor)]`` into one ``uint8`` buffer on ``device`` (``out`` reused when
     large enough); returns (buffer, metas)."""
     metas, total = layout(named)
-    buf = out[:total] if out is not None and out.numel() >= total else torch.empty(total, dtype=torch.uint8, device=device)
+    buf = (
+        out[:total]
+        if out is not None and out.numel() >= total
+        else torch.empty(total, dtype=torch.uint8, device=device)
+    )
     for (_, t), (_, _, _, off) in zip(named, metas):
         n = t.numel() * t.element_size()
         buf[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
@@ -93,7 +97,9 @@ def device_uuid(device) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return str(torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device()).uuid)
+    return str(
+        torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device()).uuid
+    )
 
 
 #: Buffers shared with receivers in this same process (a colocated trainer and engine are
@@ -114,8 +120,15 @@ def ipc_handle(buf: torch.Tensor, cross_process: bool = True) -> dict:
     h = {"nbytes": buf.numel(), "pid": os.getpid(), "token": token}
     if cross_process:
         dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = buf.untyped_storage()._share_cuda_()
-        h.update(handle=handle, size=size, offset=offset, ref_counter_handle=rc_handle, ref_counter_offset=rc_offset,
-                 event_handle=ev_handle, event_sync_required=bool(ev_sync))
+        h.update(
+            handle=handle,
+            size=size,
+            offset=offset,
+            ref_counter_handle=rc_handle,
+            ref_counter_offset=rc_offset,
+            event_handle=ev_handle,
+            event_sync_required=bool(ev_sync),
+        )
     return h
 
 
@@ -138,7 +151,14 @@ def open_ipc(h: dict, device) -> torch.Tensor:
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     storage = torch.UntypedStorage._new_shared_cuda(
-        index, h["handle"], h["size"], h["offset"], h["ref_counter_handle"], h["ref_counter_offset"], h["event_handle"], h["event_sync_required"]
+        index,
+        h["handle"],
+        h["size"],
+        h["offset"],
+        h["ref_counter_handle"],
+        h["ref_counter_offset"],
+        h["event_handle"],
+        h["event_sync_required"],
     )
     t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
     t.set_(storage, 0, (h["nbytes"],), (1,))
@@ -153,15 +173,29 @@ class BroadcastGroup:
     own TCPStore: independent of any default group in either process. ``timeout`` bounds
     the rendezvous and every collective: a missing peer is an error, not a hang."""
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float, name: str):
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        name: str,
+    ):
         import torch.distributed as dist
 
         self.name, self.rank, self.world_size = name, rank, world_size
         self.timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False)
+            store = dist.TCPStore(
+                master_address, master_port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False
+            )
         except Exception as e:  # noqa: BLE001 (re-raised with context)
-            raise TimeoutError(f"weight-sync group {name!r}: rank {rank} could not reach the store at {master_address}:{master_port} within {timeout_s}s: {e}") from e
+            raise TimeoutError(
+                f"weight-sync group {name!r}: rank {rank} could not reach the store at {master_address}:{master_port} "
+                f"within {timeout_s}s: {e}"
+            ) from e
         store = dist.PrefixStore(name, store)
         self._store = store
         # Everyone present before any backend connects (NCCL's communicator set-up has no
@@ -170,7 +204,10 @@ class BroadcastGroup:
         try:
             store.wait([f"joined/{r}" for r in range(world_size)], self.timeout)
         except Exception as e:  # noqa: BLE001 (DistStoreError / RuntimeError, re-raised with context)
-            raise TimeoutError(f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet its peers within {timeout_s}s: {e}") from e
+            raise TimeoutError(
+                f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet its peers within {timeout_s}s: "
+                f"{e}"
+            ) from e
         try:
             if backend == "gloo":
                 self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
@@ -181,7 +218,10 @@ class BroadcastGroup:
             else:
                 raise ValueError(f"weight-sync backend must be 'nccl' or 'gloo', not {backend!r}")
         except (RuntimeError, dist.DistBackendError) as e:
-            raise TimeoutError(f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet its peers within {timeout_s}s: {e}") from e
+            raise TimeoutError(
+                f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet its peers within {timeout_s}s: "
+                f"{e}"
+            ) from e
         self.backend = backend
 
     def broadcast(self, buf: torch.Tensor) -> None:
@@ -199,7 +239,10 @@ class BroadcastGroup:
         while not work.is_completed():
             if time.monotonic() > deadline:
                 self.close()
-                raise TimeoutError(f"weight-sync group {self.name!r}: broadcast of {buf.numel()} bytes did not finish within {self.timeout.total_seconds()}s (rank {self.rank})")
+                raise TimeoutError(
+                    f"weight-sync group {self.name!r}: broadcast of {buf.numel()} bytes did not finish within "
+                    f"{self.timeout.total_seconds()}s (rank {self.rank})"
+                )
             time.sleep(0.0005)
         work.wait()  # raises the backend's error, if any
         if buf.is_cuda:

@@ -75,7 +75,10 @@ class WeightSender:
                 else:
                     chosen = "ipc" if colocated is not None else "distributed"
             if chosen == "ipc" and colocated is None:
-                raise ValueError(f"weight sync by CUDA IPC needs the engine on a trainer GPU; engine GPU {info['uuid']} is not one of {uuids}")
+                raise ValueError(
+                    f"weight sync by CUDA IPC needs the engine on a trainer GPU; engine GPU {info['uuid']} is not one "
+                    f"of {uuids}"
+                )
             routes.append(Route(engine, chosen, colocated if chosen == "ipc" else 0, info))
         return routes
 
@@ -157,7 +160,9 @@ class WeightSender:
                 buffer, metas = flatten(bucket, self.device)
                 names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
                 last = i == len(buckets) - 1
-                receives = [e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, last) for e in engines]
+                receives = [
+                    e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, last) for e in engines
+                ]
                 group.broadcast(buffer)
                 for f in receives:
                     f.get(timeout)
@@ -177,7 +182,10 @@ def _join(engines: list, device: torch.device, timeout: float) -> tuple[str, Bro
     name = f"weights-{uuid.uuid4().hex[:12]}"
     backend = "nccl" if device.type == "cuda" else "gloo"
     size = len(engines) + 1
-    joins = [e.init_weights_update_group.call(address, port, i + 1, size, name, backend, timeout) for i, e in enumerate(engines)]
+    joins = [
+        e.init_weights_update_group.call(address, port, i + 1, size, name, backend, timeout)
+        for i, e in enumerate(engines)
+    ]
     group = None
     try:
         group = BroadcastGroup(address, port, 0, size, backend, timeout, name)
