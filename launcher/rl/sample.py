@@ -21,7 +21,7 @@ from ..data import Row, question_text
 T = TypeVar("T")
 
 
-class Status(str, Enum):
+class Status(Enum):
     """How the sample's generation ended."""
 
     COMPLETED = "completed"  # the engine stopped at an end token or a stop string
