@@ -5,7 +5,7 @@ aiohttp echo server (the floor). Prints one JSON line.
 
     python benchmarks/gateway_bench.py [--requests 5000] [--rounds 3] [--engine-tokenizes]
 
-Hosting is the product's (launcher/grpo.py, launcher/serve_judge.py): the judge service in a
+Hosting is the product's (launcher/rl/judge.py, launcher/serve_judge.py): the judge service in a
 process of its own, serving the HTTP gateway there, the engine in another; the load
 generator (64 callers, then 1) in the benchmark's process. Two floors: ``floor`` is the
 echo server hosted like the gateway (a process of its own: benchmarks/_http_floor.py);

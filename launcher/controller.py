@@ -3,7 +3,7 @@ agent. ``python -m launcher`` under torchrun and ``relay train`` both end up her
 
 The controller starts every agent's workers (one per bundle of the plan), places a probe
 actor on each and reports the placement (optionally holding the job up for ``--hold``
-seconds); then it runs the GRPO loop (``launcher/grpo.py``) when the config has
+seconds); then it runs the GRPO loop (``launcher/rl/loop.py``) when the config has
 ``--prompt-data``, or SFT (``launcher/sft.py``) for ``relay sft``, and shuts everything
 down cleanly.
 
@@ -33,9 +33,9 @@ from .agent import BundleProbe, BundleSpec, NodeAgent, worker_log
 from .allocator import Plan, make_plan, render_plan
 from .config import JobConfig
 from .exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
-from .grpo import StoppedWithCheckpoint
 from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
+from .rl.checkpoints import StoppedWithCheckpoint
 
 
 @dataclass
@@ -158,10 +158,10 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             print(f"holding the job for {hold:g} s", file=out, flush=True)
             await asyncio.sleep(hold)
         if mode == "sft" or cfg.prompt_data:
-            from .grpo import GRPOJob
+            from .rl.loop import GRPOLoop
             from .sft import SFTJob
 
-            job = (SFTJob if mode == "sft" else GRPOJob)(cfg, plan, workers, out)
+            job = (SFTJob if mode == "sft" else GRPOLoop)(cfg, plan, workers, out)
             jobs.append(job)
             await job.start()
             await job.run()

@@ -12,18 +12,16 @@ HF checkpoint to ``--save-hf`` (default RUN_DIR/hf).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import time
-
-from relay import ProcMesh
 
 from .agent import WorkerInfo
 from .allocator import Plan
 from .config import JobConfig
 from .data import PromptOrder, Row, load_rows, prompt_ids
 from .metrics import MetricsLog
+from .rl.trainer_group import TrainerGroup, attach_claim
 
 
 class SFTJob:
@@ -35,7 +33,9 @@ class SFTJob:
         self.cfg, self.plan, self.out = cfg, plan, out
         self.by_bundle = {w.bundle: w for w in workers}
         self.rows = load_rows(cfg.prompt_data, need_response=True)
-        self.eval_rows = load_rows(cfg.eval_prompt_data, "--eval-prompt-data", need_response=True) if cfg.eval_prompt_data else None
+        self.eval_rows = None
+        if cfg.eval_prompt_data:
+            self.eval_rows = load_rows(cfg.eval_prompt_data, "--eval-prompt-data", need_response=True)
         self.steps = cfg.sft_steps or max(1, len(self.rows) // cfg.global_batch_size)
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.save_to = os.path.abspath(cfg.save_hf or os.path.join(self.run_dir, "hf"))
@@ -43,43 +43,32 @@ class SFTJob:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from engines.trainer.actor import TrainerActor
-
         cfg = self.cfg
         claim = next((c for c in self.plan.claims if c.role == "actor"), None)
         if claim is None:
             raise ValueError("relay sft trains on the 'actor' GPUs: give --resource an 'actor' entry")
-        procs = ProcMesh.attach([self.by_bundle[b.index].proc for b in self.plan.bundles_of(claim)], name="trainer", dims={"ranks": claim.size})
-        self.tp = cfg.tensor_model_parallel_size
-        if claim.size % self.tp:
-            raise ValueError(f"--tensor-model-parallel-size {self.tp} does not divide the {claim.size} actor GPUs")
-        self.dp = claim.size // self.tp
-        self.trainer = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, tp=self.tp, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                   clip_grad=cfg.clip_grad, lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters,
-                                   total_iters=self.steps, seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens,
-                                   bf16=cfg.bf16, optimizer=cfg.optimizer_impl)
+        procs = attach_claim(self.plan, claim, self.by_bundle, "trainer")
+        self.trainer = TrainerGroup.spawn_policy(cfg, procs, claim.size, total_iters=self.steps)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
-        await self.trainer.initialized(900)
+        await self.trainer.initialized()
 
     def _encode(self, row: Row) -> tuple[list[int], list[int]]:
         prompt = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
         response = self.tokenizer(row.response, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         return prompt + response, [0] * (len(prompt) - 1) + [1] * len(response)
 
-    async def _per_rank(self, method: str, rows: list[Row]) -> list:
-        """Rows split across DP ranks (TP ranks of one DP rank get the same shard); returns
-        each DP shard's result."""
-        shards = [rows[d :: self.dp] or rows for d in range(self.dp)]
-        enc = [[self._encode(r) for r in sh] for sh in shards]
-        calls = [getattr(self.trainer.slice(ranks=r), method).call_one([e[0] for e in enc[r // self.tp]], [e[1] for e in enc[r // self.tp]]).result(3600)
-                 for r in range(self.dp * self.tp)]
-        res = await asyncio.gather(*calls)
-        return [res[d * self.tp] for d in range(self.dp)]
+    async def _per_dp(self, method: str, rows: list[Row]) -> list:
+        """Rows split across DP ranks (a DP rank whose shard would be empty takes all rows);
+        returns each DP shard's result."""
+        dp = self.trainer.dp
+        shards = [rows[d::dp] or rows for d in range(dp)]
+        encoded = [[self._encode(r) for r in shard] for shard in shards]
+        return await self.trainer.call_per_dp(method, [([e[0] for e in enc], [e[1] for e in enc]) for enc in encoded])
 
     async def evaluate(self) -> float:
         hits = []
         for i in range(0, len(self.eval_rows), 256):
-            for shard in await self._per_rank("greedy_match", self.eval_rows[i : i + 256]):
+            for shard in await self._per_dp("greedy_match", self.eval_rows[i : i + 256]):
                 hits += shard
         return sum(hits) / len(hits)
 
@@ -92,9 +81,10 @@ class SFTJob:
         try:
             for step in range(self.steps):
                 t = time.monotonic()
-                stats = await self._per_rank("sft_step", order.batch(step, cfg.global_batch_size))
+                stats = await self._per_dp("sft_step", order.batch(step, cfg.global_batch_size))
                 rec = {"kind": "sft", "step": step, "train/loss": sum(s["loss"] for s in stats) / len(stats),
-                       "train/grad_norm": stats[0]["grad_norm"], "train/lr": stats[0]["lr"], "time/step": time.monotonic() - t}
+                       "train/grad_norm": stats[0]["grad_norm"], "train/lr": stats[0]["lr"],
+                       "time/step": time.monotonic() - t}
                 last = step == self.steps - 1
                 if self.eval_rows and (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):
                     rec["eval/accuracy"] = await self.evaluate()
@@ -105,8 +95,9 @@ class SFTJob:
             log.close()
         await self.save()
         rec["time/total"] = time.monotonic() - t0
-        print(f"sft: {self.steps} steps in {rec['time/total']:.1f} s; wrote {self.save_to}"
-              + (f"; held-out accuracy {rec['eval/accuracy']:.3f}" if "eval/accuracy" in rec else ""), file=self.out, flush=True)
+        accuracy = f"; held-out accuracy {rec['eval/accuracy']:.3f}" if "eval/accuracy" in rec else ""
+        print(f"sft: {self.steps} steps in {rec['time/total']:.1f} s; wrote {self.save_to}{accuracy}",
+              file=self.out, flush=True)
         return rec
 
     async def save(self) -> None:
@@ -114,7 +105,7 @@ class SFTJob:
         temporary directory and renamed into place."""
         from safetensors.torch import save_file
 
-        buckets = (await self.trainer.export_hf.call(1 << 62).result(1800)).values()[0]
+        buckets = await self.trainer.export_hf()
         tensors = {k: v.contiguous() for b in buckets for k, v in b.items()}
         tmp = self.save_to + f".tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,9 +120,5 @@ class SFTJob:
         os.replace(tmp, self.save_to)
 
     async def close(self, graceful: bool = True) -> None:
-        if not graceful:
-            return
-        try:
-            await self.trainer.shutdown.call().result(60)
-        except Exception as e:  # noqa: BLE001 (best effort: the workers are stopped next anyway)
-            print(f"relay: trainer shutdown: {type(e).__name__}: {e}", file=self.out, flush=True)
+        if graceful:
+            await self.trainer.shutdown(self.out)

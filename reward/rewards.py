@@ -1,9 +1,9 @@
 """Reward functions by ``--rm-type`` / ``--custom-rm-path``, bounded by
 ``--reward-max-concurrency``, and the defer-swap post-process hook.
 
-A sample is a dict with at least ``response`` and ``label`` (and ``prompt``,
-``metadata``). A reward returns a float or a dict; ``--reward-key`` picks the value the
-trainer uses from a dict (``score`` when not given).
+A sample is a :class:`launcher.rl.sample.Sample` (or a dict) with at least ``response`` and
+``label`` (and ``prompt``, ``metadata``), read by key. A reward returns a float or a dict;
+``--reward-key`` picks the value the trainer uses from a dict (``score`` when not given).
 """
 
 from __future__ import annotations
@@ -72,8 +72,11 @@ def load_callable(path: str, what: str) -> Callable:
     return fn
 
 
-def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None) -> RewardFn:
-    """The per-sample reward for a config; ``judge`` overrides the judge client (tests)."""
+def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
+                   judge_address: str | None = None) -> RewardFn:
+    """The per-sample reward for a config. ``dapo-genrm`` reaches the judge service at
+    ``judge_address`` (its relay address; without one, ``RELAY_GENRM_ADDR``); ``judge``
+    overrides the judge client (tests)."""
     sem = asyncio.Semaphore(cfg.reward_max_concurrency)
     if cfg.custom_rm_path:
         fn = load_callable(cfg.custom_rm_path, "--custom-rm-path")
@@ -96,7 +99,7 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None) -
             if j is None:
                 from .client import get_genrm_client
 
-                client = get_genrm_client()
+                client = get_genrm_client(judge_address)
                 j = client.generate
                 report = lambda ok: client.report_parse(None, ok)  # noqa: E731
             return await dapo_genrm.score(

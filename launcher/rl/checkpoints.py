@@ -1,0 +1,86 @@
+"""Checkpoints of the RL loop under ``RUN_DIR/checkpoints/step_NNNNNN``: the trainer's
+shards, then ``state.json`` (next step, weight version), written last, so a checkpoint
+without it is incomplete and ignored by ``--resume``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+CHECKPOINT_DIR = "checkpoints"
+STATE_FILE = "state.json"
+
+
+class StoppedWithCheckpoint(Exception):
+    """The loop stopped on request (SIGTERM, e.g. slurm preemption) after writing a
+    checkpoint; ``--resume`` continues at ``next_step``."""
+
+    def __init__(self, path: str, next_step: int):
+        super().__init__(f"stopped on request after writing {path}; --resume continues at step {next_step}")
+        self.path = path
+        self.next_step = next_step
+
+
+class Checkpoints:
+    """The checkpoint directories of one run directory."""
+
+    def __init__(self, run_dir: str):
+        self.root = os.path.join(run_dir, CHECKPOINT_DIR)
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, f"step_{step:06d}")
+
+    def complete(self) -> list[str]:
+        """Complete checkpoints (those with ``state.json``), oldest first."""
+        if not os.path.isdir(self.root):
+            return []
+        return [os.path.join(self.root, d) for d in sorted(os.listdir(self.root))
+                if os.path.exists(os.path.join(self.root, d, STATE_FILE))]
+
+    def latest(self) -> str | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def mark_complete(self, path: str, next_step: int, weight_version: int) -> None:
+        """Write ``state.json`` (atomically: a temporary file renamed into place)."""
+        tmp = os.path.join(path, STATE_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"next_step": next_step, "weight_version": weight_version}, f)
+        os.replace(tmp, os.path.join(path, STATE_FILE))
+
+    async def save(self, trainer, step: int, weight_version: int, colocate: bool, keep: int) -> str:
+        """Every trainer rank writes its shard (onloaded for it when ``colocate``), then
+        ``state.json``; with ``keep`` > 0 only the newest ``keep`` complete checkpoints stay.
+        Returns the checkpoint's path."""
+        path = self.path(step)
+        if colocate:
+            await trainer.onload()
+        await trainer.save_checkpoint(path)
+        if colocate:
+            await trainer.offload()
+        self.mark_complete(path, step + 1, weight_version)
+        if keep:
+            self.prune(keep)
+        return path
+
+    async def restore(self, trainer, out) -> dict | None:
+        """``--resume``: the newest complete checkpoint into the trainer; returns its state
+        ``{"next_step", "weight_version"}``, or None (said on ``out``) when there is none."""
+        path = self.latest()
+        if path is None:
+            print(f"--resume: no complete checkpoint under {self.root}; starting from step 0", file=out, flush=True)
+            return None
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+        await trainer.load_checkpoint(path)
+        print(f"resumed from {path}: next step {state['next_step']}, weight version {state['weight_version']}",
+              file=out, flush=True)
+        return state
+
+    def prune(self, keep: int) -> None:
+        """``--keep-checkpoints``: delete all but the newest ``keep`` complete checkpoints
+        (the newest one is complete before any older one goes)."""
+        for path in self.complete()[:-keep]:
+            os.remove(os.path.join(path, STATE_FILE))  # incomplete first, so a crash mid-delete is never resumed from
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,107 @@
+"""Engines of the plan (rollout and judge alike): spawning them, calling all of them, their
+memory figures and their event logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import relay
+from relay import ProcMesh
+
+from ..allocator import Plan
+from . import timeouts
+
+
+@dataclass
+class Engine:
+    """An ``EngineActor`` of one role: ``rollout`` (instance "") or ``genrm`` (instance: the
+    judge's name). ``outstanding`` counts the generations sent to it and not yet answered."""
+
+    role: str
+    instance: str
+    mesh: relay.ActorMesh
+    outstanding: int = 0
+
+
+def engine_options(cfg, claim, weights_mode: str) -> dict:
+    """The ``EngineActor`` keyword arguments for an engine of ``claim``."""
+    options: dict = {"weights_mode": weights_mode}
+    if cfg.device == "cpu":
+        options["kv_cache_tokens"] = cfg.kv_cache_tokens
+    else:
+        options.update(device="cuda", mem_fraction_static=claim.mem_fraction or cfg.sglang_mem_fraction_static)
+    return options
+
+
+def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tuple[str, ...],
+                  colocate: bool) -> tuple[list[Engine], list[Awaitable]]:
+    """Spawn every engine of these roles in the plan, each on the first bundle of its slice;
+    returns the engines (in plan order) and their initialization awaitables. A colocated
+    rollout engine discards its weights when it sleeps (the trainer pushes them again);
+    every other engine keeps a CPU backup."""
+    from engines.actor import EngineActor
+
+    engines, pending = [], []
+    for claim in plan.claims:
+        if claim.role not in roles:
+            continue
+        rollout = claim.role == "rollout"
+        for i, bundles in enumerate(plan.engines_of(claim)):
+            proc = ProcMesh.attach(procs_of(bundles[:1]), name=f"{claim.label()}-e{i}")
+            path = cfg.hf_checkpoint if rollout else cfg.genrm[claim.instance].model_path
+            weights_mode = "discard" if (rollout and colocate) else "backup"
+            name = f"engine-{claim.role}-{claim.instance or 'policy'}-{i}".replace("_", "")
+            mesh = proc.spawn(name, EngineActor, path, cfg.engine, **engine_options(cfg, claim, weights_mode))
+            engines.append(Engine(claim.role, claim.instance, mesh))
+            pending.append(mesh.initialized(timeouts.MODEL_LOAD))
+    return engines, pending
+
+
+def of_role(engines: list[Engine], role: str) -> list[Engine]:
+    return [e for e in engines if e.role == role]
+
+
+async def call_engines(engines: list[Engine], method: str, *args, timeout: float = timeouts.ENGINE_CALL) -> list:
+    """``method(*args)`` on every engine at once; their results in order."""
+    return await asyncio.gather(*(getattr(e.mesh, method).call_one(*args).result(timeout) for e in engines))
+
+
+async def engine_bytes(engines: list[Engine]) -> int:
+    """Device bytes the engines hold (their CPU backups not counted)."""
+    stats = await call_engines(engines, "stats")
+    return int(sum(v for s in stats for k, v in s["bytes"].items() if k != "cpu_backup"))
+
+
+async def all_or_cancel(waits: list[Awaitable]) -> None:
+    """Await every start-up step; on a failure, cancel (and retrieve) the others."""
+    futures = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.gather(*futures)
+    finally:
+        for f in futures:
+            f.cancel()
+        await asyncio.gather(*futures, return_exceptions=True)
+
+
+async def write_event_log(path: str, rollout: list[Engine], judges: list[Engine], timeout: float, out) -> None:
+    """Append one JSON line per engine event to ``path``: engine (``rollout<i>`` /
+    ``genrm<i>``), role, instance, t (monotonic, host-wide), event, detail. An engine that
+    does not answer within ``timeout`` (dead) is named on ``out`` and left out."""
+    engines = rollout + judges
+    logs = await asyncio.gather(*(e.mesh.events.call_one().result(timeout) for e in engines), return_exceptions=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        for i, (engine, events) in enumerate(zip(engines, logs)):
+            if isinstance(events, BaseException):
+                print(f"relay: no event log from {engine.role} engine {engine.instance or i} "
+                      f"({type(events).__name__}: {events})", file=out, flush=True)
+                continue
+            number = i if engine.role == "rollout" else i - len(rollout)
+            for t, what, detail in events:
+                line = {"engine": f"{engine.role}{number}", "role": engine.role, "instance": engine.instance,
+                        "t": t, "event": what, "detail": detail}
+                f.write(json.dumps(line) + "\n")

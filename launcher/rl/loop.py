@@ -1,0 +1,401 @@
+"""The GRPO loop: start here. The controller builds a :class:`GRPOLoop` once every bundle
+has its worker, then calls ``start()``, ``run()`` and ``close()``.
+
+One colocated step (:meth:`GRPOLoop.train_step`; docs/training.md, "One step"; the order
+matters because the roles share GPU memory):
+
+    record the judge's counters
+    generate groups (each scored as soon as it is done, except in Defer-swap)
+    [Defer-swap: rollout sleeps, judge wakes, the batch is scored, judge sleeps (finally)]
+    check that the judge did not fail on the whole batch
+    compute advantages
+    judge and rollout sleep, trainer onloads
+    train
+    trainer offloads, rollout wakes its weights
+    push the new weights (version + 1) and check every engine has them
+    rollout wakes its KV cache, judge wakes
+    record metrics (+ the weight probe)
+
+With dedicated pools the sleeping and waking are no-ops. Fully-async
+(:meth:`GRPOLoop.run_fully_async`): a producer keeps generating and scoring groups while
+the trainer trains; a group whose weights lag the trainer by more than ``--max-staleness``
+versions is dropped. A step whose rewards failed is not trained on: the job stops with the
+error. Around the steps (:meth:`GRPOLoop.run`): evaluation before training, every
+``--eval-interval`` steps and after the last; checkpoints every ``--save-interval`` steps;
+a stop request (SIGTERM) checkpoints after the step in progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from ..agent import WorkerInfo
+from ..allocator import Plan
+from ..config import JobConfig
+from ..data import PromptOrder, Row, load_rows
+from ..metrics import MetricsLog
+from . import timeouts
+from .async_rollout import GroupProducer, is_stale, slot_bound
+from .checkpoints import Checkpoints, StoppedWithCheckpoint
+from .engine_pool import engine_bytes, of_role, write_event_log
+from .judge import judge_deltas
+from .rollout import group_seed, sampling_options
+from .sample import Sample, chunks, flatten, is_correct, rollout_metrics
+from .scoring import Scorer, advantages, check_judged, reward_metrics
+from .startup import Roles, ensure_models, start_roles
+from .timing import PhaseTimer
+
+__all__ = ["GRPOLoop", "StoppedWithCheckpoint"]
+
+
+class GRPOLoop:
+    """GRPO training with rollout engines, a judge and a Megatron trainer (see the module
+    docstring). ``run()`` returns the last step's metrics record."""
+
+    def __init__(self, cfg: JobConfig, plan: Plan, workers: list[WorkerInfo], out):
+        if not cfg.hf_checkpoint:
+            raise ValueError("training needs a policy: set --hf-checkpoint (an HF checkpoint directory)")
+        if not cfg.prompt_data:
+            raise ValueError("training needs prompts: set --prompt-data (a JSONL file with 'prompt' and 'label')")
+        if cfg.rollout_gpus == 0:
+            raise ValueError("training needs rollout engines: give --resource a 'rollout' entry")
+        self.cfg = cfg
+        self.plan = plan
+        self.out = out
+        self.workers_by_bundle = {w.bundle: w for w in workers}
+        self.mode = plan.mode
+        self.colocate = plan.mode.startswith("colocate")
+        self.defer = plan.mode == "colocate-defer"
+        self.rows = load_rows(cfg.prompt_data)
+        self.order = PromptOrder(self.rows, cfg.seed)
+        self.eval_rows = load_rows(cfg.eval_prompt_data, "--eval-prompt-data") if cfg.eval_prompt_data else None
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.checkpoints = Checkpoints(self.run_dir)
+        self.timer = PhaseTimer(span_names=("reward",))
+        self.roles = Roles()
+        self.version = 0  # the weight version the trainer holds (each sync adds one)
+        self.start_step = 0
+        self._training = False  # run() has begun: a stop request is answered with a checkpoint
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ start and close
+
+    async def start(self) -> None:
+        """Start every role (launcher/rl/startup.py); a resumed run's rollout engines get the
+        checkpoint's weights."""
+        cfg = self.cfg
+        started = self.timer.clock()
+        await ensure_models(cfg)
+        await start_roles(self.roles, cfg, self.plan, self.workers_by_bundle, self.colocate, self.defer,
+                          self._restore, self.out)
+        self.trainer, self.reference = self.roles.trainer, self.roles.reference
+        self.rollout, self.judge = self.roles.rollout, self.roles.judge
+        self.scorer = Scorer(cfg, self.roles.reward_fn, self.roles.post_process, self.timer)
+        if self.version:
+            await self._push_weights()
+        print(f"started {len(self.rollout.engines)} rollout engine(s), {len(self.judge.engines)} judge engine(s) and a "
+              f"{self.trainer.dp}x{self.trainer.tp} (DP x TP) trainer in {self.timer.clock() - started:.1f} s "
+              f"({self.mode})", file=self.out, flush=True)
+
+    async def _restore(self, trainer) -> None:
+        """``--resume``: the newest complete checkpoint sets the next step and weight version."""
+        if not self.cfg.resume:
+            return
+        state = await self.checkpoints.restore(trainer, self.out)
+        if state is not None:
+            self.start_step, self.version = state["next_step"], state["weight_version"]
+
+    async def close(self, graceful: bool = True) -> None:
+        """Write the engines' sleep/wake/sync logs to ``RUN_DIR/engine_events.jsonl``, stop
+        the judge service (and its gateway); with ``graceful``, also leave torch.distributed
+        cleanly. Works after a failed start too."""
+        engines = self.roles.engines
+        wait = timeouts.EVENT_LOG if graceful else timeouts.EVENT_LOG_AFTER_FAILURE
+        try:
+            await write_event_log(os.path.join(self.run_dir, "engine_events.jsonl"), of_role(engines, "rollout"),
+                                  of_role(engines, "genrm"), wait, self.out)
+        except Exception as e:  # noqa: BLE001 (best effort)
+            print(f"relay: engine event logs not written: {e}", file=self.out, flush=True)
+        if self.roles.judge is not None:
+            await self.roles.judge.stop()
+        if graceful:
+            await self.roles.trainer.shutdown(self.out)
+
+    def request_stop(self) -> bool:
+        """Ask the loop to checkpoint after the step in progress and stop (raising
+        :class:`StoppedWithCheckpoint`); False when the loop has not started training yet
+        (nothing to save: the caller stops at once)."""
+        if not self._training:
+            return False
+        self._stop_requested = True
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        log = MetricsLog(self.run_dir, cfg.num_rollout, self.out)
+        last: dict = {}
+        try:
+            self._training = True
+            if self.eval_rows and not cfg.skip_eval_before_train and self.start_step == 0:
+                record = await self.evaluate(0)
+                log.write(record)
+                print(f"eval before training: accuracy {record['eval/accuracy']:.3f} "
+                      f"(exact {record['eval/exact_accuracy']:.3f})", file=self.out, flush=True)
+            if cfg.fully_async:
+                last = await self.run_fully_async(log)
+            else:
+                for step in range(self.start_step, cfg.num_rollout):
+                    last = await self.train_step(step)
+                    await self._after_step(step, last, log)
+        finally:
+            log.close()
+        return last
+
+    async def train_step(self, step: int) -> dict:
+        """One step of the colocated or dedicated-pool loop; returns its metrics record."""
+        cfg, timer = self.cfg, self.timer
+        timer.begin_step()
+        judge_before = await self.judge.counts()
+        with timer.phase("rollout"):
+            samples = await self._generate_batch(step, score_inline=not self.defer)
+        memory = {"mem/rollout_bytes_generating": await self.rollout.device_bytes()}
+        await self._record_gpu_use("generating", memory)
+        if self.defer:
+            await self._score_deferred(samples, cfg.n_samples_per_prompt)
+        check_judged(samples, f"step {step}")
+        judge_after = await self.judge.counts()
+        step_advantages = advantages(samples, cfg.n_samples_per_prompt)
+        with timer.phase("swap"):
+            await self._free_gpus_for_training(memory)
+        with timer.phase("train"):
+            train_stats = await self.trainer.train_rl(samples, step_advantages, cfg.global_batch_size, self.reference,
+                                                      self.colocate)
+        await self._record_gpu_use("training", memory)
+        if self.colocate:
+            memory["mem/trainer"] = await self.trainer.allocated_bytes()
+        with timer.phase("swap"):
+            await self._give_gpus_back_to_rollout()
+        with timer.phase("sync"):
+            synced = await self._sync_weights()
+        with timer.phase("swap"):
+            await self._resume_generation()
+        timer.end_step()
+        await self._record_gpu_use("synced", memory)
+        record = self._record(step, samples, train_stats, judge_before, judge_after)
+        record.update(memory)
+        record.update(synced)
+        record.update(await self.rollout.probe(self.rows[0]))
+        return record
+
+    async def _after_step(self, step: int, record: dict, log: MetricsLog) -> None:
+        """Log the step; checkpoint (every ``--save-interval`` steps, or on a stop request,
+        then stop unless it was the last step); evaluate every ``--eval-interval`` steps and
+        after the last."""
+        cfg = self.cfg
+        log.write(record)
+        log.progress(step, record)
+        last = step + 1 == cfg.num_rollout
+        periodic_save = bool(cfg.save_interval) and (step + 1) % cfg.save_interval == 0
+        if periodic_save or self._stop_requested:
+            await self.checkpoints.save(self.trainer, step, self.version, self.colocate, cfg.keep_checkpoints)
+        if self._stop_requested and not last:
+            raise StoppedWithCheckpoint(self.checkpoints.path(step), step + 1)
+        periodic_eval = bool(cfg.eval_interval) and (step + 1) % cfg.eval_interval == 0
+        if self.eval_rows and (periodic_eval or last):
+            ev = await self.evaluate(step + 1)
+            log.write(ev)
+            print(f"eval after step {step + 1}: accuracy {ev['eval/accuracy']:.3f} "
+                  f"(exact {ev['eval/exact_accuracy']:.3f}, pass@{ev['eval/k']} {ev['eval/pass@k']:.3f})",
+                  file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ the step's parts
+
+    async def _generate_batch(self, step: int, score_inline: bool) -> list[Sample]:
+        """``--rollout-batch-size`` groups of the step's rows, in data order."""
+        cfg = self.cfg
+        rows = self.order.batch(step, cfg.rollout_batch_size)
+        groups = await asyncio.gather(*(
+            self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.seed, step, k),
+                        step * cfg.rollout_batch_size + k, score_inline)
+            for k, row in enumerate(rows)))
+        return flatten(groups)
+
+    async def _group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int, score: bool,
+                     dataset: str = "train") -> list[Sample]:
+        """One group from the rollout pool, scored as soon as it is done when ``score``."""
+        samples = await self.rollout.generate_group(row, size, sampling, seed, group_index, dataset)
+        if score:
+            await self.scorer.score_all(samples)
+        return samples
+
+    async def _score_deferred(self, samples: list[Sample], group_size: int) -> None:
+        """Defer-swap: rollout sleeps, the judge wakes, the batch is scored, the judge sleeps
+        again whatever happened."""
+        with self.timer.phase("swap"):
+            await self.rollout.sleep()
+            await self.judge.wake()
+        try:
+            with self.timer.phase("reward"):
+                await self.scorer.score_batch(samples, group_size)
+        finally:
+            with self.timer.phase("swap"):
+                await self.judge.sleep()
+
+    async def _free_gpus_for_training(self, memory: dict) -> None:
+        """Colocated: the judge and the rollout engines sleep (in Defer-swap they already
+        do), then the trainer onloads."""
+        if not self.colocate:
+            return
+        if not self.defer:
+            await self.judge.sleep()
+            await self.rollout.sleep()
+        memory["mem/engine_bytes_training"] = await engine_bytes(self.rollout.engines + self.judge.engines)
+        await self.trainer.onload()
+
+    async def _give_gpus_back_to_rollout(self) -> None:
+        """Colocated: the trainer offloads and the rollout engines wake their weights' memory
+        (the weights themselves come with the sync)."""
+        if self.colocate:
+            await self.trainer.offload()
+            await self.rollout.wake(["weights"])
+
+    async def _sync_weights(self) -> dict:
+        """Push the trainer's weights to every rollout engine under a new version, then check
+        that each engine reports it."""
+        self.version += 1
+        await self._push_weights()
+        versions = await self.rollout.weight_versions()
+        if versions != [self.version] * len(versions):
+            raise RuntimeError(f"weight sync: engines report versions {versions}, expected {self.version}")
+        return {"sync/engine_versions": versions}
+
+    async def _push_weights(self) -> None:
+        """The trainer's weights, under ``self.version``, into every rollout engine."""
+        meshes = [e.mesh for e in self.rollout.engines]
+        await self.trainer.push_weights(meshes, self.version, self.cfg.update_weight_buffer_size)
+
+    async def _resume_generation(self) -> None:
+        """Colocated: the rollout engines wake their KV cache; the judge wakes (in Defer-swap
+        it sleeps until the next batch is scored)."""
+        if self.colocate:
+            await self.rollout.wake(["kv_cache"])
+            if not self.defer:
+                await self.judge.wake()
+
+    async def _record_gpu_use(self, phase: str, into: dict) -> None:
+        """Bytes in use on each actor GPU (every process on it), as the driver reports; on
+        GPU only. Recorded as ``mem/gpu_used_<phase>`` (one number per GPU)."""
+        figures = await self.trainer.gpu_memory()
+        if figures and figures[0]["total"]:
+            into[f"mem/gpu_used_{phase}"] = [m["total"] - m["free"] for m in figures]
+
+    def _record(self, step: int, samples: list[Sample], train_stats: dict, judge_before: dict,
+                judge_after: dict) -> dict:
+        """The step's metrics: reward, rollout, judge, train and ``time/*`` (which ends the
+        timer's step)."""
+        record: dict = {"kind": "train", "step": step, "weight_version": self.version, "samples": len(samples)}
+        record.update(reward_metrics(samples))
+        record.update(rollout_metrics(samples, self.timer.seconds("rollout")))
+        record.update(judge_deltas(judge_before, judge_after))
+        record.update({f"train/{k}": v for k, v in train_stats.items()})
+        record.update(self.timer.metrics())
+        return record
+
+    # ------------------------------------------------------------------ fully-async
+
+    async def run_fully_async(self, log: MetricsLog) -> dict:
+        """Train on groups a producer generates and scores without waiting for the trainer
+        (launcher/rl/async_rollout.py states the bound). Each step record counts all judge
+        work since the previous record; a final ``summary`` record counts the rest (the
+        producer is drained first), so the records' ``judge/requests`` add up to the judge
+        service's own counter."""
+        cfg, timer = self.cfg, self.timer
+        producer = GroupProducer(self._async_group, self.start_step * cfg.rollout_batch_size,
+                                 slot_bound(cfg.rollout_batch_size, cfg.max_staleness))
+        producer.start()
+        judge_before = await self.judge.counts()
+        last: dict = {}
+        try:
+            for step in range(self.start_step, cfg.num_rollout):
+                timer.begin_step(keep_spans=True)  # reward calls since the last record belong to this one
+                with timer.phase("rollout"):
+                    batch, stale = await self._take_fresh_groups(producer)
+                samples = flatten(batch)
+                with timer.phase("train"):
+                    train_stats = await self.trainer.train_rl(samples, advantages(samples, cfg.n_samples_per_prompt),
+                                                              cfg.global_batch_size, self.reference, self.colocate)
+                with timer.phase("sync"):
+                    synced = await self._sync_weights()
+                in_flight_max = producer.release(len(batch))
+                judge_now = await self.judge.counts()
+                timer.end_step()
+                last = self._record(step, samples, train_stats, judge_before, judge_now)
+                judge_before = judge_now
+                last.update(synced)
+                last.update({"rollout/stale_groups_dropped": stale, "rollout/groups_in_flight_max": in_flight_max,
+                             "rollout/groups_in_flight_bound": producer.bound,
+                             "rollout/staleness_max": self.version - 1 - last["rollout/min_weight_version"]})
+                await self._after_step(step, last, log)
+        except BaseException:
+            await producer.cancel()
+            raise
+        unused = await producer.finish(self.rollout.abort, timeouts.DRAIN)
+        judge_now = await self.judge.counts()
+        summary = {"kind": "summary", "step": cfg.num_rollout, "rollout/groups_generated": producer.generated,
+                   "rollout/groups_dropped": producer.dropped, "rollout/groups_unused": unused,
+                   "judge/requests_total": judge_now.get("requests", 0)}
+        summary.update(judge_deltas(judge_before, judge_now))
+        log.write(summary)
+        return last
+
+    async def _async_group(self, k: int) -> list[Sample]:
+        """Group ``k`` in data order, scored."""
+        cfg = self.cfg
+        row = self.order.batch(k, 1)[0]
+        return await self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.seed, k, 0), k,
+                                 score=True)
+
+    async def _take_fresh_groups(self, producer: GroupProducer) -> tuple[list[list[Sample]], int]:
+        """``--rollout-batch-size`` groups within ``--max-staleness``, and how many stale
+        groups were dropped on the way."""
+        batch: list[list[Sample]] = []
+        stale = 0
+        while len(batch) < self.cfg.rollout_batch_size:
+            group = await producer.next_group()
+            if is_stale(group, self.version, self.cfg.max_staleness):
+                stale += 1
+                producer.drop()
+                continue
+            batch.append(group)
+        return batch, stale
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def evaluate(self, step: int) -> dict:
+        """Pass rate and pass@k on the eval prompts (engines must be awake). The configured
+        reward scores them; ``eval/exact_accuracy`` is a rule-based check that needs no judge:
+        the response's final answer (text after the last "Answer:", else the whole reply)
+        equals the label exactly, after stripping whitespace."""
+        from reward.dapo_genrm import final_answer
+
+        cfg = self.cfg
+        k = cfg.n_samples_per_eval_prompt
+        started = self.timer.clock()
+        groups = await asyncio.gather(*(
+            self._group(row, k, sampling_options(cfg, evaluation=True), group_seed(cfg.seed, -1, row.index), i,
+                        score=not self.defer, dataset="eval")
+            for i, row in enumerate(self.eval_rows)))
+        samples = flatten(groups)
+        if self.defer:
+            await self._score_deferred(samples, k)
+            await self.rollout.wake()
+            await self._push_weights()
+        correct = [is_correct(s) for s in samples]
+        exact = [final_answer(s.response).strip() == s.label.strip() for s in samples]
+        return {"kind": "eval", "step": step, "eval/accuracy": sum(correct) / len(correct),
+                "eval/pass@k": sum(any(g) for g in chunks(correct, k)) / len(groups), "eval/k": k,
+                "eval/exact_accuracy": sum(exact) / len(exact), "eval/samples": len(samples),
+                "time/eval": self.timer.clock() - started}

@@ -1,0 +1,98 @@
+"""The rollout pool: the policy's engines, their sleep and wake, generating a group of
+samples for one prompt, and the prompts' token ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+from ..data import Row, prompt_ids
+from . import timeouts
+from .engine_pool import Engine, call_engines, engine_bytes
+from .sample import Sample
+
+#: what an engine frees when it sleeps and restores when it wakes
+ALL_MEMORY = ["weights", "kv_cache"]
+
+
+def sampling_options(cfg, evaluation: bool = False) -> dict:
+    """Sampling of a training rollout, or of an evaluation (``--eval-*``)."""
+    if evaluation:
+        return {"temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p,
+                "max_new_tokens": cfg.eval_max_response_len or cfg.rollout_max_response_len}
+    return {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p,
+            "max_new_tokens": cfg.rollout_max_response_len}
+
+
+def group_seed(seed: int, step: int, key: int) -> int:
+    """The first sampling seed of a group (sample j uses this + j), derived from (``--seed``,
+    step, prompt key): a resumed run samples exactly what the original run would have.
+    Multiplied by 64 so that groups of up to 64 samples never share a seed."""
+    return random.Random(f"{seed}:{step}:{key}").randrange(1 << 30) * 64
+
+
+class RolloutPool:
+    """The rollout engines. Generation goes to the least-loaded engine, a group at a time
+    (all samples of one prompt on one engine)."""
+
+    def __init__(self, cfg, engines: list[Engine], tokenizer):
+        self.cfg = cfg
+        self.engines = engines
+        self.tokenizer = tokenizer
+        # keyed by the prompt itself, never by row index: train and eval rows share indices
+        self._prompt_ids: dict[tuple[str, str], list[int]] = {}
+
+    def prompt_ids(self, row: Row) -> list[int]:
+        """The row's prompt token ids as the policy sees them (cached by the prompt's content)."""
+        if isinstance(row.prompt, str):
+            key = ("text", row.prompt)
+        else:
+            key = ("chat", json.dumps(row.prompt, sort_keys=True))
+        ids = self._prompt_ids.get(key)
+        if ids is None:
+            ids = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
+            self._prompt_ids[key] = ids
+        return ids
+
+    async def generate_group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int,
+                             dataset: str = "train") -> list[Sample]:
+        """``size`` samples of ``row``'s prompt, sample j with seed ``seed + j``, on the
+        least-loaded engine."""
+        engine = min(self.engines, key=lambda e: e.outstanding)
+        engine.outstanding += size
+        ids = self.prompt_ids(row)
+        try:
+            calls = [engine.mesh.generate.call_one(ids, {**sampling, "seed": seed + j}).result(timeouts.GENERATE)
+                     for j in range(size)]
+            results = await asyncio.gather(*calls)
+        finally:
+            engine.outstanding -= size
+        return [Sample.generated(row, dataset, group_index, ids, result) for result in results]
+
+    async def sleep(self) -> None:
+        """Free weights and KV cache (in-flight generations are aborted)."""
+        await call_engines(self.engines, "sleep", ALL_MEMORY)
+
+    async def wake(self, tags: list[str] = ALL_MEMORY) -> None:
+        await call_engines(self.engines, "wake", tags)
+
+    async def abort(self) -> None:
+        """End every in-flight generation at once (each returns what it has so far)."""
+        await call_engines(self.engines, "abort", timeout=timeouts.CONTROL)
+
+    async def device_bytes(self) -> int:
+        return await engine_bytes(self.engines)
+
+    async def weight_versions(self) -> list[int]:
+        return [s["weight_version"] for s in await call_engines(self.engines, "stats")]
+
+    async def probe(self, row: Row) -> dict:
+        """Greedy one-token answers of every engine to ``row``'s prompt: their log-probs
+        change when the weights do (and agree across engines)."""
+        ids = self.prompt_ids(row)
+        greedy = {"temperature": 0.0, "max_new_tokens": 1}
+        results = await asyncio.gather(*(e.mesh.generate.call_one(ids, greedy).result(timeouts.PROBE)
+                                         for e in self.engines))
+        return {"sync/probe_logprobs": [r.logprobs[0] for r in results],
+                "sync/probe_versions": [r.weight_version for r in results]}

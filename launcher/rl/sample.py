@@ -1,0 +1,172 @@
+"""A generated sample, and the bookkeeping over lists of them: groups, DP shards, accuracy.
+
+Reward code (``--custom-rm-path`` functions, the post-process hook, the built-in rewards)
+receives :class:`Sample` objects. They read as attributes (``sample.response``) and, as
+the samples of earlier versions were plain dicts, also by key: ``sample["response"]``,
+``sample.get("metadata") or {}``, ``"reward_info" in sample``, ``dict(sample)``, and
+``sample["reward_info"] = ...`` from a post-process hook. A key that is not a field is
+kept in :attr:`Sample.extra`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, TypeVar
+
+from ..data import Row, question_text
+
+T = TypeVar("T")
+
+
+class Status(Enum):
+    """How the sample's generation ended."""
+
+    COMPLETED = "completed"  # the engine stopped at an end token or a stop string
+    TRUNCATED = "truncated"  # the response reached the length limit
+    ABORTED = "aborted"  # generation was cut short (fully-async drain); still scored
+
+    @classmethod
+    def from_finish_reason(cls, finish_reason: str) -> Status:
+        if finish_reason == "length":
+            return cls.TRUNCATED
+        if finish_reason == "abort":
+            return cls.ABORTED
+        return cls.COMPLETED
+
+
+#: fields that are unset (None) until the sample is scored; an unset one is not a key
+_SET_LATER = ("reward", "reward_info", "advantage")
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, from generation to training.
+
+    Set at generation: where it comes from (``index``: the data row; ``dataset``: "train"
+    or "eval"; ``group_index``: its prompt's group in data order), what the policy saw and
+    wrote (``prompt``, ``prompt_ids``, ``response``, ``response_ids``, ``rollout_logprobs``
+    one per response token), how generation ended (``finish_reason`` as the engine said it,
+    ``status``) and the policy's ``weight_version``. Set by scoring: ``reward`` (the number
+    the trainer uses), ``reward_info`` (what the reward function returned), and
+    ``advantage`` when a post-process hook gives normalized rewards."""
+
+    index: int
+    dataset: str
+    group_index: int
+    prompt: str | list
+    label: str
+    metadata: dict
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response: str
+    rollout_logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    status: Status = Status.COMPLETED
+    reward: float | None = None
+    reward_info: Any = None
+    advantage: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def generated(cls, row: Row, dataset: str, group_index: int, prompt_ids: list[int], result) -> Sample:
+        """The sample of an engine's ``GenerateResult`` for ``row``; ``metadata`` is the
+        row's metadata plus its ``label`` and ``question`` (the judge prompt reads them)."""
+        return cls(
+            index=row.index, dataset=dataset, group_index=group_index, prompt=row.prompt, label=row.label,
+            metadata={**row.metadata, "label": row.label, "question": question_text(row.prompt)},
+            prompt_ids=prompt_ids, response_ids=list(result.token_ids), response=result.text,
+            rollout_logprobs=list(result.logprobs), finish_reason=result.finish_reason,
+            weight_version=result.weight_version, status=Status.from_finish_reason(result.finish_reason),
+        )
+
+    # ---- dict-style access, for reward code written against dict samples
+
+    def keys(self) -> list[str]:
+        """The fields that are set, then the extra keys."""
+        return [n for n in _FIELD_KEYS if not (n in _SET_LATER and getattr(self, n) is None)] + list(self.extra)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.extra:
+            return self.extra[key]
+        if key not in _FIELD_KEYS:
+            raise KeyError(key)
+        value = getattr(self, key)
+        if value is None and key in _SET_LATER:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in _FIELD_KEYS:
+            setattr(self, key, value)
+        else:
+            self.extra[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+
+#: the fields that read as keys (all but ``extra``, whose entries are keys themselves)
+_FIELD_KEYS = tuple(f.name for f in dataclasses.fields(Sample) if f.name != "extra")
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+
+
+def chunks(items: list[T], size: int) -> list[list[T]]:
+    """Consecutive runs of ``size`` items (the last may be shorter)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def flatten(groups: list[list[T]]) -> list[T]:
+    return [item for group in groups for item in group]
+
+
+def shard_over_dp(chunk: list[T], dp: int) -> list[list[T]]:
+    """Round-robin shards of one optimizer step's items, one per DP rank. With fewer items
+    than DP ranks every rank takes the whole chunk (no rank may be left without data)."""
+    shards = [chunk[rank::dp] for rank in range(dp)]
+    if any(not shard for shard in shards):
+        return [chunk] * dp
+    return shards
+
+
+def is_correct(sample: Sample) -> bool:
+    """Whether a sample counts as correct, for ``reward/accuracy`` and ``eval/accuracy``
+    alike: the reward's own ``acc`` when it returned a dict with one, else reward > 0."""
+    info = sample.reward_info
+    if isinstance(info, dict) and "acc" in info:
+        return bool(info["acc"])
+    return sample.reward > 0
+
+
+def describe(sample: Sample) -> str:
+    """Which sample, for error messages: its row, data set, question and label."""
+    question = question_text(sample.prompt)
+    return (f"the sample of row {sample.index} ({sample.dataset} data; question {question[:80]!r}, "
+            f"label {sample.label!r})")
+
+
+def truncated_fraction(samples: list[Sample]) -> float:
+    return sum(s.status is Status.TRUNCATED for s in samples) / len(samples)
+
+
+def rollout_metrics(samples: list[Sample], rollout_seconds: float) -> dict:
+    """``rollout/response_len|tokens_per_s|truncated|min_weight_version`` of a batch."""
+    lengths = [len(s.response_ids) for s in samples]
+    return {"rollout/response_len": sum(lengths) / len(lengths),
+            "rollout/tokens_per_s": sum(lengths) / max(rollout_seconds, 1e-9),
+            "rollout/truncated": truncated_fraction(samples),
+            "rollout/min_weight_version": min(s.weight_version for s in samples)}

@@ -1,0 +1,110 @@
+"""Rewards for samples, the checks on them, advantages and the reward metrics.
+
+A reward that raises stops the step with an error naming the reward (``--custom-rm-path``
+or ``--rm-type``) and the sample; a batch whose every reward is a judge failure is not
+trained on. Advantages are GRPO's group-normalized rewards unless a post-process hook gave
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+
+from .sample import Sample, describe, is_correct
+from .timing import PhaseTimer
+
+
+class Scorer:
+    """Scores samples with the configured reward function (each call a ``reward`` span of
+    ``timer``), or a whole batch with the post-process hook when one is configured."""
+
+    def __init__(self, cfg, reward_fn: Callable, post_process: Callable | None, timer: PhaseTimer):
+        self.cfg = cfg
+        self.reward_fn = reward_fn
+        self.post_process = post_process
+        self.timer = timer
+
+    def reward_name(self) -> str:
+        if self.cfg.custom_rm_path:
+            return f"--custom-rm-path {self.cfg.custom_rm_path}"
+        return f"--rm-type {self.cfg.rm_type}"
+
+    async def score(self, sample: Sample) -> None:
+        """Sets ``reward_info`` (what the reward returned) and ``reward`` (its
+        ``--reward-key`` value); an error names the reward function and the sample."""
+        from reward.rewards import reward_value
+
+        with self.timer.span("reward"):
+            try:
+                result = await self.reward_fn(sample)
+                sample.reward_info = result
+                sample.reward = reward_value(result, self.cfg.reward_key)
+            except Exception as e:
+                raise RuntimeError(f"the reward ({self.reward_name()}) failed on {describe(sample)}: "
+                                   f"{type(e).__name__}: {e}") from e
+
+    async def score_all(self, samples: list[Sample]) -> None:
+        await asyncio.gather(*(self.score(s) for s in samples))
+
+    async def score_batch(self, samples: list[Sample], group_size: int) -> None:
+        """The whole batch at once (Defer-swap): the post-process hook when configured,
+        which sets ``reward`` and ``advantage``, else :meth:`score_all`. The hook sees
+        ``args.n_samples_per_prompt == group_size`` (the eval's k for an eval batch), so it
+        groups the batch as it was generated."""
+        if self.post_process is None:
+            await self.score_all(samples)
+            return
+        args = self.cfg
+        if group_size != self.cfg.n_samples_per_prompt:
+            args = dataclasses.replace(self.cfg, n_samples_per_prompt=group_size)
+        try:
+            raw, normalized = await self.post_process(args, samples)
+        except Exception as e:
+            rows = sorted({s.index for s in samples})
+            listed = f"{rows[:8]}{' ...' if len(rows) > 8 else ''}"
+            raise RuntimeError(f"the post-process hook (--custom-reward-post-process-path "
+                               f"{self.cfg.custom_reward_post_process_path}) failed on a batch of {len(samples)} "
+                               f"samples (rows {listed}, first: {describe(samples[0])}): "
+                               f"{type(e).__name__}: {e}") from e
+        if len(raw) != len(samples) or len(normalized) != len(samples):
+            raise ValueError(f"the post-process hook returned {len(raw)}/{len(normalized)} rewards for "
+                             f"{len(samples)} samples")
+        for sample, reward, advantage in zip(samples, raw, normalized):
+            sample.reward, sample.advantage = float(reward), float(advantage)
+
+
+def check_judged(samples: list[Sample], what: str) -> None:
+    """A batch whose every reward is a judge failure is not trained on: stop with why."""
+    infos = [s.reward_info for s in samples]
+    if infos and all(isinstance(i, dict) and i.get("format_error") == "judge_error" for i in infos):
+        raise RuntimeError(f"{what}: the judge failed on all {len(samples)} samples (after retries); not training on "
+                           "this batch. Check the judge engines' health (GET /genrm/health) and the job log")
+
+
+def advantages(samples: list[Sample], group_size: int) -> list[float]:
+    """The post-process hook's advantages when it gave every sample one; else each reward
+    minus its group's mean, divided by the group's std + 1e-6 (a group of equal rewards, or
+    of one sample, gets 0). Samples are in group order; groups must be complete."""
+    import torch
+
+    from engines.trainer.loss import group_advantages
+
+    if all(s.advantage is not None for s in samples):
+        return [s.advantage for s in samples]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    return group_advantages(rewards, group_size).tolist()
+
+
+def reward_metrics(samples: list[Sample], prefix: str = "reward") -> dict:
+    """``<prefix>/mean|std|accuracy|format_errors|judged`` (judged: samples whose reward is
+    a judge's verdict)."""
+    rewards = [s.reward for s in samples]
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+    correct = [is_correct(s) for s in samples]
+    infos = [s.reward_info for s in samples if isinstance(s.reward_info, dict)]
+    return {f"{prefix}/mean": mean, f"{prefix}/std": std, f"{prefix}/accuracy": sum(correct) / len(correct),
+            f"{prefix}/format_errors": sum(1 for i in infos if i.get("format_error")),
+            f"{prefix}/judged": sum(1 for i in infos if i.get("judge_response"))}

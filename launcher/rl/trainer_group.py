@@ -1,0 +1,151 @@
+"""The trainer group shared by GRPO and SFT: one ``TrainerActor`` per bundle of a claim
+(tensor parallel within a DP rank, data parallel across), spawned from the config.
+
+Per-DP calls: the TP ranks of one DP rank get the same arguments, and one result per DP
+rank comes back (that of its first TP rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from relay import ActorMesh, ProcMesh
+
+from ..allocator import Plan
+from . import timeouts
+from .sample import Sample, chunks, shard_over_dp
+
+
+def attach_claim(plan: Plan, claim, workers_by_bundle: dict, name: str) -> ProcMesh:
+    """The worker processes of ``claim``'s bundles as one mesh (dimension ``ranks``)."""
+    procs = [workers_by_bundle[b.index].proc for b in plan.bundles_of(claim)]
+    return ProcMesh.attach(procs, name=name, dims={"ranks": claim.size})
+
+
+def loss_options(cfg) -> dict:
+    """The GRPO loss settings of the config, as ``TrainerActor(loss=...)`` takes them."""
+    return dict(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
+                kl_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_type=cfg.kl_loss_type, use_tis=cfg.use_tis,
+                tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low, entropy_coef=cfg.entropy_coef)
+
+
+def _check_tp(cfg, size: int) -> None:
+    if size % cfg.tensor_model_parallel_size:
+        raise ValueError(f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size} does not divide the "
+                         f"{size} actor GPUs")
+
+
+class TrainerGroup:
+    """A ``TrainerActor`` mesh of ``dp * tp`` ranks."""
+
+    def __init__(self, mesh: ActorMesh, dp: int, tp: int):
+        self.mesh = mesh
+        self.dp = dp
+        self.tp = tp
+
+    @classmethod
+    def spawn_policy(cls, cfg, procs: ProcMesh, size: int, total_iters: int, loss: dict | None = None) -> TrainerGroup:
+        """The trained model, with the config's optimizer and LR schedule over
+        ``total_iters`` optimizer steps (``loss``: GRPO's loss settings; None for SFT)."""
+        from engines.trainer.actor import TrainerActor
+
+        _check_tp(cfg, size)
+        tp = cfg.tensor_model_parallel_size
+        options = dict(tp=tp, lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                       lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters, total_iters=total_iters,
+                       seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16,
+                       optimizer=cfg.optimizer_impl)
+        if loss is not None:
+            options["loss"] = loss
+        mesh = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, **options)
+        return cls(mesh, size // tp, tp)
+
+    @classmethod
+    def spawn_reference(cls, cfg, procs: ProcMesh, size: int) -> TrainerGroup:
+        """A frozen copy of the initial policy for reference log-probs. It never steps:
+        torch AdamW allocates no state until a step (Megatron's optimizer would allocate
+        grad buffers and master weights up front)."""
+        from engines.trainer.actor import TrainerActor
+
+        tp = cfg.tensor_model_parallel_size
+        mesh = procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, tp=tp, seed=cfg.seed, optimizer="torch")
+        return cls(mesh, size // tp, tp)
+
+    def initialized(self):
+        return self.mesh.initialized(timeouts.MODEL_LOAD)
+
+    async def call_per_dp(self, method: str, per_dp_args: list[tuple]) -> list:
+        """``method(*per_dp_args[d])`` on every TP rank of DP rank d; one result per DP rank."""
+        calls = [getattr(self.mesh.slice(ranks=rank), method).call_one(*per_dp_args[rank // self.tp])
+                 .result(timeouts.TRAIN_CALL) for rank in range(len(per_dp_args) * self.tp)]
+        results = await asyncio.gather(*calls)
+        return [results[d * self.tp] for d in range(len(per_dp_args))]
+
+    async def onload(self) -> None:
+        await self.mesh.onload.call().result(timeouts.MEMORY_MOVE)
+
+    async def offload(self) -> None:
+        await self.mesh.offload.call().result(timeouts.MEMORY_MOVE)
+
+    async def train_rl(self, samples: list[Sample], advantages: list[float], global_batch_size: int,
+                       reference: TrainerGroup | None = None, colocate: bool = False) -> dict:
+        """Optimizer steps over ``global_batch_size`` chunks of the samples (whole groups),
+        each chunk sharded over the DP ranks; with a ``reference``, its log-probs of each
+        shard go into the loss (onloaded around the call when ``colocate``). Returns each
+        numeric statistic averaged over the optimizer steps."""
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        masks = [[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples]
+        rollout_logprobs = [[0.0] * (len(s.prompt_ids) - 1) + s.rollout_logprobs for s in samples]
+        per_step: list[dict] = []
+        for chunk in chunks(list(range(len(samples))), global_batch_size):
+            shards = shard_over_dp(chunk, self.dp)
+            reference_logprobs = None
+            if reference is not None:
+                if colocate:
+                    await reference.onload()
+                reference_logprobs = await reference.call_per_dp(
+                    "compute_logprobs", [([seqs[i] for i in shard],) for shard in shards])
+                if colocate:
+                    await reference.offload()
+            args = []
+            for d, shard in enumerate(shards):
+                step_args = ([seqs[i] for i in shard], [masks[i] for i in shard], [advantages[i] for i in shard],
+                             [rollout_logprobs[i] for i in shard])
+                args.append(step_args + ((reference_logprobs[d],) if reference_logprobs is not None else ()))
+            per_step.append((await self.call_per_dp("train_step", args))[0])
+        averaged: dict = {}
+        for key in per_step[0]:
+            values = [s[key] for s in per_step if isinstance(s.get(key), (int, float))]
+            if values:
+                averaged[key] = sum(values) / len(values)
+        return averaged
+
+    async def push_weights(self, engine_meshes: list, version: int, bucket_bytes: int) -> None:
+        """The current weights, under ``version``, into every engine."""
+        await self.mesh.push_weights.call(engine_meshes, version, bucket_bytes).result(timeouts.PUSH_WEIGHTS)
+
+    async def save_checkpoint(self, path: str) -> None:
+        """Every rank writes its shard under ``path``."""
+        await self.mesh.save_checkpoint.call(path).result(timeouts.CHECKPOINT)
+
+    async def load_checkpoint(self, path: str) -> None:
+        await self.mesh.load_checkpoint.call(path).result(timeouts.CHECKPOINT)
+
+    async def export_hf(self) -> list[dict]:
+        """The whole model as HF-named tensors (rank 0's gathered export), in buckets."""
+        return (await self.mesh.export_hf.call(1 << 62).result(timeouts.CHECKPOINT)).values()[0]
+
+    async def gpu_memory(self) -> list[dict]:
+        """Every rank's ``gpu_memory()`` figures."""
+        return (await self.mesh.gpu_memory.call().result(timeouts.CONTROL)).values()
+
+    async def allocated_bytes(self) -> int:
+        """Device bytes rank 0's process has allocated."""
+        return (await self.mesh.slice(ranks=0).gpu_memory.call_one().result(timeouts.CONTROL))["allocated"]
+
+    async def shutdown(self, out) -> None:
+        """Leave torch.distributed cleanly (best effort: the workers are stopped next anyway)."""
+        try:
+            await self.mesh.shutdown.call().result(timeouts.CONTROL)
+        except Exception as e:  # noqa: BLE001
+            print(f"relay: trainer shutdown: {type(e).__name__}: {e}", file=out, flush=True)

@@ -1,0 +1,325 @@
+"""The RL loop's pure parts (launcher/rl/), without processes: advantages, sample
+bookkeeping, scoring, the phase timer, the fully-async bound, checkpoints on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.config import load_config
+from launcher.data import Row
+from launcher.rl.async_rollout import GroupProducer, is_stale, slot_bound
+from launcher.rl.checkpoints import Checkpoints
+from launcher.rl.judge import judge_deltas
+from launcher.rl.sample import (
+    Sample,
+    Status,
+    chunks,
+    flatten,
+    is_correct,
+    rollout_metrics,
+    shard_over_dp,
+)
+from launcher.rl.scoring import Scorer, advantages, check_judged, reward_metrics
+from launcher.rl.timing import PhaseTimer, union_seconds
+
+pytestmark = pytest.mark.unit
+
+
+def make_sample(reward=None, finish_reason="stop", version=0, index=3, group_index=0, response="Answer: 4") -> Sample:
+    result = SimpleNamespace(token_ids=[7, 8, 9], text=response, logprobs=[-0.1, -0.2, -0.3],
+                             finish_reason=finish_reason, weight_version=version)
+    sample = Sample.generated(Row(index, "What is 2+2?", "4", metadata={"source": "x"}), "train", group_index, [1, 2],
+                              result)
+    sample.reward = reward
+    return sample
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---------------------------------------------------------------------------- advantages
+
+
+def test_advantages_normalize_each_group_by_its_mean_and_std():
+    samples = [make_sample(r) for r in (1.0, 0.0, 1.0, 1.0)]
+    adv = advantages(samples, group_size=2)
+    assert adv[0] == pytest.approx(1.0, abs=1e-5) and adv[1] == pytest.approx(-1.0, abs=1e-5)
+    assert adv[2:] == [0.0, 0.0]  # equal rewards: no signal, no division by zero
+
+
+def test_advantages_of_degenerate_and_incomplete_groups():
+    assert advantages([make_sample(1.0), make_sample(0.0)], group_size=1) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="do not form complete groups of 2"):
+        advantages([make_sample(1.0)] * 3, group_size=2)
+
+
+def test_advantages_from_a_post_process_hook_are_used_as_given():
+    samples = [make_sample(1.0), make_sample(0.0)]
+    samples[0].advantage, samples[1].advantage = 0.25, -0.25
+    assert advantages(samples, group_size=2) == [0.25, -0.25]
+
+
+# ---------------------------------------------------------------------------- samples
+
+
+def test_a_sample_reads_as_attributes_and_as_the_dict_reward_code_expects():
+    s = make_sample()
+    assert s.prompt == s["prompt"] == "What is 2+2?" and s["label"] == "4" and s.get("response") == "Answer: 4"
+    assert s["metadata"] == {"source": "x", "label": "4", "question": "What is 2+2?"}
+    assert s["prompt_ids"] == [1, 2] and s["response_ids"] == [7, 8, 9] and s["rollout_logprobs"] == [-0.1, -0.2, -0.3]
+    assert "reward_info" not in s and s.get("reward_info") is None and "reward" not in s  # unset until scored
+    with pytest.raises(KeyError):
+        s["reward"]
+    s["reward_info"] = {"score": 1.0}  # what a post-process hook does
+    assert s.reward_info == {"score": 1.0} and "reward_info" in s
+    s["trajectory"] = ["step"]  # a key that is not a field is kept
+    assert s["trajectory"] == ["step"] and s.extra == {"trajectory": ["step"]} and "trajectory" in s
+    as_dict = dict(s)
+    assert as_dict["label"] == "4" and as_dict["trajectory"] == ["step"] and "extra" not in as_dict
+
+
+def test_status_follows_the_engines_finish_reason():
+    assert make_sample(finish_reason="stop").status is Status.COMPLETED
+    assert make_sample(finish_reason="length").status is Status.TRUNCATED
+    assert make_sample(finish_reason="abort").status is Status.ABORTED
+
+
+def test_groups_chunks_and_dp_shards():
+    assert chunks(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
+    assert flatten([[0, 1], [2]]) == [0, 1, 2]
+    assert shard_over_dp(list(range(8)), 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert shard_over_dp([0, 1, 2], 4) == [[0, 1, 2]] * 4  # fewer items than ranks: every rank takes all
+    assert shard_over_dp([5], 1) == [[5]]
+
+
+def test_accuracy_and_rollout_metrics():
+    a, b, c = make_sample(1.0), make_sample(0.0, finish_reason="length", version=2), make_sample(0.5, version=1)
+    c.reward_info = {"score": 0.5, "acc": False, "judge_response": "0", "format_error": None}
+    b.reward_info = {"score": 0.0, "acc": True, "format_error": "judge_error"}
+    assert [is_correct(s) for s in (a, b, c)] == [True, True, False]  # the reward's acc wins over reward > 0
+    m = reward_metrics([a, b, c])
+    assert m["reward/mean"] == pytest.approx(0.5) and m["reward/accuracy"] == pytest.approx(2 / 3)
+    assert m["reward/format_errors"] == 1 and m["reward/judged"] == 1
+    r = rollout_metrics([a, b, c], rollout_seconds=3.0)
+    assert r == {"rollout/response_len": 3.0, "rollout/tokens_per_s": 3.0, "rollout/truncated": pytest.approx(1 / 3),
+                 "rollout/min_weight_version": 0}
+
+
+def test_a_batch_judged_wrong_everywhere_is_refused():
+    failed = [make_sample(0.0) for _ in range(2)]
+    for s in failed:
+        s.reward_info = {"format_error": "judge_error"}
+    with pytest.raises(RuntimeError, match="step 4: the judge failed on all 2 samples"):
+        check_judged(failed, "step 4")
+    failed[0].reward_info = {"format_error": None}
+    check_judged(failed, "step 4")
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+def test_scorer_sets_reward_records_spans_and_names_a_failing_reward():
+    cfg = load_config(None, {"custom_rm_path": "mine.reward", "reward_key": "score"})
+    clock = FakeClock()
+    timer = PhaseTimer(clock)
+
+    async def reward(sample):
+        clock.now += 2.0
+        if sample.index == 9:
+            raise ValueError("boom")
+        return {"score": 1.0, "acc": True}
+
+    scorer = Scorer(cfg, reward, None, timer)
+    s = make_sample()
+    asyncio.run(scorer.score(s))
+    assert s.reward == 1.0 and s.reward_info == {"score": 1.0, "acc": True}
+    with pytest.raises(RuntimeError, match=r"the reward \(--custom-rm-path mine.reward\) failed on the sample of row 9 "
+                                           r"\(train data; question 'What is 2\+2\?', label '4'\): ValueError: boom"):
+        asyncio.run(scorer.score(make_sample(index=9)))
+    timer.end_step()
+    assert timer.metrics()["time/reward"] == pytest.approx(4.0)
+
+
+def test_post_process_hook_sees_the_batchs_group_size_and_sets_advantages():
+    cfg = load_config(None, {"n_samples_per_prompt": 8, "custom_reward_post_process_path": "mine.hook"})
+    seen = {}
+
+    async def hook(args, samples):
+        seen["n"] = args.n_samples_per_prompt
+        return [1.0] * len(samples), [0.5] * len(samples)
+
+    samples = [make_sample(), make_sample()]
+    asyncio.run(Scorer(cfg, None, hook, PhaseTimer()).score_batch(samples, group_size=2))
+    assert seen["n"] == 2 and cfg.n_samples_per_prompt == 8
+    assert [(s.reward, s.advantage) for s in samples] == [(1.0, 0.5), (1.0, 0.5)]
+
+
+def test_dapo_genrm_reaches_the_judge_at_the_address_it_is_given(monkeypatch):
+    import reward.client
+    from reward.rewards import make_reward_fn
+
+    monkeypatch.delenv("RELAY_GENRM_ADDR", raising=False)
+    asked = []
+
+    class Client:
+        async def generate(self, messages, sampling_params=None, route_key=None):
+            return "1"
+
+        def report_parse(self, route_key, ok):
+            pass
+
+    monkeypatch.setattr(reward.client, "get_genrm_client", lambda address=None: asked.append(address) or Client())
+    cfg = load_config(None, {"rm_type": "dapo-genrm", "genrm_parse": "loose"})
+    result = asyncio.run(make_reward_fn(cfg, judge_address="ipc:///judge")(make_sample()))
+    assert asked == ["ipc:///judge"] and result["score"] == 1.0
+
+
+def test_judge_deltas_between_two_snapshots():
+    before = {"requests": 10, "cache_hits": 2, "parse_failures": 1, "latency_sum": 1.0, "latency_count": 10,
+              "engine_requests": 8}
+    after = {"requests": 14, "cache_hits": 3, "parse_failures": 1, "latency_sum": 3.0, "latency_count": 14,
+             "engine_requests": 11}
+    d = judge_deltas(before, after)
+    assert d["judge/requests"] == 4 and d["judge/cache_hits"] == 1 and d["judge/engine_calls"] == 3
+    assert d["judge/latency_mean"] == pytest.approx(0.5) and d["judge/engine_requests"] == 3
+    assert judge_deltas({}, {}) == {}
+
+
+# ---------------------------------------------------------------------------- the phase timer
+
+
+def test_union_of_overlapping_spans():
+    assert union_seconds([]) == 0.0
+    assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0
+    assert union_seconds([(0, 10), (2, 3)]) == 10.0
+
+
+def test_phase_timer_adds_phases_and_leaves_the_rest_to_orchestration():
+    clock = FakeClock()
+    timer = PhaseTimer(clock, span_names=("reward",))
+    timer.begin_step()
+    with timer.phase("rollout"):
+        clock.now += 3.0
+    with timer.phase("swap"):
+        clock.now += 1.0
+    clock.now += 0.5  # between phases: orchestration
+    with timer.phase("swap"):
+        clock.now += 1.5
+    assert timer.seconds("swap") == 2.5 and timer.seconds("train") == 0.0
+    assert timer.end_step() == 6.0
+    m = timer.metrics()
+    assert m == {"time/rollout": 3.0, "time/swap": 2.5, "time/reward": 0.0, "time/step": 6.0,
+                 "time/orchestration": pytest.approx(0.5)}
+    timer.begin_step()
+    assert timer.metrics()["time/step"] == 0.0  # forgotten after metrics()
+
+
+def test_spans_are_a_union_and_a_phase_of_the_same_name_wins():
+    clock = FakeClock()
+    timer = PhaseTimer(clock)
+    timer.begin_step()
+    first, second = timer.span("reward"), timer.span("reward")
+    first.__enter__()
+    clock.now += 1.0
+    second.__enter__()  # overlaps the first
+    clock.now += 1.0
+    first.__exit__(None, None, None)
+    clock.now += 1.0
+    second.__exit__(None, None, None)
+    timer.end_step()
+    m = timer.metrics()
+    assert m["time/reward"] == 3.0 and m["time/orchestration"] == 3.0  # spans are no phase
+    timer.begin_step()
+    with timer.span("reward"):
+        clock.now += 5.0
+    with timer.phase("reward"):
+        clock.now += 1.0
+    assert timer.metrics()["time/reward"] == 1.0
+
+
+def test_spans_can_outlive_a_step_boundary():
+    clock = FakeClock()
+    timer = PhaseTimer(clock)
+    with timer.span("reward"):
+        clock.now += 2.0
+    timer.begin_step(keep_spans=True)
+    assert timer.metrics()["time/reward"] == 2.0
+    with timer.span("reward"):
+        clock.now += 2.0
+    timer.begin_step()
+    assert "time/reward" not in timer.metrics()
+
+
+def test_a_phase_is_timed_when_it_raises():
+    clock = FakeClock()
+    timer = PhaseTimer(clock)
+    with pytest.raises(RuntimeError), timer.phase("train"):
+        clock.now += 2.0
+        raise RuntimeError
+    assert timer.seconds("train") == 2.0
+
+
+# ---------------------------------------------------------------------------- fully-async bound
+
+
+def test_slot_bound_and_staleness():
+    assert slot_bound(rollout_batch_size=4, max_staleness=1) == 8
+    assert slot_bound(rollout_batch_size=4, max_staleness=0) == 4
+    group = [make_sample(version=2), make_sample(version=3)]
+    assert not is_stale(group, trainer_version=3, max_staleness=1)
+    assert is_stale(group, trainer_version=4, max_staleness=1)
+    assert not is_stale(group, trainer_version=2, max_staleness=0)
+
+
+def test_group_producer_never_holds_more_slots_than_the_bound():
+    async def main():
+        started: list[int] = []
+
+        async def make_group(k):
+            started.append(k)
+            await asyncio.sleep(0)
+            return [make_sample(group_index=k)]
+
+        producer = GroupProducer(make_group, first_group=6, bound=3)
+        producer.start()
+        taken = [await producer.next_group() for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert started == [6, 7, 8] and producer.in_flight == 3  # every slot held: nothing more starts
+        assert producer.release(2) == 3 and producer.in_flight == 1
+        producer.drop()
+        assert producer.dropped == 1 and producer.in_flight_max == 1  # a drop does not restart the count
+        taken += [await producer.next_group() for _ in range(3)]
+
+        async def abort():
+            pass
+
+        unused = await producer.finish(abort, timeout=5)
+        return started, taken, unused, producer.generated
+
+    started, taken, unused, generated = asyncio.run(main())
+    assert [g[0].group_index for g in taken] == started[:6] == [6, 7, 8, 9, 10, 11]
+    assert generated == len(started) and unused == len(started) - 6
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def test_only_complete_checkpoints_count_and_pruning_keeps_the_newest(tmp_path):
+    ckpts = Checkpoints(str(tmp_path))
+    for step in range(4):
+        os.makedirs(ckpts.path(step))
+        if step != 3:
+            ckpts.mark_complete(ckpts.path(step), step + 1, step + 1)
+    assert ckpts.latest() == ckpts.path(2)
+    ckpts.prune(keep=2)
+    assert [os.path.basename(p) for p in ckpts.complete()] == ["step_000001", "step_000002"]
+    assert not os.path.exists(ckpts.path(0)) and os.path.exists(ckpts.path(3))  # incomplete ones are left alone
