@@ -79,6 +79,30 @@ def _init_process_group(dist, backend: str) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
+def micro_batches(seqs: list, budget: int) -> list[list[int]]:
+    """Consecutive index groups whose padded size (count x longest) stays within ``budget``
+    tokens (a longer single sequence is a micro-batch of its own)."""
+    out, cur, width = [], [], 0
+    for i, s in enumerate(seqs):
+        w = max(width, len(s))
+        if cur and w * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, w = [], len(s)
+        cur.append(i)
+        width = w
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _aligned(base: torch.Tensor, rows: list) -> torch.Tensor:
+    """``base`` with each row's leading entries replaced by the given values."""
+    out = base.clone()
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, device=base.device, dtype=base.dtype)
+    return out
+
+
 class TrainerActor(Actor):
     def __init__(
         self,
@@ -214,29 +238,6 @@ class TrainerActor(Actor):
         self.step += 1
         return norm
 
-    def _micro_batches(self, seqs: list) -> list[list[int]]:
-        """Consecutive index groups whose padded size (count x longest) stays within
-        ``micro_batch_tokens`` (a longer single sequence is a micro-batch of its own)."""
-        out, cur, width = [], [], 0
-        for i, s in enumerate(seqs):
-            w = max(width, len(s))
-            if cur and w * (len(cur) + 1) > self.micro_batch_tokens:
-                out.append(cur)
-                cur, w = [], len(s)
-            cur.append(i)
-            width = w
-        if cur:
-            out.append(cur)
-        return out
-
-    @staticmethod
-    def _aligned(base: torch.Tensor, rows: list) -> torch.Tensor:
-        """``base`` with each row's leading entries replaced by the given values."""
-        out = base.clone()
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r, device=base.device, dtype=base.dtype)
-        return out
-
     def _batch(self, seqs: list):
         from .megatron_model import causal_mask
 
@@ -270,7 +271,7 @@ class TrainerActor(Actor):
         self.model.eval()
         out: list = [None] * len(seqs)
         with torch.no_grad():
-            for idx in self._micro_batches(seqs):
+            for idx in micro_batches(seqs, self.micro_batch_tokens):
                 part = [seqs[i] for i in idx]
                 lp = self._logprobs(part, temperature).cpu()
                 for i, row, sq in zip(idx, lp, part):
@@ -296,13 +297,13 @@ class TrainerActor(Actor):
         stats: dict = {}
         # Micro-batches under the token budget; each one's loss is weighted by its share of
         # the batch (tokens or samples), so the summed gradient equals the whole batch's.
-        for idx in self._micro_batches(seqs):
+        for idx in micro_batches(seqs, self.micro_batch_tokens):
             part = [seqs[i] for i in idx]
             mask = self._mask(part, [response_masks[i] for i in idx])
             with torch.no_grad():
                 old = self._logprobs(part, temperature)
-            rollout = self._aligned(old, [rollout_logprobs[i] for i in idx]) if rollout_logprobs is not None else None
-            ref = self._aligned(old, [ref_logprobs[i] for i in idx]) if ref_logprobs is not None else None
+            rollout = _aligned(old, [rollout_logprobs[i] for i in idx]) if rollout_logprobs is not None else None
+            ref = _aligned(old, [ref_logprobs[i] for i in idx]) if ref_logprobs is not None else None
             logp = self._logprobs(part, temperature)
             adv = torch.tensor([advantages[i] for i in idx], device=self.device, dtype=torch.float32)
             loss, st = policy_loss(logp, old, adv, mask, self.loss_cfg, ref_logp=ref, rollout_logp=rollout)
@@ -321,7 +322,7 @@ class TrainerActor(Actor):
         self._begin_step()
         total = max(1, sum(sum(m) for m in response_masks))
         loss_sum = 0.0
-        for idx in self._micro_batches(seqs):
+        for idx in micro_batches(seqs, self.micro_batch_tokens):
             part = [seqs[i] for i in idx]
             mask = self._mask(part, [response_masks[i] for i in idx])
             loss = -(self._logprobs(part) * mask).sum() / total
@@ -336,7 +337,7 @@ class TrainerActor(Actor):
         forced)? For a one-token answer this is exactly greedy decoding's accuracy."""
         self.model.eval()
         out: list = [False] * len(seqs)
-        for idx in self._micro_batches(seqs):
+        for idx in micro_batches(seqs, self.micro_batch_tokens):
             part = [seqs[i] for i in idx]
             ids, pos, mask, tgt = self._batch(part)
             with torch.no_grad():
