@@ -84,7 +84,9 @@ class NodeAgent(Actor):
                 e["CUDA_VISIBLE_DEVICES"] = ""  # virtual bundle: never touch a GPU
             return e
 
-        self.procs = relay.this_host().spawn_procs(per_host={"gpus": len(specs)}, env=worker_env, name=f"node{self.node}")
+        self.procs = relay.this_host().spawn_procs(
+            per_host={"gpus": len(specs)}, env=worker_env, name=f"node{self.node}"
+        )
         await self.procs.ready(timeout=120)
         return [WorkerInfo(s.bundle, self.node, p, s.roles) for s, p in zip(specs, self.procs.procs)]
 
@@ -93,7 +95,9 @@ class NodeAgent(Actor):
         if self.controller is not None:
             spec = self.specs[failure.rank] if 0 <= failure.rank < len(self.specs) else None
             try:
-                await self.controller.worker_failed.call_one(self.node, spec.bundle if spec else -1, failure).result(timeout=10)
+                await self.controller.worker_failed.call_one(self.node, spec.bundle if spec else -1, failure).result(
+                    timeout=10
+                )
             except Exception:
                 return False  # the controller is unreachable: fail (and exit) ourselves
         return True

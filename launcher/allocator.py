@@ -108,9 +108,13 @@ def make_plan(cfg: JobConfig, train_only: bool = False) -> Plan:
     """Turn the config into a validated plan, or raise PlanError saying what to change.
     ``train_only`` (relay sft): only the actor's GPUs are placed; other roles are ignored."""
     if cfg.fully_async and cfg.colocate:
-        raise PlanError("--fully-async cannot be combined with --colocate: choose one (fully-async gives each role its own GPUs)")
+        raise PlanError(
+            "--fully-async cannot be combined with --colocate: choose one (fully-async gives each role its own GPUs)"
+        )
     if "actor" not in cfg.resource:
-        raise PlanError('--resource must give the actor (trainer) GPUs, e.g. --resource \'{"actor": [1, 8], "rollout": [1, 8]}\'')
+        raise PlanError(
+            '--resource must give the actor (trainer) GPUs, e.g. --resource \'{"actor": [1, 8], "rollout": [1, 8]}\''
+        )
     if train_only:
         plan = Plan("train-only", 1, cfg.gpus_per_node, cfg.device, {}, [])
         size = cfg.role_gpus("actor")
@@ -126,7 +130,8 @@ def make_plan(cfg: JobConfig, train_only: bool = False) -> Plan:
         if defer:
             raise PlanError(
                 "--defer-reward-to-post-process needs GenRM to share the actor placement group with rollout "
-                "(--colocate with rollout == genrm == actor GPUs); it is not available with --fully-async or dedicated pools"
+                "(--colocate with rollout == genrm == actor GPUs); it is not available with --fully-async or dedicated "
+                "pools"
             )
         plan = _dedicated(cfg)
     _check_physical(plan)
@@ -150,17 +155,36 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
     rollout = cfg.rollout_gpus
     nnodes = _nodes_needed(cfg, actor)
     if actor > nnodes * cfg.gpus_per_node:
-        raise PlanError(f"Insufficient GPU resources: the actor needs {actor} GPUs but {nnodes} node(s) x {cfg.gpus_per_node} give {nnodes * cfg.gpus_per_node}")
+        raise PlanError(
+            f"Insufficient GPU resources: the actor needs {actor} GPUs but {nnodes} node(s) x {cfg.gpus_per_node} give "
+            f"{nnodes * cfg.gpus_per_node}"
+        )
     pools = {"actor": _pool("actor", 0, actor, cfg.gpus_per_node)}
     claims = [Claim("actor", "", "actor", 0, actor, ("train",), 1)]
     warnings: list[str] = []
     genrm = cfg.genrm
     if not genrm:
         if defer:
-            raise PlanError("--defer-reward-to-post-process needs a GenRM judge (--genrm-model-path or --genrm-instances)")
+            raise PlanError(
+                "--defer-reward-to-post-process needs a GenRM judge (--genrm-model-path or --genrm-instances)"
+            )
         if rollout != actor:
-            raise PlanError(f"In colocated mode, rollout must use the actor's GPUs: --rollout-num-gpus ({rollout}) must equal the actor total ({actor})")
-        claims.append(Claim("rollout", "", "actor", 0, rollout, ("generate",), cfg.rollout_num_gpus_per_engine, cfg.sglang_mem_fraction_static))
+            raise PlanError(
+                f"In colocated mode, rollout must use the actor's GPUs: --rollout-num-gpus ({rollout}) must equal the "
+                f"actor total ({actor})"
+            )
+        claims.append(
+            Claim(
+                "rollout",
+                "",
+                "actor",
+                0,
+                rollout,
+                ("generate",),
+                cfg.rollout_num_gpus_per_engine,
+                cfg.sglang_mem_fraction_static,
+            )
+        )
         return Plan("colocate", nnodes, cfg.gpus_per_node, cfg.device, pools, claims, warnings)
 
     judge = cfg.genrm_gpus
@@ -178,14 +202,35 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
     if mode == "split" and defer:
         raise PlanError(
             "--defer-reward-to-post-process needs GenRM to share the actor placement group with rollout "
-            f"(Shared: rollout == genrm == actor total); this layout is Split (rollout={rollout}, genrm={judge}, actor total={actor})"
+            f"(Shared: rollout == genrm == actor total); this layout is Split (rollout={rollout}, genrm={judge}, actor "
+            f"total={actor})"
         )
     deferred = mode == "shared" and _check_defer_flags(cfg)
-    claims.append(Claim("rollout", "", "actor", 0, rollout, ("generate",), cfg.rollout_num_gpus_per_engine, cfg.sglang_mem_fraction_static))
+    claims.append(
+        Claim(
+            "rollout",
+            "",
+            "actor",
+            0,
+            rollout,
+            ("generate",),
+            cfg.rollout_num_gpus_per_engine,
+            cfg.sglang_mem_fraction_static,
+        )
+    )
     offset = rollout if mode == "split" else 0
     for inst in genrm.values():  # instances by prefix sums
         claims.append(
-            Claim("genrm", inst.name, "actor", offset, offset + inst.num_gpus, ("score",) if deferred else ("generate",), inst.num_gpus_per_engine, inst.mem_fraction_static)
+            Claim(
+                "genrm",
+                inst.name,
+                "actor",
+                offset,
+                offset + inst.num_gpus,
+                ("score",) if deferred else ("generate",),
+                inst.num_gpus_per_engine,
+                inst.mem_fraction_static,
+            )
         )
         offset += inst.num_gpus
     if mode == "shared" and not deferred:
@@ -194,18 +239,22 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
             if judge_mf is None:
                 raise PlanError(
                     f"Shared co-resident layout: GenRM instance {inst.name!r} needs engine_config.mem_fraction_static "
-                    f"(rollout uses --sglang-mem-fraction-static {cfg.sglang_mem_fraction_static}; the two must sum below 1.0, e.g. 0.5 + 0.3)"
+                    f"(rollout uses --sglang-mem-fraction-static {cfg.sglang_mem_fraction_static}; the two must sum "
+                    f"below 1.0, e.g. 0.5 + 0.3)"
                 )
             total = cfg.sglang_mem_fraction_static + judge_mf
             if total >= 1.0:
                 raise PlanError(
-                    f"Shared co-resident layout: rollout (--sglang-mem-fraction-static {cfg.sglang_mem_fraction_static}) and judge "
-                    f"{inst.name!r} (mem_fraction_static {judge_mf}) reserve {total:.2f} of each GPU; they must sum below 1.0 "
+                    f"Shared co-resident layout: rollout (--sglang-mem-fraction-static "
+                    f"{cfg.sglang_mem_fraction_static}) and judge "
+                    f"{inst.name!r} (mem_fraction_static {judge_mf}) reserve {total:.2f} of each GPU; they must sum "
+                    f"below 1.0 "
                     "(<= 0.9 leaves room for activations), or use defer-swap"
                 )
             if total > 0.9:
                 warnings.append(
-                    f"rollout + judge {inst.name!r} memory fractions sum to {total:.2f} (> 0.9): little room is left for activations and CUDA graphs"
+                    f"rollout + judge {inst.name!r} memory fractions sum to {total:.2f} (> 0.9): little room is left "
+                    f"for activations and CUDA graphs"
                 )
     name = {"split": "colocate-split", "shared": "colocate-defer" if deferred else "colocate-shared"}[mode]
     return Plan(name, nnodes, cfg.gpus_per_node, cfg.device, pools, claims, warnings)
@@ -230,7 +279,10 @@ def _dedicated(cfg: JobConfig) -> Plan:
     have = nnodes * cfg.gpus_per_node
     if total > have:
         detail = ", ".join(f"{r}={n}" for r, n in sizes.items())
-        raise PlanError(f"Insufficient GPU resources: the roles need {total} GPUs ({detail}) but {nnodes} node(s) x {cfg.gpus_per_node} give {have}")
+        raise PlanError(
+            f"Insufficient GPU resources: the roles need {total} GPUs ({detail}) but {nnodes} node(s) x "
+            f"{cfg.gpus_per_node} give {have}"
+        )
     pools: dict[str, Pool] = {}
     claims: list[Claim] = []
     start = 0
@@ -240,14 +292,38 @@ def _dedicated(cfg: JobConfig) -> Plan:
         if role == "genrm":
             offset = 0
             for inst in cfg.genrm.values():  # instances by prefix sums within the genrm pool
-                claims.append(Claim("genrm", inst.name, "genrm", offset, offset + inst.num_gpus, ("generate",), inst.num_gpus_per_engine, inst.mem_fraction_static))
+                claims.append(
+                    Claim(
+                        "genrm",
+                        inst.name,
+                        "genrm",
+                        offset,
+                        offset + inst.num_gpus,
+                        ("generate",),
+                        inst.num_gpus_per_engine,
+                        inst.mem_fraction_static,
+                    )
+                )
                 offset += inst.num_gpus
         elif role == "rollout":
-            claims.append(Claim("rollout", "", "rollout", 0, n, ("generate",), cfg.rollout_num_gpus_per_engine, cfg.sglang_mem_fraction_static))
+            claims.append(
+                Claim(
+                    "rollout",
+                    "",
+                    "rollout",
+                    0,
+                    n,
+                    ("generate",),
+                    cfg.rollout_num_gpus_per_engine,
+                    cfg.sglang_mem_fraction_static,
+                )
+            )
         else:
             phases = {"actor": ("train",), "reference": ("forward",)}[role]
             claims.append(Claim(role, "", role, 0, n, phases, 1))
-    return Plan("fully-async" if cfg.fully_async else "dedicated", nnodes, cfg.gpus_per_node, cfg.device, pools, claims, [])
+    return Plan(
+        "fully-async" if cfg.fully_async else "dedicated", nnodes, cfg.gpus_per_node, cfg.device, pools, claims, []
+    )
 
 
 def _check_physical(plan: Plan) -> None:
@@ -265,7 +341,8 @@ def _check_physical(plan: Plan) -> None:
             nodes = sorted({b.node for b in engine})
             if len(nodes) > 1:
                 raise PlanError(
-                    f"{claim.label()} engine {i} (bundles {engine[0].index}..{engine[-1].index}) would cross a node boundary "
+                    f"{claim.label()} engine {i} (bundles {engine[0].index}..{engine[-1].index}) would cross a node "
+                    f"boundary "
                     f"(nodes {nodes}, {plan.gpus_per_node} GPUs per node): an engine's GPUs must be on one node; "
                     "change the GPU counts or GPUs per engine so engines align with nodes"
                 )
@@ -289,7 +366,11 @@ def render_plan(plan: Plan) -> str:
         for e, engine in enumerate(plan.engines_of(claim)):
             for b in engine:
                 engine_txt = "" if claim.role == "actor" else f" e{e}"
-                mf = f" mem={claim.mem_fraction:g}" if claim.mem_fraction is not None and claim.role in ("rollout", "genrm") else ""
+                mf = (
+                    f" mem={claim.mem_fraction:g}"
+                    if claim.mem_fraction is not None and claim.role in ("rollout", "genrm")
+                    else ""
+                )
                 per_bundle.setdefault(b.index, []).append(f"{claim.label()}{engine_txt} ({'/'.join(claim.phases)}{mf})")
     width = max([len(" / ".join(v)) for v in per_bundle.values()] + [10])
     lines.append(f"{'bundle':>6}  {'node':>4}  {'gpu':>3}  {'roles (phases, memory fraction)':<{width}}")
@@ -301,8 +382,10 @@ def render_plan(plan: Plan) -> str:
     for claim in plan.claims:
         if claim.size:
             lines.append(
-                f"{claim.label():<22} pool={claim.pool:<10} bundles [{plan.bundles_of(claim)[0].index}, {plan.bundles_of(claim)[-1].index + 1}) "
-                f"engines={len(plan.engines_of(claim)) if claim.role != 'actor' else 1} x {claim.gpus_per_engine if claim.role != 'actor' else claim.size} GPU"
+                f"{claim.label():<22} pool={claim.pool:<10} bundles [{plan.bundles_of(claim)[0].index}, "
+                f"{plan.bundles_of(claim)[-1].index + 1}) "
+                f"engines={len(plan.engines_of(claim)) if claim.role != 'actor' else 1} x "
+                f"{claim.gpus_per_engine if claim.role != 'actor' else claim.size} GPU"
             )
     for w in plan.warnings:
         lines.append(f"warning: {w}")

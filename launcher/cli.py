@@ -50,7 +50,11 @@ def _plan(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from launcher.job import main as job_main
 
-    argv = (["--config", args.config] if args.config else []) + (["--hold", str(args.hold)] if args.hold else []) + args.overrides
+    argv = (
+        (["--config", args.config] if args.config else [])
+        + (["--hold", str(args.hold)] if args.hold else [])
+        + args.overrides
+    )
     return job_main(argv, prog="relay train", single_node=True)
 
 
@@ -87,12 +91,24 @@ def _sbatch(args: argparse.Namespace) -> int:
         check_job(cfg)
         gpus = cfg.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
         try:  # the plan the job will make: the config with the nodes and GPUs the script passes
-            make_plan(load_config(args.config, [*args.overrides, "--nnodes", str(args.nodes), "--gpus-per-node", str(gpus)]))
+            make_plan(
+                load_config(args.config, [*args.overrides, "--nnodes", str(args.nodes), "--gpus-per-node", str(gpus)])
+            )
         except PlanError as e:
             raise ConfigError(f"invalid layout on {args.nodes} node(s) x {gpus} GPUs:\n{e}") from None
-        script = render_sbatch(args.config, args.nodes, gpus, args.overrides, device=cfg.device, partition=args.partition,
-                               time=args.time, job_name=args.job_name, port=args.port, log_dir=args.log_dir,
-                               signal_grace=args.signal_grace)
+        script = render_sbatch(
+            args.config,
+            args.nodes,
+            gpus,
+            args.overrides,
+            device=cfg.device,
+            partition=args.partition,
+            time=args.time,
+            job_name=args.job_name,
+            port=args.port,
+            log_dir=args.log_dir,
+            signal_grace=args.signal_grace,
+        )
     except (ConfigError, ValueError) as e:
         print(f"relay sbatch: {e}", file=sys.stderr)
         return 2
@@ -139,8 +155,11 @@ def _judge(args: argparse.Namespace) -> int:
             print(f"relay judge: --token-file {args.token_file} is empty", file=sys.stderr)
             return 2
     elif token and any(a == "--token" or a.startswith("--token=") for a in sys.argv):
-        print("relay judge: warning: --token is visible to every user of this machine in ps; "
-              "use RELAY_GENRM_TOKEN or --token-file instead", file=sys.stderr)
+        print(
+            "relay judge: warning: --token is visible to every user of this machine in ps; "
+            "use RELAY_GENRM_TOKEN or --token-file instead",
+            file=sys.stderr,
+        )
     install_uvloop()
     return asyncio.run(run_judge(cfg, args.host, args.port, token))
 
@@ -151,11 +170,19 @@ def config_flags_help(width: int = 100) -> str:
     from launcher.config import FIELDS
 
     metavars = {"bool": "[true|false]", "int": "INT", "float": "FLOAT", "dict": "JSON", "str": "TEXT"}
-    lines = ["config flags (any YAML key; precedence: defaults < --config YAML < flags; booleans may be bare,",
-             "JSON-valued keys take JSON):"]
+    lines = [
+        "config flags (any YAML key; precedence: defaults < --config YAML < flags; booleans may be bare,",
+        "JSON-valued keys take JSON):",
+    ]
     for name, f in FIELDS.items():
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        shown = "unset" if default is None else json.dumps(default) if isinstance(default, (bool, dict, list)) else str(default)
+        shown = (
+            "unset"
+            if default is None
+            else json.dumps(default)
+            if isinstance(default, (bool, dict, list))
+            else str(default)
+        )
         text = f.metadata.get("help", "")
         choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
         if choices:
@@ -171,8 +198,13 @@ def config_flags_help(width: int = 100) -> str:
 
 def _config_command(sub, name: str, help: str, description: str = "") -> argparse.ArgumentParser:
     """A subcommand that takes config flags: its help lists every one of them."""
-    return sub.add_parser(name, help=help, description=textwrap.fill(description or help, 100),
-                          epilog=config_flags_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        name,
+        help=help,
+        description=textwrap.fill(description or help, 100),
+        epilog=config_flags_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,11 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--fresh", action="store_true", help="rebuild everything (the trained judge is cached otherwise)")
     d.add_argument("--steps", type=int, help="GRPO steps (default: the demo-grpo config's num_rollout, 60)")
-    d.add_argument("--runtime", action="store_true", help="instead: a short tour of the relay runtime (process mesh, errors, failures)")
+    d.add_argument(
+        "--runtime",
+        action="store_true",
+        help="instead: a short tour of the relay runtime (process mesh, errors, failures)",
+    )
     d.add_argument("--procs", type=int, default=4, help="--runtime: number of worker processes (default 4)")
     d.set_defaults(func=_demo)
     pl = _config_command(
-        sub, "plan",
+        sub,
+        "plan",
         help="print the GPU-bundle plan of a config (exit 2 with the error if the layout is invalid)",
         description="Print the plan: bundle -> node/GPU -> roles and judge instances, phases, memory "
         "fractions. Any config key can be overridden with its seed flag, e.g. --resource '{...}' --colocate.",
@@ -204,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sft", action="store_true", help="the placement of relay sft (the actor's GPUs only)")
     pl.set_defaults(func=_plan, takes_overrides=True)
     tr = _config_command(
-        sub, "train",
+        sub,
+        "train",
         help="run a job on this machine (one node) without typing torchrun",
         description="Start the controller and this node's agent and workers, report the placement, then run "
         "GRPO when the config has --prompt-data (otherwise only place the job and stop).",
@@ -213,9 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")
     tr.set_defaults(func=_train, takes_overrides=True)
     st = _config_command(
-        sub, "sft",
+        sub,
+        "sft",
         help="supervised fine-tuning (cross-entropy on response tokens) with the same trainer",
-        description="Train on JSONL rows {prompt, response} (--prompt-data), --sft-steps steps of --global-batch-size rows; "
+        description="Train on JSONL rows {prompt, response} (--prompt-data), --sft-steps steps of --global-batch-size "
+                    "rows; "
         "held-out exact-match accuracy on --eval-prompt-data; writes an HF checkpoint to --save-hf.",
     )
     st.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
@@ -223,36 +263,67 @@ def build_parser() -> argparse.ArgumentParser:
     pt = sub.add_parser("plot", help="write PNG curves (reward, accuracy, eval, phase times) of a run directory")
     pt.add_argument("run_dir", help="the run directory (--run-dir of the job)")
     pt.set_defaults(func=_plot)
-    sb = _config_command(sub, "sbatch", help="write a slurm script that runs the job with one torchrun per node",
-                         description="Write a slurm script that runs the job's torchrun on every node. Config flags after "
-                         "the options below go into the script (--gpus-per-node here is the slurm request and also "
-                         "the job's).")
+    sb = _config_command(
+        sub,
+        "sbatch",
+        help="write a slurm script that runs the job with one torchrun per node",
+        description="Write a slurm script that runs the job's torchrun on every node. Config flags after "
+        "the options below go into the script (--gpus-per-node here is the slurm request and also "
+        "the job's).",
+    )
     sb.add_argument("--config", required=True, help="YAML config")
     sb.add_argument("--nodes", type=int, required=True, help="number of nodes")
     sb.add_argument("--partition", help="slurm partition")
     sb.add_argument("--time", help="time limit, e.g. 24:00:00")
-    sb.add_argument("--gpus-per-node", type=int, help="GPUs per node to request and use (default: the config's gpus_per_node, 8)")
+    sb.add_argument(
+        "--gpus-per-node", type=int, help="GPUs per node to request and use (default: the config's gpus_per_node, 8)"
+    )
     sb.add_argument("--job-name", default="relay", help="slurm job name")
-    sb.add_argument("--port", type=int, help="rendezvous port on the head node (default: a free one from 20000 + job id %% 10000)")
-    sb.add_argument("--log-dir", default="logs", help="batch and per-node logs, on a filesystem all nodes share (default: logs; created now)")
-    sb.add_argument("--signal-grace", type=int, default=300,
-                    help="seconds before the time limit at which slurm sends SIGTERM so the job checkpoints and requeues (default 300; 0: none)")
+    sb.add_argument(
+        "--port", type=int, help="rendezvous port on the head node (default: a free one from 20000 + job id %% 10000)"
+    )
+    sb.add_argument(
+        "--log-dir",
+        default="logs",
+        help="batch and per-node logs, on a filesystem all nodes share (default: logs; created now)",
+    )
+    sb.add_argument(
+        "--signal-grace",
+        type=int,
+        default=300,
+        help="seconds before the time limit at which slurm sends SIGTERM so the job checkpoints and requeues (default "
+             "300; 0: none)",
+    )
     sb.add_argument("--output", "-o", default="-", help="where to write the script (default: stdout)")
     sb.set_defaults(func=_sbatch, takes_overrides=True)
-    jd = _config_command(sub, "judge", help="run only the judge (engines + HTTP gateway) until Ctrl-C",
-                         description="Run only the judge of a config: its engines and the judge service with the HTTP "
-                         "gateway, until SIGINT/SIGTERM. Config flags override the judge's keys (--genrm-*).")
+    jd = _config_command(
+        sub,
+        "judge",
+        help="run only the judge (engines + HTTP gateway) until Ctrl-C",
+        description="Run only the judge of a config: its engines and the judge service with the HTTP "
+        "gateway, until SIGINT/SIGTERM. Config flags override the judge's keys (--genrm-*).",
+    )
     jd.add_argument("--config", required=True, help="YAML config with a GenRM judge")
     jd.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     jd.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    jd.add_argument("--token", default=relay.settings().genrm_token or None,
-                    help="require 'Authorization: Bearer TOKEN' on every route (default: $RELAY_GENRM_TOKEN; "
-                    "a token given here is visible to other users in ps: prefer the variable or --token-file)")
+    jd.add_argument(
+        "--token",
+        default=relay.settings().genrm_token or None,
+        help="require 'Authorization: Bearer TOKEN' on every route (default: $RELAY_GENRM_TOKEN; "
+        "a token given here is visible to other users in ps: prefer the variable or --token-file)",
+    )
     jd.add_argument("--token-file", default=None, help="read the bearer token from this file (its first line)")
     jd.set_defaults(func=_judge, takes_overrides=True)
-    mm = sub.add_parser("make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)")
+    mm = sub.add_parser(
+        "make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)"
+    )
     mm.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))
-    mm.add_argument("--size", default="tiny", choices=("tiny", "small", "0.6b", "4b"), help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes")
+    mm.add_argument(
+        "--size",
+        default="tiny",
+        choices=("tiny", "small", "0.6b", "4b"),
+        help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes",
+    )
     mm.add_argument("--out", required=True, help="output directory")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

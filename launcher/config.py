@@ -17,26 +17,25 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin
 
-from reward.protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS
+from .config_rules import (
+    ConfigError,
+    GenRMInstance,
+    check_resource,
+    check_sampling,
+    resolve_genrm_instances,
+)
 
 log = logging.getLogger("relay.config")
 
-ROLES = ("actor", "rollout", "genrm", "reference")
-#: Roles the original's launch lines name that have nothing to run here: accepted, with a
-#: notice at start, and left out of the plan (no GPUs reserved for them).
-NO_EFFECT_ROLES = {
-    "actor_fwd": "the trainer computes the old log-probs itself",
-    "advantages": "the controller computes GRPO advantages (a few numbers per group)",
-}
-RESERVED_INSTANCE = DEFAULT_ROUTE  # the instance of the legacy single-judge flags
-
-
-class ConfigError(ValueError):
-    """A configuration the user must change; the message says what."""
-
-
-def _opt(default: Any = None, *, help: str = "", choices: tuple | None = None, minimum: float | None = None,
-         user_code: bool = False, **kw):
+def _opt(
+    default: Any = None,
+    *,
+    help: str = "",
+    choices: tuple | None = None,
+    minimum: float | None = None,
+    user_code: bool = False,
+    **kw,
+):
     """A config field; ``user_code``: its value is a ``module.func`` path imported at validation."""
     meta = {"help": help, "choices": choices, "min": minimum, "user_code": user_code}
     if isinstance(default, (dict, list)):
@@ -45,41 +44,36 @@ def _opt(default: Any = None, *, help: str = "", choices: tuple | None = None, m
 
 
 @dataclass
-class GenRMInstance:
-    """One judge deployment (``route_key`` -> this)."""
-
-    name: str
-    model_path: str
-    num_gpus: int
-    num_gpus_per_engine: int = 1
-    engine_config: dict = field(default_factory=dict)
-    sampling_config: dict = field(default_factory=dict)
-
-    @property
-    def mem_fraction_static(self) -> float | None:
-        v = self.engine_config.get("mem_fraction_static")
-        return None if v is None else float(v)
-
-
-GENRM_ENGINE_DEFAULTS = {"max_context_len": 8192, "dp_size": 1, "pp_size": 1, "ep_size": 1}
-GENRM_SAMPLING_DEFAULTS = {**SAMPLING_DEFAULTS, "chat_template_kwargs": {}}
-
-
-@dataclass
 class JobConfig:
     # ---- layout and hardware
-    resource: dict = _opt({}, help='JSON {role: [num_groups, gpus_per_group]}, e.g. {"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 4]}')
-    colocate: bool = _opt(False, help="actor, rollout and judge share the actor's GPUs, swapping memory around training")
-    fully_async: bool = _opt(False, help="dedicated GPU pools per role; rollout keeps generating while the trainer trains")
-    device: str = _opt("cuda", help="cuda, or cpu (virtual GPU bundles; every layout runs on a laptop)", choices=("cuda", "cpu"))
+    resource: dict = _opt(
+        {}, help='JSON {role: [num_groups, gpus_per_group]}, e.g. {"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 4]}'
+    )
+    colocate: bool = _opt(
+        False, help="actor, rollout and judge share the actor's GPUs, swapping memory around training"
+    )
+    fully_async: bool = _opt(
+        False, help="dedicated GPU pools per role; rollout keeps generating while the trainer trains"
+    )
+    device: str = _opt(
+        "cuda", help="cuda, or cpu (virtual GPU bundles; every layout runs on a laptop)", choices=("cuda", "cpu")
+    )
     gpus_per_node: int = _opt(8, help="GPU bundles per node (on cpu: virtual bundles)", minimum=1)
-    nnodes: int | None = _opt(None, help="number of nodes (default: torchrun's, or the fewest that fit --resource)", minimum=1)
+    nnodes: int | None = _opt(
+        None, help="number of nodes (default: torchrun's, or the fewest that fit --resource)", minimum=1
+    )
     engine: str = _opt("torch", help="inference engine backend", choices=("torch", "sglang"))
-    network_interface: str | None = _opt(None, help="network interface (e.g. ib0) for relay's sockets (RELAY_HOST) and NCCL/Gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) on every node")
+    network_interface: str | None = _opt(
+        None,
+        help="network interface (e.g. ib0) for relay's sockets (RELAY_HOST) and NCCL/Gloo (NCCL_SOCKET_IFNAME, "
+             "GLOO_SOCKET_IFNAME) on every node",
+    )
     # ---- rollout
     rollout_num_gpus: int | None = _opt(None, help="GPUs for rollout engines (default: from --resource)", minimum=0)
     rollout_num_gpus_per_engine: int = _opt(1, help="GPUs per rollout engine (tensor parallel size)", minimum=1)
-    sglang_mem_fraction_static: float = _opt(0.5, help="share of GPU memory a rollout engine reserves for weights + KV cache", minimum=0.0)
+    sglang_mem_fraction_static: float = _opt(
+        0.5, help="share of GPU memory a rollout engine reserves for weights + KV cache", minimum=0.0
+    )
     n_samples_per_prompt: int = _opt(1, help="samples per prompt (the GRPO group size)", minimum=1)
     rollout_batch_size: int = _opt(32, help="prompts per rollout step", minimum=1)
     global_batch_size: int = _opt(256, help="samples per optimizer step", minimum=1)
@@ -88,31 +82,71 @@ class JobConfig:
     rollout_top_p: float = _opt(1.0, help="rollout nucleus sampling", minimum=0.0)
     max_staleness: int = _opt(0, help="fully-async: how many weight versions a sample may lag", minimum=0)
     num_rollout: int = _opt(1, help="training steps (rollout + train) to run", minimum=0)
-    kv_cache_tokens: int = _opt(16384, help="cpu engines: KV-cache capacity in tokens (on GPU it comes from the memory fraction)", minimum=16)
+    kv_cache_tokens: int = _opt(
+        16384, help="cpu engines: KV-cache capacity in tokens (on GPU it comes from the memory fraction)", minimum=16
+    )
     update_weight_buffer_size: int = _opt(512 << 20, help="weight-sync bucket size in bytes", minimum=1)
     # ---- GenRM (the judge)
     genrm_model_path: str | None = _opt(None, help="legacy single judge: becomes the '__default__' instance")
     genrm_num_gpus: int | None = _opt(None, help="GPUs of the legacy judge (default: from --resource)", minimum=0)
     genrm_num_gpus_per_engine: int = _opt(1, help="GPUs per judge engine", minimum=1)
-    genrm_engine_config: dict = _opt({}, help="JSON: max_context_len, dp_size, pp_size, ep_size, mem_fraction_static, ...")
-    genrm_sampling_config: dict = _opt({}, help="JSON: temperature, top_p, top_k, max_response_len, chat_template_kwargs")
-    genrm_instances: dict = _opt({}, help='JSON {route_key: {model_path, num_gpus, num_gpus_per_engine?, engine_config?, sampling_config?}}')
+    genrm_engine_config: dict = _opt(
+        {}, help="JSON: max_context_len, dp_size, pp_size, ep_size, mem_fraction_static, ..."
+    )
+    genrm_sampling_config: dict = _opt(
+        {}, help="JSON: temperature, top_p, top_k, max_response_len, chat_template_kwargs"
+    )
+    genrm_instances: dict = _opt(
+        {}, help="JSON {route_key: {model_path, num_gpus, num_gpus_per_engine?, engine_config?, sampling_config?}}"
+    )
     # ---- rewards
     rm_type: str | None = _opt(None, help="reward type", choices=(None, "dapo", "dapo-genrm", "dummy"))
     reward_key: str | None = _opt(None, help="key of the reward dict to train on")
-    custom_rm_path: str | None = _opt(None, help="module.func of a custom reward (args, sample) -> float | dict; imported from the working directory first", user_code=True)
+    custom_rm_path: str | None = _opt(
+        None,
+        help="module.func of a custom reward (args, sample) -> float | dict; imported from the working directory first",
+        user_code=True,
+    )
     custom_reward_post_process_path: str | None = _opt(
-        None, help="module.func hook (args, samples) -> (raw, normalized), used by defer-swap; imported from the working directory first", user_code=True)
-    defer_reward_to_post_process: bool = _opt(False, help="score the whole batch after rollout (Shared layout: defer-swap)")
+        None,
+        help="module.func hook (args, samples) -> (raw, normalized), used by defer-swap; imported from the working "
+             "directory first",
+        user_code=True,
+    )
+    defer_reward_to_post_process: bool = _opt(
+        False, help="score the whole batch after rollout (Shared layout: defer-swap)"
+    )
     reward_max_concurrency: int = _opt(64, help="reward calls in flight at most", minimum=1)
-    genrm_prompt_template: str | None = _opt(None, help="dapo-genrm judge prompt: a format string with {question}, {label}, {answer} (default: the dapo-genrm prompt)")
-    genrm_gateway_port: int = _opt(8000, help="port of the judge's HTTP gateway on 127.0.0.1 (0: any free port)", minimum=0)
-    genrm_gateway_header_timeout: float = _opt(10.0, help="judge gateway: seconds a client may take to send a request's headers (then 408)", minimum=0.001)
-    genrm_gateway_body_timeout: float = _opt(30.0, help="judge gateway: seconds a client may take to send a request's body (then 408)", minimum=0.001)
-    genrm_gateway_idle_timeout: float = _opt(60.0, help="judge gateway: seconds a connection may stay open without a request", minimum=0.001)
-    genrm_gateway_max_connections: int = _opt(512, help="judge gateway: open connections at most (one more gets 503 and is closed)", minimum=1)
-    genrm_gateway_max_body: int = _opt(1 << 20, help="judge gateway: request body bytes at most (a larger declared length gets 413 at once)", minimum=1024)
-    genrm_parse: str = _opt("strict", help="dapo-genrm verdict parsing: strict (only an exact '1' scores) or loose", choices=("strict", "loose"))
+    genrm_prompt_template: str | None = _opt(
+        None,
+        help="dapo-genrm judge prompt: a format string with {question}, {label}, {answer} (default: the dapo-genrm "
+             "prompt)",
+    )
+    genrm_gateway_port: int = _opt(
+        8000, help="port of the judge's HTTP gateway on 127.0.0.1 (0: any free port)", minimum=0
+    )
+    genrm_gateway_header_timeout: float = _opt(
+        10.0, help="judge gateway: seconds a client may take to send a request's headers (then 408)", minimum=0.001
+    )
+    genrm_gateway_body_timeout: float = _opt(
+        30.0, help="judge gateway: seconds a client may take to send a request's body (then 408)", minimum=0.001
+    )
+    genrm_gateway_idle_timeout: float = _opt(
+        60.0, help="judge gateway: seconds a connection may stay open without a request", minimum=0.001
+    )
+    genrm_gateway_max_connections: int = _opt(
+        512, help="judge gateway: open connections at most (one more gets 503 and is closed)", minimum=1
+    )
+    genrm_gateway_max_body: int = _opt(
+        1 << 20,
+        help="judge gateway: request body bytes at most (a larger declared length gets 413 at once)",
+        minimum=1024,
+    )
+    genrm_parse: str = _opt(
+        "strict",
+        help="dapo-genrm verdict parsing: strict (only an exact '1' scores) or loose",
+        choices=("strict", "loose"),
+    )
     # ---- GRPO
     advantage_estimator: str = _opt("grpo", help="advantage estimator", choices=("grpo",))
     use_kl_loss: bool = _opt(False, help="add a KL loss against the reference model")
@@ -125,8 +159,14 @@ class JobConfig:
     tis_clip: float = _opt(2.0, help="TIS upper clamp", minimum=0.0)
     tis_clip_low: float = _opt(0.0, help="TIS lower clamp", minimum=0.0)
     entropy_coef: float = _opt(0.0, help="entropy bonus coefficient", minimum=0.0)
-    micro_batch_tokens: int = _opt(8192, help="trainer: padded tokens per forward/backward pass (gradients accumulate over micro-batches)", minimum=1)
-    tensor_model_parallel_size: int = _opt(1, help="trainer tensor parallel size (the rest of the actor GPUs is data parallel)", minimum=1)
+    micro_batch_tokens: int = _opt(
+        8192,
+        help="trainer: padded tokens per forward/backward pass (gradients accumulate over micro-batches)",
+        minimum=1,
+    )
+    tensor_model_parallel_size: int = _opt(
+        1, help="trainer tensor parallel size (the rest of the actor GPUs is data parallel)", minimum=1
+    )
     # ---- optimizer
     optimizer: str = _opt("adam", help="optimizer", choices=("adam", "adamw"))
     lr: float = _opt(1e-6, help="learning rate", minimum=0.0)
@@ -135,24 +175,47 @@ class JobConfig:
     weight_decay: float = _opt(0.0, help="weight decay", minimum=0.0)
     clip_grad: float = _opt(1.0, help="gradient-norm clip", minimum=0.0)
     bf16: bool = _opt(False, help="trainer: bf16 params with fp32 master weights (Megatron's optimizer); default fp32")
-    optimizer_impl: str = _opt("auto", help="trainer optimizer: auto = Megatron's distributed optimizer when DP > 1 or --bf16, else torch AdamW", choices=("auto", "torch", "megatron"))
+    optimizer_impl: str = _opt(
+        "auto",
+        help="trainer optimizer: auto = Megatron's distributed optimizer when DP > 1 or --bf16, else torch AdamW",
+        choices=("auto", "torch", "megatron"),
+    )
     # ---- data and model
     prompt_data: str | None = _opt(None, help="training prompts (JSONL)")
     eval_prompt_data: str | None = _opt(None, help="evaluation prompts (JSONL)")
-    eval_interval: int | None = _opt(None, help="evaluate every N steps (0 or unset: no periodic evaluation; with --eval-prompt-data the job still evaluates before training and after the last step)", minimum=0)
+    eval_interval: int | None = _opt(
+        None,
+        help="evaluate every N steps (0 or unset: no periodic evaluation; with --eval-prompt-data the job still "
+             "evaluates before training and after the last step)",
+        minimum=0,
+    )
     n_samples_per_eval_prompt: int = _opt(1, help="samples per evaluation prompt", minimum=1)
-    eval_max_response_len: int | None = _opt(None, help="max new tokens per evaluation sample (default: --rollout-max-response-len)", minimum=1)
+    eval_max_response_len: int | None = _opt(
+        None, help="max new tokens per evaluation sample (default: --rollout-max-response-len)", minimum=1
+    )
     eval_temperature: float = _opt(0.0, help="evaluation sampling temperature (0: greedy)", minimum=0.0)
     eval_top_p: float = _opt(1.0, help="evaluation nucleus sampling", minimum=0.0)
     skip_eval_before_train: bool = _opt(False, help="do not evaluate before the first step")
-    apply_chat_template: bool = _opt(True, help="prompts go through the tokenizer's chat template (text prompts become one user turn)")
-    chat_template_kwargs: dict = _opt({}, help='JSON passed to the policy\'s chat template, e.g. {"enable_thinking": false}')
+    apply_chat_template: bool = _opt(
+        True, help="prompts go through the tokenizer's chat template (text prompts become one user turn)"
+    )
+    chat_template_kwargs: dict = _opt(
+        {}, help='JSON passed to the policy\'s chat template, e.g. {"enable_thinking": false}'
+    )
     hf_checkpoint: str | None = _opt(None, help="policy checkpoint directory (HF format)")
     save_interval: int | None = _opt(None, help="save a checkpoint every N steps", minimum=1)
-    keep_checkpoints: int = _opt(0, help="keep only the newest N complete checkpoints in RUN_DIR/checkpoints (0: keep all)", minimum=0)
-    resume: bool = _opt(False, help="continue from the latest checkpoint in --run-dir (same data order and step numbers)")
-    sft_steps: int | None = _opt(None, help="relay sft: optimizer steps (default: one pass over --prompt-data)", minimum=1)
-    save_hf: str | None = _opt(None, help="relay sft: write the trained model here as an HF checkpoint (default: RUN_DIR/hf)")
+    keep_checkpoints: int = _opt(
+        0, help="keep only the newest N complete checkpoints in RUN_DIR/checkpoints (0: keep all)", minimum=0
+    )
+    resume: bool = _opt(
+        False, help="continue from the latest checkpoint in --run-dir (same data order and step numbers)"
+    )
+    sft_steps: int | None = _opt(
+        None, help="relay sft: optimizer steps (default: one pass over --prompt-data)", minimum=1
+    )
+    save_hf: str | None = _opt(
+        None, help="relay sft: write the trained model here as an HF checkpoint (default: RUN_DIR/hf)"
+    )
     run_dir: str = _opt("runs/latest", help="where metrics, plots and checkpoints go")
     seed: int = _opt(1234, help="random seed")
 
@@ -187,11 +250,12 @@ class JobConfig:
     def gateway_limits(self) -> dict:
         """The judge gateway's HTTP limits (:class:`reward.httpd.HttpLimits` fields)."""
         return {
-            "header_timeout": self.genrm_gateway_header_timeout, "body_timeout": self.genrm_gateway_body_timeout,
-            "idle_timeout": self.genrm_gateway_idle_timeout, "max_connections": self.genrm_gateway_max_connections,
+            "header_timeout": self.genrm_gateway_header_timeout,
+            "body_timeout": self.genrm_gateway_body_timeout,
+            "idle_timeout": self.genrm_gateway_idle_timeout,
+            "max_connections": self.genrm_gateway_max_connections,
             "max_body": self.genrm_gateway_max_body,
         }
-
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
@@ -200,81 +264,14 @@ FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
 # ------------------------------------------------------------------ GenRM normalization
 
 
-def resolve_genrm_instances(cfg: JobConfig) -> dict[str, GenRMInstance]:
-    """Legacy ``--genrm-model-path`` -> the ``"__default__"`` instance; ``--genrm-instances``
-    wins (with a warning) when both are given; ``model_path`` and ``num_gpus`` are required
-    per instance (no implicit even split); missing optional keys fall back to the global
-    flags; the ``genrm`` entry of ``--resource`` must equal the sum of ``num_gpus``."""
-    instances: dict[str, GenRMInstance] = {}
-    if cfg.genrm_instances:
-        if cfg.genrm_model_path:
-            log.warning("both --genrm-instances and --genrm-model-path are set: using --genrm-instances")
-        if not isinstance(cfg.genrm_instances, dict):
-            raise ConfigError("--genrm-instances must be a JSON object {route_key: {model_path, num_gpus, ...}}")
-        for name, spec in cfg.genrm_instances.items():
-            if name == RESERVED_INSTANCE:
-                raise ConfigError(f"--genrm-instances: the key '{RESERVED_INSTANCE}' is reserved for --genrm-model-path; choose another route_key")
-            if not isinstance(spec, dict):
-                raise ConfigError(f"--genrm-instances[{name!r}] must be an object, got {type(spec).__name__}")
-            for key in ("model_path", "num_gpus"):
-                if key not in spec:
-                    raise ConfigError(f"--genrm-instances[{name!r}]: missing required key '{key}'")
-            unknown = set(spec) - {"model_path", "num_gpus", "num_gpus_per_engine", "engine_config", "sampling_config"}
-            if unknown:
-                raise ConfigError(f"--genrm-instances[{name!r}]: unknown keys {sorted(unknown)}")
-            instances[name] = GenRMInstance(
-                name,
-                str(spec["model_path"]),
-                _positive_int(spec["num_gpus"], f"--genrm-instances[{name!r}].num_gpus"),
-                _positive_int(spec.get("num_gpus_per_engine", cfg.genrm_num_gpus_per_engine), f"--genrm-instances[{name!r}].num_gpus_per_engine"),
-                {**GENRM_ENGINE_DEFAULTS, **cfg.genrm_engine_config, **spec.get("engine_config", {})},
-                {**GENRM_SAMPLING_DEFAULTS, **cfg.genrm_sampling_config, **spec.get("sampling_config", {})},
-            )
-    elif cfg.genrm_model_path:
-        num = cfg.genrm_num_gpus if cfg.genrm_num_gpus is not None else cfg.role_gpus("genrm")
-        if num <= 0:
-            raise ConfigError("--genrm-model-path needs GPUs: give --genrm-num-gpus or a 'genrm' entry in --resource")
-        instances[RESERVED_INSTANCE] = GenRMInstance(
-            RESERVED_INSTANCE,
-            cfg.genrm_model_path,
-            num,
-            cfg.genrm_num_gpus_per_engine,
-            {**GENRM_ENGINE_DEFAULTS, **cfg.genrm_engine_config},
-            {**GENRM_SAMPLING_DEFAULTS, **cfg.genrm_sampling_config},
-        )
-    if instances and "genrm" in cfg.resource:
-        total = sum(i.num_gpus for i in instances.values())
-        if cfg.role_gpus("genrm") != total:
-            raise ConfigError(
-                f"--resource genrm has {cfg.role_gpus('genrm')} GPUs, which must equal the sum of the "
-                f"GenRM instances' num_gpus ({total}: " + ", ".join(f"{k}={v.num_gpus}" for k, v in instances.items()) + ")"
-            )
-    for inst in instances.values():
-        if inst.num_gpus % inst.num_gpus_per_engine:
-            raise ConfigError(
-                f"GenRM instance {inst.name!r}: num_gpus {inst.num_gpus} is not a multiple of num_gpus_per_engine {inst.num_gpus_per_engine}"
-            )
-        mf = inst.mem_fraction_static
-        if mf is not None and not 0 < mf < 1:
-            raise ConfigError(f"GenRM instance {inst.name!r}: engine_config.mem_fraction_static must be in (0, 1), got {mf}")
-    return instances
-
-
-def _positive_int(v: Any, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{what} must be a positive integer, got {v!r}")
-    return v
-
-
-# ------------------------------------------------------------------ loading
-
-
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def _expand(value: Any) -> Any:
     if isinstance(value, str):
-        return _VAR.sub(lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), value)
+        return _VAR.sub(
+            lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), value
+        )
     if isinstance(value, list):
         return [_expand(v) for v in value]
     if isinstance(value, dict):
@@ -341,31 +338,6 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
-_noticed: set = set()  # roles whose notice this process has given
-
-
-def _check_resource(resource: dict) -> None:
-    """Validate ``--resource`` and drop the roles that have no effect here (a notice once
-    per process for each)."""
-    for role, spec in list(resource.items()):
-        if role == "critic":
-            raise ConfigError("--resource: this system trains without a critic (GRPO advantages need none); remove 'critic'")
-        if role not in ROLES and role not in NO_EFFECT_ROLES:
-            match = difflib.get_close_matches(role, [*ROLES, *NO_EFFECT_ROLES], n=1)
-            hint = f"; did you mean '{match[0]}'?" if match else ""
-            raise ConfigError(f"--resource: unknown role {role!r} (roles: {', '.join(ROLES)}){hint}")
-        ok = isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in spec)
-        if not ok:
-            raise ConfigError(f"--resource[{role!r}] must be [num_groups, gpus_per_group] (non-negative integers), got {spec!r}")
-        if role in NO_EFFECT_ROLES:
-            del resource[role]
-            if role not in _noticed:
-                _noticed.add(role)
-                log.warning("--resource %r has no effect here (%s): no GPUs are reserved for it", role, NO_EFFECT_ROLES[role])
-        elif spec[0] * spec[1] == 0:
-            raise ConfigError(f"--resource[{role!r}] has 0 GPUs; give every role at least one")
-
-
 def build_config(values: dict[str, Any]) -> JobConfig:
     """A JobConfig from a mapping of field (or flag) names to values, validated."""
     clean: dict[str, Any] = {}
@@ -375,7 +347,7 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             raise ConfigError(f"unknown config key {key!r}{_closest(name)}")
         clean[name] = _coerce(name, value)
     cfg = JobConfig(**clean)
-    _check_resource(cfg.resource)
+    check_resource(cfg.resource)
     if cfg.eps_clip_high is None:
         cfg.eps_clip_high = cfg.eps_clip
     if not 0 < cfg.sglang_mem_fraction_static < 1:
@@ -392,29 +364,8 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             check_template(cfg.genrm_prompt_template)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _check_sampling(cfg)
+    check_sampling(cfg)
     return cfg
-
-
-def _check_sampling(cfg: JobConfig) -> None:
-    """Rollout, eval and judge sampling with the engines' own check (SamplingParams.validate):
-    a value no engine can run fails at load time, naming the flag."""
-    from engines.interface import SamplingParams
-
-    for flags, values in (
-        ("--rollout-temperature/--rollout-top-p/--rollout-max-response-len",
-         {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p, "max_new_tokens": cfg.rollout_max_response_len}),
-        ("--eval-temperature/--eval-top-p", {"temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p}),
-    ):
-        try:
-            SamplingParams.from_dict(values)
-        except ValueError as e:
-            raise ConfigError(f"{flags}: {e}") from None
-    for inst in cfg.genrm.values():  # normalizes the judge instances too: errors surface at load time
-        try:
-            SamplingParams.from_dict(inst.sampling_config)
-        except ValueError as e:
-            raise ConfigError(f"GenRM instance {inst.name!r}: sampling_config (--genrm-sampling-config): {e}") from None
 
 
 def parse_overrides(argv: list[str]) -> dict[str, Any]:

@@ -12,8 +12,9 @@ agent, or a dead worker (reported by its agent), stops the whole job with a mess
 names the node, the bundle and its roles; the controller then exits non-zero. SIGINT stops
 everything cleanly; so do SIGTERM and SIGUSR1, except while GRPO trains, when the job first
 finishes the step in progress and writes a checkpoint (exit code ``EXIT_CHECKPOINTED_ON_SIGNAL`` on
-every node; slurm's preemption warning). Every node's process exits with the job's code. No process outlives the job: workers exit with their
-agent, agents exit when the controller stops acknowledging their heartbeats.
+every node; slurm's preemption warning). Every node's process exits with the job's code. No
+process outlives the job: workers exit with their agent, agents exit when the controller
+stops acknowledging their heartbeats.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def _prepare_process_env(rank: int) -> None:
 # ---------------------------------------------------------------------------- controller
 
 
-async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out=sys.stdout, mode: str = "train") -> int:
+async def run_controller(
+    cfg: JobConfig, world_size: int, hold: float = 0.0, out=sys.stdout, mode: str = "train"
+) -> int:
     """Rank 0. ``mode`` "train" runs GRPO when the config has ``--prompt-data`` (else it only
     places the job); "sft" runs supervised fine-tuning. Returns the process exit code."""
     plan = make_plan(cfg, train_only=mode == "sft")
@@ -139,21 +142,37 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             node, gpu = divmod(idx, plan.gpus_per_node)
             specs[node].append(BundleSpec(idx, gpu, roles[idx]))
         env = {"RELAY_JOB_RUN_DIR": run_dir}
-        per_node = await asyncio.gather(*(agents[n].spawn_workers.call_one(specs[n], sink, env).result(180) for n in range(plan.nnodes)))
+        per_node = await asyncio.gather(
+            *(agents[n].spawn_workers.call_one(specs[n], sink, env).result(180) for n in range(plan.nnodes))
+        )
         workers = sorted((w for ws in per_node for w in ws), key=lambda w: w.bundle)
         procs = ProcMesh.attach([w.proc for w in workers], name="bundles", dims={"bundles": len(workers)})
         # Every role's workers get MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK for its group.
         actor_bundles = [w.proc for w in workers if any(r.split("[")[0] == "actor" for r in w.roles)]
         if actor_bundles:
-            await relay.setup_torch_distributed(ProcMesh.attach(actor_bundles, name="actor-group", dims={"ranks": len(actor_bundles)}))
+            await relay.setup_torch_distributed(
+                ProcMesh.attach(actor_bundles, name="actor-group", dims={"ranks": len(actor_bundles)})
+            )
         probes = procs.spawn("probe", BundleProbe)
         where = (await probes.where.call().result(120)).values()
         print(f"\nplaced a probe actor on every bundle in {time.monotonic() - t0:.2f} s:", file=out)
-        print(f"{'bundle':>6}  {'node':>4}  {'host/address':<24} {'pid':>7}  {'CUDA_VISIBLE_DEVICES':<20} {'actor rank':<10} roles", file=out)
+        print(
+            f"{'bundle':>6}  {'node':>4}  {'host/address':<24} {'pid':>7}  {'CUDA_VISIBLE_DEVICES':<20} "
+            f"{'actor rank':<10} roles",
+            file=out,
+        )
         for w, info in zip(workers, where):
             cvd = info["cuda_visible_devices"] or "(cpu)"
-            print(f"{w.bundle:>6}  {w.node:>4}  {info['host']:<24} {info['pid']:>7}  {cvd:<20} {info['rank'] or '-':<10} {', '.join(w.roles)}", file=out)
-        print(f"workers' own output (library warnings, native logs): {os.path.join(run_dir, 'logs')}/", file=out, flush=True)
+            print(
+                f"{w.bundle:>6}  {w.node:>4}  {info['host']:<24} {info['pid']:>7}  {cvd:<20} {info['rank'] or '-':<10} "
+                f"{', '.join(w.roles)}",
+                file=out,
+            )
+        print(
+            f"workers' own output (library warnings, native logs): {os.path.join(run_dir, 'logs')}/",
+            file=out,
+            flush=True,
+        )
         if hold > 0:
             print(f"holding the job for {hold:g} s", file=out, flush=True)
             await asyncio.sleep(hold)
@@ -180,11 +199,20 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
         # ignored; SIGINT (Ctrl-C) stops at once.
         if stopper in done and len(done) == 1 and got_signal[-1] in ("SIGTERM", "SIGUSR1"):
             if checkpointing:
-                print(f"relay: {got_signal[-1]} again: still finishing the step and its checkpoint (SIGINT stops at once)", file=sys.stderr, flush=True)
+                print(
+                    f"relay: {got_signal[-1]} again: still finishing the step and its checkpoint (SIGINT stops at "
+                    f"once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             elif jobs and getattr(jobs[0], "request_stop", lambda: False)():
                 checkpointing = True
-                print(f"relay: {got_signal[-1]}: writing a checkpoint after the step in progress, then stopping "
-                      f"(exit code {EXIT_CHECKPOINTED_ON_SIGNAL}; SIGINT stops at once)", file=sys.stderr, flush=True)
+                print(
+                    f"relay: {got_signal[-1]}: writing a checkpoint after the step in progress, then stopping "
+                    f"(exit code {EXIT_CHECKPOINTED_ON_SIGNAL}; SIGINT stops at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if checkpointing:
                 stop_signal.clear()
                 stopper = asyncio.ensure_future(stop_signal.wait())
@@ -212,8 +240,14 @@ async def run_controller(cfg: JobConfig, world_size: int, hold: float = 0.0, out
             # gone (its heartbeat timeout may not have passed yet)
             silent = await _silent_agents(agents, agent_refs)
             if silent:
-                message = "; ".join(f"node {r} agent (host {agent_refs[r].host}, pid {agent_refs[r].pid}) {why}; its workers "
-                                    f"(bundles {_bundles_of_node(plan, r)}) are lost" for r, why in silent.items()) + f" (first error seen: {message})"
+                message = (
+                    "; ".join(
+                        f"node {r} agent (host {agent_refs[r].host}, pid {agent_refs[r].pid}) {why}; its workers "
+                        f"(bundles {_bundles_of_node(plan, r)}) are lost"
+                        for r, why in silent.items()
+                    )
+                    + f" (first error seen: {message})"
+                )
         code = 1
     for f in (task, waiter, stopper):
         if not f.done():
@@ -237,10 +271,12 @@ def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef], run_dir: 
     if kind == "worker":
         return (
             f"node {node} (host {failure.host}): the worker of bundle {bundle} "
-            f"(roles: {', '.join(roles.get(bundle, ['?']))}; pid {failure.pid}) {failure.reason}; its output: {worker_log(run_dir, node, bundle)}"
+            f"(roles: {', '.join(roles.get(bundle, ['?']))}; pid {failure.pid}) {failure.reason}; its output: "
+            f"{worker_log(run_dir, node, bundle)}"
         )
     if failure.mesh == "agents":
-        return f"node {failure.rank} agent (host {failure.host}, pid {failure.pid}) {failure.reason}; its workers (bundles {_bundles_of_node(plan, failure.rank)}) are lost"
+        return (f"node {failure.rank} agent (host {failure.host}, pid {failure.pid}) {failure.reason}; "
+                f"its workers (bundles {_bundles_of_node(plan, failure.rank)}) are lost")
     return str(failure)
 
 
@@ -249,13 +285,18 @@ def _bundles_of_node(plan: Plan, node: int) -> str:
     return f"{start}..{start + plan.gpus_per_node - 1}"
 
 
-async def _silent_agents(agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], timeout: float = 2.0) -> dict[int, str]:
+async def _silent_agents(
+    agents: dict[int, relay.ActorMesh], agent_refs: dict[int, ProcRef], timeout: float = 2.0
+) -> dict[int, str]:
     """The other nodes whose agents do not answer a ping within ``timeout``, each with why
     (what relay knows of its death, e.g. the connection dropped, or that it does not answer)."""
-    pings = await asyncio.gather(*(agents[r].info.call_one().result(timeout) for r in agent_refs), return_exceptions=True)
+    pings = await asyncio.gather(
+        *(agents[r].info.call_one().result(timeout) for r in agent_refs), return_exceptions=True
+    )
     return {
         r: p.failure.reason if isinstance(p, relay.SupervisionError) else "does not answer"
-        for r, p in zip(agent_refs, pings) if isinstance(p, BaseException)
+        for r, p in zip(agent_refs, pings)
+        if isinstance(p, BaseException)
     }
 
 
@@ -290,5 +331,9 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
     rdzv.set(f"agent/{rank}", {"addr": relay.inbox_address(), "host": relay.settings().host, "pid": os.getpid()})
     code = await agent.wait_done.call_one().result(timeout=10 * 24 * 3600)
     if code:
-        print(f"relay: node {rank}: the job ended with exit code {code} (the head node's log says why)", file=sys.stderr, flush=True)
+        print(
+            f"relay: node {rank}: the job ended with exit code {code} (the head node's log says why)",
+            file=sys.stderr,
+            flush=True,
+        )
     return code

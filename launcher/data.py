@@ -46,7 +46,9 @@ def load_rows(path: str, what: str = "--prompt-data", need_response: bool = Fals
             if not isinstance(obj, dict) or "prompt" not in obj:
                 raise DataError(f"{what}: {path}:{n} needs an object with a 'prompt' (text or chat messages)")
             prompt = obj.pop("prompt")
-            ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+            ok = isinstance(prompt, str) or (
+                isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+            )
             if not ok:
                 raise DataError(f"{what}: {path}:{n}: 'prompt' must be text or a list of {{role, content}} messages")
             response = obj.pop("response", None)
@@ -66,7 +68,9 @@ def question_text(prompt: str | list) -> str:
     return next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
 
 
-def prompt_ids(tokenizer, prompt: str | list, apply_chat_template: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer, prompt: str | list, apply_chat_template: bool = True, chat_template_kwargs: dict | None = None
+) -> list[int]:
     """Token ids of a prompt as the policy sees it: through the chat template (a text prompt
     becomes one user turn) with the generation prompt appended, or the raw text."""
     if not apply_chat_template:

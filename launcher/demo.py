@@ -41,7 +41,13 @@ def _run(title: str, argv: list[str], log_path: str) -> None:
     print(f"\n== {title}\n$ relay {' '.join(argv)}", flush=True)
     env = dict(os.environ, RELAY_CACHE=os.path.dirname(_root()), PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         for line in proc.stdout:
             log.write(line)
             if line.startswith(("[", "sft:", "eval", "judge gateway", "started", "resumed", "relay:")):
@@ -83,19 +89,38 @@ def run_demo(fresh: bool = False, steps: int | None = None) -> int:
     judge_acc = _last_eval(os.path.join(root, "runs", "judge-sft"))
     if judge_acc is None or not os.path.exists(os.path.join(root, "judge", "config.json")):
         shutil.rmtree(os.path.join(root, "runs", "judge-sft"), ignore_errors=True)
-        _run("1/3 teach the judge (SFT: reply 1 if the answer matches the reference, else 0)", ["sft", "--config", "demo-judge-sft"], os.path.join(logs, "judge-sft.log"))
+        _run(
+            "1/3 teach the judge (SFT: reply 1 if the answer matches the reference, else 0)",
+            ["sft", "--config", "demo-judge-sft"],
+            os.path.join(logs, "judge-sft.log"),
+        )
         judge_acc = _last_eval(os.path.join(root, "runs", "judge-sft"))
     else:
-        print(f"\n== 1/3 reusing the trained judge in {root}/judge (held-out accuracy {judge_acc:.3f}; --fresh retrains it)", flush=True)
+        print(
+            f"\n== 1/3 reusing the trained judge in {root}/judge (held-out accuracy {judge_acc:.3f}; --fresh retrains "
+            f"it)",
+            flush=True,
+        )
     if judge_acc is None or judge_acc < JUDGE_TARGET:
-        print(f"relay demo: warning: the judge's held-out accuracy is {judge_acc} (< {JUDGE_TARGET}); rewards will be noisier", flush=True)
+        print(
+            f"relay demo: warning: the judge's held-out accuracy is {judge_acc} (< {JUDGE_TARGET}); rewards will be "
+            f"noisier",
+            flush=True,
+        )
 
     for d in ("policy-warm", os.path.join("runs", "policy-sft"), os.path.join("runs", "grpo")):
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    _run("2/3 warm the policy up (brief SFT on 'What is N mod 10?')", ["sft", "--config", "demo-policy-sft"], os.path.join(logs, "policy-sft.log"))
+    _run(
+        "2/3 warm the policy up (brief SFT on 'What is N mod 10?')",
+        ["sft", "--config", "demo-policy-sft"],
+        os.path.join(logs, "policy-sft.log"),
+    )
     extra = ["--num-rollout", str(steps)] if steps else []
-    _run("3/3 GRPO with --rm-type dapo-genrm, colocate Split (rollout engine | judge engine; trainer on both)",
-         ["train", "--config", "demo-grpo", *extra], os.path.join(logs, "grpo.log"))
+    _run(
+        "3/3 GRPO with --rm-type dapo-genrm, colocate Split (rollout engine | judge engine; trainer on both)",
+        ["train", "--config", "demo-grpo", *extra],
+        os.path.join(logs, "grpo.log"),
+    )
 
     from .metrics import plot, read_metrics
 
@@ -109,14 +134,30 @@ def run_demo(fresh: bool = False, steps: int | None = None) -> int:
     rise = after - before
     orchestration = sum(r["time/orchestration"] for r in train) / max(1e-9, sum(r["time/step"] for r in train))
     print("\n== result")
-    print(f"held-out accuracy (exact grader, {evals[0]['eval/samples']} unseen prompts, greedy): {before:.3f} -> {after:.3f} ({rise * 100:+.1f} points)")
-    print(f"held-out accuracy as the judge scored it:                                 {judged_before:.3f} -> {judged_after:.3f}")
-    print(f"judge held-out accuracy after SFT: {judge_acc:.3f}; judge calls: {sum(r.get('judge/requests', 0) for r in train)}"
-          f" ({sum(r.get('judge/cache_hits', 0) for r in train)} answered from the cache)")
+    print(
+        f"held-out accuracy (exact grader, {evals[0]['eval/samples']} unseen prompts, greedy): {before:.3f} -> "
+        f"{after:.3f} ({rise * 100:+.1f} points)"
+    )
+    print(
+        f"held-out accuracy as the judge scored it:                                 {judged_before:.3f} -> "
+        f"{judged_after:.3f}"
+    )
+    print(
+        f"judge held-out accuracy after SFT: {judge_acc:.3f}; judge calls: "
+        f"{sum(r.get('judge/requests', 0) for r in train)}"
+        f" ({sum(r.get('judge/cache_hits', 0) for r in train)} answered from the cache)"
+    )
     print(f"{len(train)} GRPO steps; orchestration {orchestration * 100:.1f}% of step time; curves: {', '.join(plots)}")
     print(f"total {time.monotonic() - t0:.0f} s")
     if rise < TARGET_RISE:
-        print(f"relay demo: the held-out accuracy rose by {rise * 100:.1f} points, less than the {TARGET_RISE * 100:.0f} the demo promises", file=sys.stderr)
+        print(
+            f"relay demo: the held-out accuracy rose by {rise * 100:.1f} points, less than the {TARGET_RISE * 100:.0f} "
+            f"the demo promises",
+            file=sys.stderr,
+        )
         return 1
-    print(f"the held-out accuracy rose by at least {TARGET_RISE * 100:.0f} points: GRPO with a GenRM judge works end to end")
+    print(
+        f"the held-out accuracy rose by at least {TARGET_RISE * 100:.0f} points: GRPO with a GenRM judge works end to "
+        f"end"
+    )
     return 0

@@ -73,10 +73,21 @@ def write_demo_data(root: str, seed: int = 0) -> dict[str, str]:
     rng.shuffle(numbers)
     held, train = numbers[:200], numbers[200:]
     paths = {
-        "train": _write(os.path.join(root, "train.jsonl"), [{"prompt": [{"role": "user", "content": question(n)}], "label": str(n % 10)} for n in train]),
-        "eval": _write(os.path.join(root, "eval.jsonl"), [{"prompt": [{"role": "user", "content": question(n)}], "label": str(n % 10)} for n in held]),
-        "policy_sft": _write(os.path.join(root, "policy_sft.jsonl"), [{"prompt": question(n), "response": str(n % 10)} for n in train]),
-        "policy_sft_eval": _write(os.path.join(root, "policy_sft_eval.jsonl"), [{"prompt": question(n), "response": str(n % 10)} for n in held]),
+        "train": _write(
+            os.path.join(root, "train.jsonl"),
+            [{"prompt": [{"role": "user", "content": question(n)}], "label": str(n % 10)} for n in train],
+        ),
+        "eval": _write(
+            os.path.join(root, "eval.jsonl"),
+            [{"prompt": [{"role": "user", "content": question(n)}], "label": str(n % 10)} for n in held],
+        ),
+        "policy_sft": _write(
+            os.path.join(root, "policy_sft.jsonl"), [{"prompt": question(n), "response": str(n % 10)} for n in train]
+        ),
+        "policy_sft_eval": _write(
+            os.path.join(root, "policy_sft_eval.jsonl"),
+            [{"prompt": question(n), "response": str(n % 10)} for n in held],
+        ),
     }
 
     def judge_rows(k: int, r: random.Random) -> list[dict]:
@@ -89,5 +100,7 @@ def write_demo_data(root: str, seed: int = 0) -> dict[str, str]:
         return rows
 
     paths["judge_sft"] = _write(os.path.join(root, "judge_sft.jsonl"), judge_rows(20000, random.Random(seed + 1)))
-    paths["judge_sft_eval"] = _write(os.path.join(root, "judge_sft_eval.jsonl"), judge_rows(400, random.Random(seed + 2)))
+    paths["judge_sft_eval"] = _write(
+        os.path.join(root, "judge_sft_eval.jsonl"), judge_rows(400, random.Random(seed + 2))
+    )
     return paths

@@ -17,10 +17,16 @@ from .rendezvous import Rank, torchrun_rank, use_network_interface
 def _parser(prog: str) -> argparse.ArgumentParser:
     from .cli import config_flags_help
 
-    p = argparse.ArgumentParser(prog=prog, description="Run a job from a config; any config key can be overridden with its flag.",
-                                epilog=config_flags_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a job from a config; any config key can be overridden with its flag.",
+        epilog=config_flags_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
-    p.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds before shutting down")
+    p.add_argument(
+        "--hold", type=float, default=0.0, help="keep the placed job up this many seconds before shutting down"
+    )
     p.add_argument("--sft", action="store_true", help="supervised fine-tuning (relay sft) instead of GRPO")
     return p
 
@@ -56,9 +62,15 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
     try:
         if rank.rank == 0:
             if single_node and cfg.nnodes != 1:
-                print(f"{prog}: this config needs {cfg.nnodes} nodes; launch it with torchrun (see README) or relay sbatch", file=sys.stderr)
+                print(
+                    f"{prog}: this config needs {cfg.nnodes} nodes; launch it with torchrun (see README) or relay "
+                    f"sbatch",
+                    file=sys.stderr,
+                )
                 return 2
-            return asyncio.run(run_controller(cfg, rank.world_size, hold=args.hold, mode="sft" if args.sft else "train"))
+            return asyncio.run(
+                run_controller(cfg, rank.world_size, hold=args.hold, mode="sft" if args.sft else "train")
+            )
         return asyncio.run(run_agent(cfg, rank.rank))
     except PlanError as e:
         print(f"{prog}: invalid layout:\n{e}", file=sys.stderr)

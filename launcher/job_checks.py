@@ -23,11 +23,13 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
         raise ConfigError(
             "--rm-type dapo-genrm scores every sample with a judge, and this config has none: add a genrm model "
             "(--genrm-model-path PATH with a 'genrm' entry in --resource or --genrm-num-gpus N) or judge instances "
-            "(--genrm-instances '{\"route_key\": {\"model_path\": ..., \"num_gpus\": N}}'), "
+            '(--genrm-instances \'{"route_key": {"model_path": ..., "num_gpus": N}}\'), '
             "or use a reward without a judge (--rm-type dapo)"
         )
     if cfg.prompt_data and not cfg.custom_rm_path and cfg.rm_type is None:
-        raise ConfigError("training needs a reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func")
+        raise ConfigError(
+            "training needs a reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func"
+        )
     from reward.rewards import load_callable
 
     for name in user_code_flags():

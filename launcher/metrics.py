@@ -47,10 +47,20 @@ class MetricsLog:
         bar_len = 20
         filled = int(bar_len * done / max(1, self.total))
         bar = "#" * filled + "." * (bar_len - filled)
-        keys = [("reward", "reward/mean"), ("acc", "reward/accuracy"), ("eval", "eval/accuracy"), ("loss", "train/loss"),
-                ("len", "rollout/response_len"), ("step_s", "time/step")]
+        keys = [
+            ("reward", "reward/mean"),
+            ("acc", "reward/accuracy"),
+            ("eval", "eval/accuracy"),
+            ("loss", "train/loss"),
+            ("len", "rollout/response_len"),
+            ("step_s", "time/step"),
+        ]
         parts = [f"{name} {record[k]:.3g}" for name, k in keys if isinstance(record.get(k), (int, float))]
-        print(f"[{bar}] step {done}/{self.total} {time.monotonic() - self.t0:6.1f}s | " + "  ".join(parts), file=self.out, flush=True)
+        print(
+            f"[{bar}] step {done}/{self.total} {time.monotonic() - self.t0:6.1f}s | " + "  ".join(parts),
+            file=self.out,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._tb is not None:
@@ -69,15 +79,31 @@ def _figures(train: list[dict], evals: list[dict]) -> list[tuple[str, str, list[
     """(file, y label, [(records, key, label, line style)]) per figure. Lines that can
     coincide get distinct styles, and pass@k is drawn only when k > 1 (with k = 1 it equals
     the held-out accuracy and would hide it)."""
-    accuracy = [(train, "reward/accuracy", "train accuracy (reward)", {}),
-                (evals, "eval/accuracy", "held-out accuracy (reward)", {"linewidth": 2.5, "zorder": 3}),
-                (evals, "eval/exact_accuracy", "held-out exact match (no judge)", {"linestyle": "--", "zorder": 4})]
+    accuracy = [
+        (train, "reward/accuracy", "train accuracy (reward)", {}),
+        (evals, "eval/accuracy", "held-out accuracy (reward)", {"linewidth": 2.5, "zorder": 3}),
+        (evals, "eval/exact_accuracy", "held-out exact match (no judge)", {"linestyle": "--", "zorder": 4}),
+    ]
     if any(r.get("eval/k", 1) > 1 for r in evals):
-        accuracy.append((evals, "eval/pass@k", f"held-out pass@{max(r.get('eval/k', 1) for r in evals)}", {"linestyle": ":", "zorder": 2}))
+        accuracy.append(
+            (
+                evals,
+                "eval/pass@k",
+                f"held-out pass@{max(r.get('eval/k', 1) for r in evals)}",
+                {"linestyle": ":", "zorder": 2},
+            )
+        )
     return [
         ("reward.png", "reward", [(train, "reward/mean", "reward mean", {}), (train, "reward/std", "reward std", {})]),
         ("accuracy.png", "accuracy", accuracy),
-        ("phases.png", "seconds", [(train, k, k.split("/", 1)[1], {}) for k in ("time/rollout", "time/reward", "time/swap", "time/train", "time/sync", "time/orchestration")]),
+        (
+            "phases.png",
+            "seconds",
+            [
+                (train, k, k.split("/", 1)[1], {})
+                for k in ("time/rollout", "time/reward", "time/swap", "time/train", "time/sync", "time/orchestration")
+            ],
+        ),
     ]
 
 

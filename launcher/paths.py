@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 
-from .config import RESERVED_INSTANCE, JobConfig
+from .config import JobConfig
+from .config_rules import RESERVED_INSTANCE
 
 #: An input: [flag, path, kind], kind "model" (every node) or "data" (node 0).
 Input = list[str]
@@ -42,8 +43,11 @@ def missing_here(inputs: list[Input]) -> list[list[str]]:
     """[flag, path] of each input absent on this machine (models built on first use excepted)."""
     from engines.model_builder import builds_on_first_use
 
-    return [[flag, path] for flag, path, kind in inputs
-            if not os.path.exists(path) and not (kind == "model" and builds_on_first_use(path))]
+    return [
+        [flag, path]
+        for flag, path, kind in inputs
+        if not os.path.exists(path) and not (kind == "model" and builds_on_first_use(path))
+    ]
 
 
 async def check_inputs_on_every_node(cfg: JobConfig, mode: str, agents: dict) -> str | None:
@@ -54,9 +58,12 @@ async def check_inputs_on_every_node(cfg: JobConfig, mode: str, agents: dict) ->
         return None
     models = [i for i in inputs if i[2] == "model"]
     nodes = sorted(agents)
-    replies = await asyncio.gather(*(agents[n].check_paths.call_one(inputs if n == 0 else models).result(60) for n in nodes))
+    replies = await asyncio.gather(
+        *(agents[n].check_paths.call_one(inputs if n == 0 else models).result(60) for n in nodes)
+    )
     problems = [
-        f"node {n} (host {reply['host']}): missing {path} ({flag})" + (" (is an environment variable of the config unset?)" if "${" in path else "")
+        f"node {n} (host {reply['host']}): missing {path} ({flag})"
+        + (" (is an environment variable of the config unset?)" if "${" in path else "")
         for n, reply in zip(nodes, replies)
         for flag, path in reply["missing"]
     ]

@@ -28,7 +28,9 @@ def torchrun_rank() -> Rank | None:
     if "TORCHELASTIC_RUN_ID" not in os.environ and "MASTER_PORT" not in os.environ:
         return None
     if os.environ.get("LOCAL_WORLD_SIZE", "1") != "1":
-        raise SystemExit("relay: run torchrun with --nproc-per-node 1 (one agent per node; it spawns the per-GPU workers)")
+        raise SystemExit(
+            "relay: run torchrun with --nproc-per-node 1 (one agent per node; it spawns the per-GPU workers)"
+        )
     return Rank(int(os.environ.get("GROUP_RANK", os.environ.get("RANK", "0"))), int(os.environ.get("WORLD_SIZE", "1")))
 
 

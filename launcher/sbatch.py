@@ -35,7 +35,8 @@ NODE_BODY = r"""# one node: torchrun for this node; its launcher writes its exit
 export {exit_env}="$RELAY_LOG_PREFIX-node$SLURM_NODEID.exit"
 resume=()
 if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then resume=(--resume); fi
-echo "relay: node $SLURM_NODEID ($(hostname)) of job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}, rendezvous $HEAD_NODE:$RDZV_PORT"
+echo "relay: node $SLURM_NODEID ($(hostname)) of job $SLURM_JOB_ID," \
+     "restart ${{SLURM_RESTART_COUNT:-0}}, rendezvous $HEAD_NODE:$RDZV_PORT"
 # slurm sends SIGTERM to every process of the step: torchrun and the launcher get it directly
 # (re-sending it would cut torchrun's wait for the checkpoint short); this shell only waits.
 trap 'echo "relay: node $SLURM_NODEID got SIGTERM; waiting for torchrun"' TERM
@@ -88,7 +89,9 @@ def render_sbatch(
         raise ValueError(f"--signal-grace must be >= 0 seconds, got {signal_grace}")
     log_dir = os.path.abspath(log_dir)
     if any(c.isspace() or c == "%" for c in log_dir):
-        raise ValueError(f"--log-dir {log_dir!r}: slurm's --output cannot take spaces or '%' in a path; choose another directory")
+        raise ValueError(
+            f"--log-dir {log_dir!r}: slurm's --output cannot take spaces or '%' in a path; choose another directory"
+        )
     config_path = os.path.abspath(config) if os.path.exists(config) else config
     launcher_args = ["--config", config_path, "--nnodes", str(nodes), "--gpus-per-node", str(gpus_per_node), *overrides]
     q = shlex.quote
@@ -115,7 +118,7 @@ def render_sbatch(
     pick_port = f"{port}" if port is not None else f"$(python3 - <<'PY'\n{PICK_PORT}PY\n)"
     lines += [
         "",
-        "# Written by `relay sbatch` (docs/launcher.md, \"Slurm\"). One torchrun per node; the first node",
+        '# Written by `relay sbatch` (docs/launcher.md, "Slurm"). One torchrun per node; the first node',
         "# of the allocation hosts the rendezvous store; rank 0 becomes the controller, the other ranks",
         "# node agents. A launcher that checkpointed on SIGTERM exits "
         f"{EXIT_CHECKPOINTED_ON_SIGNAL}: the job then requeues itself and resumes.",
@@ -127,12 +130,15 @@ def render_sbatch(
         f"LAUNCHER_ARGS=({' '.join(q(a) for a in launcher_args)})",
         "",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        '[ -n "$HEAD_NODE" ] || { echo "relay: scontrol found no host in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST" >&2; exit 1; }',
+        '[ -n "$HEAD_NODE" ] || '
+        '{ echo "relay: scontrol found no host in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST" >&2; exit 1; }',
         f"RDZV_PORT={pick_port}",
-        '[ -n "$RDZV_PORT" ] || { echo "relay: no free rendezvous port on $HEAD_NODE; pass --port to relay sbatch" >&2; exit 1; }',
+        '[ -n "$RDZV_PORT" ] || '
+        '{ echo "relay: no free rendezvous port on $HEAD_NODE; pass --port to relay sbatch" >&2; exit 1; }',
         "export HEAD_NODE RDZV_PORT",
         "export RELAY_JOB_SECRET=${RELAY_JOB_SECRET:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}",
-        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(signal_grace, 30)}  # how long torchrun waits for the launcher after SIGTERM",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(signal_grace, 30)}  # how long torchrun waits for the launcher "
+        f"after SIGTERM",
         'export RELAY_LOG_PREFIX="$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID"',
         'rm -f "$RELAY_LOG_PREFIX"-node*.exit',
         "",

@@ -59,7 +59,10 @@ def _secret_lines(addr: str, source: str, path: str) -> list[str]:
             f"  (or instead of the file: export {SECRET_ENV}=$(cat {path}))",
         ]
     if source == "file":
-        return [f"relay secret: from {path}; reward code outside this process: export RELAY_GENRM_ADDR={addr} {SECRET_FILE_ENV}={path}"]
+        return [
+            f"relay secret: from {path}; reward code outside this process: export RELAY_GENRM_ADDR={addr} "
+            f"{SECRET_FILE_ENV}={path}"
+        ]
     return [
         f"relay secret: {SECRET_ENV} as exported here; reward code outside this process needs the same value: "
         f"export RELAY_GENRM_ADDR={addr} {SECRET_ENV}=<the same value>"
@@ -88,7 +91,9 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
         engines = procs.spawn("engine", EngineActor, path, cfg.engine, **kw)
         meshes.append(procs)
         specs[name] = {
-            "model_path": path, "num_gpus": inst.num_gpus, "sampling_config": inst.sampling_config,
+            "model_path": path,
+            "num_gpus": inst.num_gpus,
+            "sampling_config": inst.sampling_config,
             "engines": [engines.slice(engines=i) for i in range(n_engines)],
         }
         await engines.initialized(600)
@@ -107,7 +112,10 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
         write_secret_file(secret_path, detail)
     for line in _secret_lines(judge_procs.procs[0].addr, secret_source, secret_path):
         print(line, flush=True)
-    print(f"judge ready: http://{host}:{port}/genrm/health  (relay address for reward code: {judge_procs.procs[0].addr})", flush=True)
+    print(
+        f"judge ready: http://{host}:{port}/genrm/health  (relay address for reward code: {judge_procs.procs[0].addr})",
+        flush=True,
+    )
     if ready is not None:
         ready.set()
     stop = asyncio.Event()

@@ -63,7 +63,9 @@ def _imports(module: str, tree: ast.AST, top_level_only: bool) -> set[str]:
 
 
 def test_no_production_file_is_over_500_lines():
-    long = {module: n for module, path in MODULES.items() if (n := len(open(path).read().splitlines())) > MAX_FILE_LINES}
+    long = {
+        module: n for module, path in MODULES.items() if (n := len(open(path).read().splitlines())) > MAX_FILE_LINES
+    }
     assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
 
 
@@ -101,7 +103,7 @@ def test_no_import_cycle_between_modules():
         state[module] = 1
         for other in sorted(graph[module]):
             if state.get(other) == 1:
-                cycles.append(path[path.index(other):] + [other] if other in path else [module, other])
+                cycles.append(path[path.index(other) :] + [other] if other in path else [module, other])
             elif other not in state:
                 visit(other, path + [other])
         state[module] = 2

@@ -45,33 +45,24 @@ EXPECTED: dict[str, str] = {
     "bash scripts/demo.sh": "GRPO with a GenRM judge works end to end",
     "bash scripts/test.sh": CI,
     # README.md: every sub-mode, with the demo's tiny models
-    'relay train --config tiny-cpu-split  "${T[@]}" --run-dir runs/split   # colocate Split: rollout | judge on disjoint bundles':
-        "(colocate-split)",
-    'relay train --config tiny-cpu-shared "${T[@]}" --run-dir runs/shared  # colocate Co-resident: both on every bundle, awake together':
-        "(colocate-shared)",
-    'relay train --config tiny-cpu-defer  "${T[@]}" --run-dir runs/defer   # colocate Defer-swap: rollout and judge take turns':
-        "(colocate-defer)",
-    'relay train --config tiny-cpu-async  "${T[@]}" --run-dir runs/async   # fully-async: dedicated pools, bounded staleness':
-        "(fully-async)",
+    'relay train --config tiny-cpu-split  "${T[@]}" --run-dir runs/split   # colocate Split: rollout | judge on disjoint bundles': "(colocate-split)",
+    'relay train --config tiny-cpu-shared "${T[@]}" --run-dir runs/shared  # colocate Co-resident: both on every bundle, awake together': "(colocate-shared)",
+    'relay train --config tiny-cpu-defer  "${T[@]}" --run-dir runs/defer   # colocate Defer-swap: rollout and judge take turns': "(colocate-defer)",
+    'relay train --config tiny-cpu-async  "${T[@]}" --run-dir runs/async   # fully-async: dedicated pools, bounded staleness': "(fully-async)",
     "relay plot runs/split": "wrote runs/split/reward.png",
     # docs/judge.md
-    "relay judge --config tiny-cpu-split --port ${PORT:-8000}   # builds the tiny judge on first use; serves until Ctrl-C":
-        "judge ready: http://127.0.0.1:",
-    'curl http://127.0.0.1:${PORT:-8000}/genrm/health            # {"status": "healthy", "service": "genrm"}':
-        '{"status": "healthy", "service": "genrm"}',
+    "relay judge --config tiny-cpu-split --port ${PORT:-8000}   # builds the tiny judge on first use; serves until Ctrl-C": "judge ready: http://127.0.0.1:",
+    'curl http://127.0.0.1:${PORT:-8000}/genrm/health            # {"status": "healthy", "service": "genrm"}': '{"status": "healthy", "service": "genrm"}',
     "curl -X POST http://127.0.0.1:${PORT:-8000}/genrm/generate -H 'Content-Type: application/json' \\\n"
-    "     -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Is 2+2=4? Reply 1 or 0.\"}]}'":
-        '{"response": ',
+    '     -d \'{"messages": [{"role": "user", "content": "Is 2+2=4? Reply 1 or 0."}]}\'': '{"response": ',
     "stat -c '%a %n' ~/.cache/relay/judge-${PORT:-8000}.secret   # the judge's secret file: 600 (readable by you only)": "600 ",
     # docs/launcher.md
     "relay train --config tiny-cpu-split": "shut down cleanly",
     "torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\\n"
-    "    -m launcher --config qwen35-35b-a3b-16gpu-genrm-397b-split   # needs a GPU: 2 nodes x 8 GPUs; HEAD = the first node":
-        "placed a probe actor on every bundle",
+    "    -m launcher --config qwen35-35b-a3b-16gpu-genrm-397b-split   # needs a GPU: 2 nodes x 8 GPUs; HEAD = the first node": "placed a probe actor on every bundle",
     "relay train --config tiny-cpu-split --network-interface lo": "shut down cleanly",
     "relay sbatch --config qwen35-35b-a3b-16gpu-genrm-397b-split --nodes 2 --partition gpu \\\n"
-    "    --time 24:00:00 --network-interface ib0 -o job.sbatch":
-        "wrote job.sbatch",
+    "    --time 24:00:00 --network-interface ib0 -o job.sbatch": "wrote job.sbatch",
 }
 #: Commands that serve until stopped -> the line they print when stopped cleanly.
 SERVERS = {"relay judge": "judge stopped"}
@@ -119,7 +110,10 @@ def test_every_documented_command_has_an_entry_and_nothing_is_left_out():
     assert len(found) == sum(count_command_lines(doc) for doc in doc_files())  # two counts agree
     texts = [c.text for c in found]
     missing = [c.where + ": " + c.text for c in found if c.text not in EXPECTED]
-    assert not missing, "documented commands without an EXPECTED entry (add one: the fragment of output it must print):\n" + "\n".join(missing)
+    assert not missing, (
+        "documented commands without an EXPECTED entry (add one: the fragment of output it must print):\n"
+        + "\n".join(missing)
+    )
     stale = [t for t in EXPECTED if t not in texts]
     assert not stale, "EXPECTED entries no doc has any more (the doc line changed?):\n" + "\n".join(stale)
     covered = [c for p in cases() for c in p.values[0]]
@@ -133,8 +127,10 @@ def test_ci_runs_the_documented_test_command():
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         calls = [shlex.split(line) for line in f if line.strip().startswith(documented[0] + " ")]
     assert calls and calls[0][: len(documented)] == documented, calls
-    extra = calls[0][len(documented):]
-    assert all(a.startswith("-") and a.split("=")[0] in ("-q", "-ra", "--durations") for a in extra), extra  # no test selection
+    extra = calls[0][len(documented) :]
+    assert all(a.startswith("-") and a.split("=")[0] in ("-q", "-ra", "--durations") for a in extra), (
+        extra
+    )  # no test selection
 
 
 # ---------------------------------------------------------------- running them
@@ -146,7 +142,9 @@ def workdir(tmp_path_factory):
     finds it set up: nothing is installed), a temporary HOME and a stub ``sbatch``."""
     base = tmp_path_factory.mktemp("docs")
     repo = base / "repo"
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True
+    )
     if listed.returncode == 0 and listed.stdout:
         for rel in filter(None, listed.stdout.split("\0")):
             if os.path.isfile(os.path.join(ROOT, rel)):
@@ -157,7 +155,8 @@ def workdir(tmp_path_factory):
     venv = sys.prefix
     stamp = os.path.join(venv, ".relay-installed")
     assert sys.prefix != sys.base_prefix and os.path.exists(stamp), (
-        f"the docs tests need the venv made by scripts/setup.sh (running {sys.executable}: no {stamp})")
+        f"the docs tests need the venv made by scripts/setup.sh (running {sys.executable}: no {stamp})"
+    )
     os.symlink(venv, repo / ".venv")
     # setup.sh reinstalls when pyproject.toml is newer than its stamp: this copy is not newer
     t = min(os.path.getmtime(repo / "pyproject.toml"), os.path.getmtime(stamp))
@@ -171,9 +170,14 @@ def workdir(tmp_path_factory):
     (stub / "sbatch").write_text(
         '#!/bin/bash\nset -e\n[ -f "$1" ] || { echo "sbatch: error: Unable to open file $1" >&2; exit 1; }\n'
         'grep -q "^#SBATCH " "$1" || { echo "sbatch: error: no #SBATCH lines in $1" >&2; exit 1; }\n'
-        'bash -n "$1"\necho "Submitted batch job 4242"\n')
+        'bash -n "$1"\necho "Submitted batch job 4242"\n'
+    )
     (stub / "sbatch").chmod(0o755)
-    return {"repo": str(repo), "home": str(home), "path": os.pathsep.join([os.path.dirname(sys.executable), str(stub), os.environ["PATH"]])}
+    return {
+        "repo": str(repo),
+        "home": str(home),
+        "path": os.pathsep.join([os.path.dirname(sys.executable), str(stub), os.environ["PATH"]]),
+    }
 
 
 def _env(workdir: dict, **extra: str) -> dict:
@@ -184,8 +188,15 @@ def _env(workdir: dict, **extra: str) -> dict:
 
 def _run(c: DocCommand, workdir: dict, env: dict) -> str:
     """Run one command to its end; return its output (stdout and stderr)."""
-    p = subprocess.Popen(["bash", "-c", c.script], cwd=workdir["repo"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        ["bash", "-c", c.script],
+        cwd=workdir["repo"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=_timeout(c))
     except subprocess.TimeoutExpired:
@@ -223,8 +234,15 @@ def _free_port() -> int:
 def _serve(c: DocCommand, workdir: dict, env: dict) -> tuple[subprocess.Popen, list[str], threading.Thread]:
     """Start a serving command; return once it printed its EXPECTED line (a thread keeps
     collecting its output)."""
-    p = subprocess.Popen(["bash", "-c", c.script], cwd=workdir["repo"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        ["bash", "-c", c.script],
+        cwd=workdir["repo"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     ready = threading.Event()
 
@@ -260,7 +278,9 @@ def _stop(c: DocCommand, p: subprocess.Popen, lines: list[str], reader: threadin
     reader.join(10)
     out = "".join(lines)
     stopped = next(v for k, v in SERVERS.items() if c.text.startswith(k))
-    assert p.returncode == 0 and stopped in out, f"{c.where}: did not stop cleanly on Ctrl-C (exit {p.returncode})\n{out[-4000:]}"
+    assert p.returncode == 0 and stopped in out, (
+        f"{c.where}: did not stop cleanly on Ctrl-C (exit {p.returncode})\n{out[-4000:]}"
+    )
 
 
 @pytest.mark.parametrize("block", cases())

@@ -15,11 +15,18 @@ pytestmark = pytest.mark.unit
 
 
 def tracked(*patterns: str) -> list[str]:
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", *patterns], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", *patterns], cwd=ROOT, capture_output=True, text=True
+    )
     if out.returncode == 0 and out.stdout.strip():
         return out.stdout.split()
-    return [os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in os.walk(ROOT) if "/." not in d
-            for f in files if any(f.endswith(p.lstrip("*")) for p in patterns)]
+    return [
+        os.path.relpath(os.path.join(d, f), ROOT)
+        for d, _, files in os.walk(ROOT)
+        if "/." not in d
+        for f in files
+        if any(f.endswith(p.lstrip("*")) for p in patterns)
+    ]
 
 
 def test_every_markdown_file_the_code_cites_exists():
@@ -31,4 +38,6 @@ def test_every_markdown_file_the_code_cites_exists():
             for ref in re.findall(r"[A-Za-z0-9_./-]*[A-Za-z0-9_-]\.md\b", line):
                 if not os.path.isfile(os.path.join(ROOT, ref)):
                     missing.append(f"{rel}:{lineno}: {ref}")
-    assert not missing, "cited documents that are not in the repository (point at docs/*.md instead):\n" + "\n".join(missing)
+    assert not missing, "cited documents that are not in the repository (point at docs/*.md instead):\n" + "\n".join(
+        missing
+    )

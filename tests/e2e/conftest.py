@@ -15,8 +15,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def relay_sft(cache: str, config: str, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, RELAY_CACHE=cache)
-    p = subprocess.run([sys.executable, "-m", "launcher.cli", "sft", "--config", config, *extra], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "sft", "--config", config, *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
@@ -43,8 +49,14 @@ def trained(tmp_path_factory):
             f.write(judge.stdout)
     with open(done) as f:
         judge_stdout = f.read()
-    return {**paths, "cache": cache, "judge": os.path.join(root, "judge"), "policy": os.path.join(root, "policy-warm"),
-            "judge_sft_stdout": judge_stdout, "judge_sft_run": os.path.join(root, "runs", "judge-sft")}
+    return {
+        **paths,
+        "cache": cache,
+        "judge": os.path.join(root, "judge"),
+        "policy": os.path.join(root, "policy-warm"),
+        "judge_sft_stdout": judge_stdout,
+        "judge_sft_run": os.path.join(root, "runs", "judge-sft"),
+    }
 
 
 @pytest.fixture

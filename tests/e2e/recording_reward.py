@@ -25,7 +25,9 @@ def record(args, sample: dict) -> dict:
         _tokenizers[path] = AutoTokenizer.from_pretrained(path)
     given = _tokenizers[path].decode(sample["prompt_ids"])
     with open(os.environ["RELAY_TEST_RECORD"], "a") as f:
-        f.write(json.dumps({"question": question_text(sample["prompt"]), "label": sample["label"], "given": given}) + "\n")
+        f.write(
+            json.dumps({"question": question_text(sample["prompt"]), "label": sample["label"], "given": given}) + "\n"
+        )
     ok = final_answer(sample["response"]).strip() == sample["label"]
     return {"score": float(ok), "acc": ok}
 

@@ -22,16 +22,50 @@ TEMPLATE = "Answer: {answer}\nReference: {label}"
 
 
 def train_cmd(config: str, data: dict, run_dir: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launcher.cli", "train", "--config", config, "--prompt-data", data["train"], "--run-dir", run_dir,
-            "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--global-batch-size", "32",
-            "--rollout-max-response-len", "4", "--genrm-gateway-port", "0", "--genrm-prompt-template", TEMPLATE,
-            "--hf-checkpoint", data["policy"], "--genrm-model-path", data["judge"], "--genrm-parse", "loose",
-            "--genrm-sampling-config", '{"temperature": 0.0, "max_response_len": 8}', "--lr", "1e-3", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "launcher.cli",
+        "train",
+        "--config",
+        config,
+        "--prompt-data",
+        data["train"],
+        "--run-dir",
+        run_dir,
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "8",
+        "--global-batch-size",
+        "32",
+        "--rollout-max-response-len",
+        "4",
+        "--genrm-gateway-port",
+        "0",
+        "--genrm-prompt-template",
+        TEMPLATE,
+        "--hf-checkpoint",
+        data["policy"],
+        "--genrm-model-path",
+        data["judge"],
+        "--genrm-parse",
+        "loose",
+        "--genrm-sampling-config",
+        '{"temperature": 0.0, "max_response_len": 8}',
+        "--lr",
+        "1e-3",
+        *extra,
+    ]
 
 
 def run_train(config: str, data: dict, run_dir: str, *extra: str, timeout: float = 240) -> str:
     env = dict(os.environ, RELAY_CACHE=data["cache"])
-    p = subprocess.run(train_cmd(config, data, run_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.run(
+        train_cmd(config, data, run_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "shut down cleanly" in p.stdout
     return p.stdout
@@ -82,7 +116,12 @@ def engine_seq(evs: list[dict], engine: str) -> list[tuple]:
     return out
 
 
-ROLLOUT_STEP = [("sleep", ("weights", "kv_cache")), ("wake", ("weights",)), ("update_weights", None), ("wake", ("kv_cache",))]
+ROLLOUT_STEP = [
+    ("sleep", ("weights", "kv_cache")),
+    ("wake", ("weights",)),
+    ("update_weights", None),
+    ("wake", ("kv_cache",)),
+]
 
 
 def check_rollout_order(evs: list[dict], n_rollout: int) -> None:
@@ -119,7 +158,9 @@ def test_colocate_inline_rewards(config, data, tmp_path, request):
     kv = sorted(e["t"] for e in evs if e["role"] == "rollout" and e["event"] == "wake" and e["detail"] == ["kv_cache"])
     wakes = sorted(e["t"] for e in evs if e["role"] == "genrm" and e["event"] == "wake")
     for step in range(2):
-        assert min(wakes[step * len(judges) : (step + 1) * len(judges)]) > max(kv[step * n_rollout : (step + 1) * n_rollout])
+        assert min(wakes[step * len(judges) : (step + 1) * len(judges)]) > max(
+            kv[step * n_rollout : (step + 1) * n_rollout]
+        )
 
 
 def test_defer_swap(data, tmp_path):
@@ -141,7 +182,9 @@ def test_defer_swap(data, tmp_path):
     for e in evs:
         if e["event"] in ("sleep", "wake") and "weights" in e["detail"]:
             awake[e["engine"]] = e["event"] == "wake"
-            assert not (any(awake.get(j) for j in judges) and any(awake.get(f"rollout{i}") for i in range(n_rollout))), e
+            assert not (
+                any(awake.get(j) for j in judges) and any(awake.get(f"rollout{i}") for i in range(n_rollout))
+            ), e
 
 
 def test_fully_async(data, tmp_path):
@@ -165,8 +208,14 @@ def test_resume_after_kill_continues_with_the_same_loss(data, tmp_path):
 
     killed = str(tmp_path / "killed")
     env = dict(os.environ, RELAY_CACHE=data["cache"])
-    p = subprocess.Popen(train_cmd("tiny-cpu-split", data, killed, *extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env=env, start_new_session=True)
+    p = subprocess.Popen(
+        train_cmd("tiny-cpu-split", data, killed, *extra),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     marker = os.path.join(killed, "checkpoints", "step_000000", "state.json")
     deadline = time.monotonic() + 200
     while not os.path.exists(marker) and time.monotonic() < deadline and p.poll() is None:

@@ -36,9 +36,27 @@ def start_two_nodes(data: dict, run_dir: str, rdzv_id: str, *extra: str) -> list
     nodes = []
     for host in ("127.0.0.2", "127.0.0.3"):
         env = dict(os.environ, RELAY_CACHE=data["cache"], RELAY_HOST=host)
-        cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.2:{port}",
-               "--rdzv-id", rdzv_id, "-m", "launcher", *args, "--gpus-per-node", "2"]
-        nodes.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        cmd = [
+            TORCHRUN,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.2:{port}",
+            "--rdzv-id",
+            rdzv_id,
+            "-m",
+            "launcher",
+            *args,
+            "--gpus-per-node",
+            "2",
+        ]
+        nodes.append(
+            subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        )
         deadline = time.monotonic() + 60
         while len(nodes) == 1 and time.monotonic() < deadline and nodes[0].poll() is None:
             with socket.socket() as probe:
@@ -82,8 +100,13 @@ def test_killing_a_node_agent_mid_training_stops_the_job_promptly(data, tmp_path
     nodes = start_two_nodes(data, run_dir, "grpo-kill-agent", "--num-rollout", "50")
     try:
         deadline = time.monotonic() + 300
-        while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and records(run_dir)) and time.monotonic() < deadline:
-            assert all(n.poll() is None for n in nodes), [n.communicate()[1][-2000:] for n in nodes if n.poll() is not None]
+        while (
+            not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and records(run_dir))
+            and time.monotonic() < deadline
+        ):
+            assert all(n.poll() is None for n in nodes), [
+                n.communicate()[1][-2000:] for n in nodes if n.poll() is not None
+            ]
             time.sleep(0.1)
         agents = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_agent(int(p), "1")]
         assert len(agents) == 1, agents
@@ -113,4 +136,10 @@ def _is_agent(pid: int, group_rank: str) -> bool:
     except OSError:
         return False
     tag = f"RELAY_TEST_TAG={os.environ['RELAY_TEST_TAG']}".encode()
-    return tag in env and f"GROUP_RANK={group_rank}".encode() in env and b"launcher" in cmd and b"torchrun" not in cmd and b"relay._worker" not in cmd
+    return (
+        tag in env
+        and f"GROUP_RANK={group_rank}".encode() in env
+        and b"launcher" in cmd
+        and b"torchrun" not in cmd
+        and b"relay._worker" not in cmd
+    )

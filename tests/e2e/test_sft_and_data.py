@@ -36,8 +36,12 @@ def test_relay_sft_learns_and_writes_a_loadable_checkpoint(trained):
         eng = TorchEngine(trained["judge"], kv_cache_tokens=4096)
         try:
             cases = [("3", "3"), ("4", "7")]
-            outs = await asyncio.gather(*(eng.generate(judge_messages("", ref, ans, JUDGE_TEMPLATE), {"temperature": 0, "max_new_tokens": 8})
-                                          for ans, ref in cases))
+            outs = await asyncio.gather(
+                *(
+                    eng.generate(judge_messages("", ref, ans, JUDGE_TEMPLATE), {"temperature": 0, "max_new_tokens": 8})
+                    for ans, ref in cases
+                )
+            )
             return [parse_verdict(o.text, "loose") for o in outs]
         finally:
             await eng.close()
@@ -76,15 +80,40 @@ def test_prompt_order_is_deterministic_and_covers_every_row_per_epoch(tmp_path):
 
 @pytest.mark.unit
 def test_relay_plot_writes_pngs(tmp_path):
-    recs = [{"kind": "train", "step": s, "reward/mean": 0.1 * s, "reward/std": 0.1, "reward/accuracy": 0.1 * s, "time/rollout": 1.0,
-             "time/train": 2.0, "time/sync": 0.1, "time/swap": 0.2, "time/orchestration": 0.01} for s in range(3)]
+    recs = [
+        {
+            "kind": "train",
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "reward/std": 0.1,
+            "reward/accuracy": 0.1 * s,
+            "time/rollout": 1.0,
+            "time/train": 2.0,
+            "time/sync": 0.1,
+            "time/swap": 0.2,
+            "time/orchestration": 0.01,
+        }
+        for s in range(3)
+    ]
     recs.append({"kind": "eval", "step": 3, "eval/accuracy": 0.5, "eval/pass@k": 0.6})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    p = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     for name in ("reward.png", "accuracy.png", "phases.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "plot", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr
 
 
@@ -95,7 +124,10 @@ def test_plot_keeps_the_held_out_line_visible():
     from launcher.metrics import _figures
 
     def accuracy_lines(k):
-        evals = [{"kind": "eval", "step": s, "eval/accuracy": 0.5, "eval/pass@k": 0.5 if k == 1 else 0.7, "eval/k": k} for s in range(3)]
+        evals = [
+            {"kind": "eval", "step": s, "eval/accuracy": 0.5, "eval/pass@k": 0.5 if k == 1 else 0.7, "eval/k": k}
+            for s in range(3)
+        ]
         figures = {name: lines for name, _, lines in _figures([], evals)}
         return {label: style for _, _, label, style in figures["accuracy.png"]}
 

@@ -40,15 +40,36 @@ def test_every_sample_is_generated_from_its_own_rows_prompt_across_eval_signal_a
     though not a multiple of --eval-interval), and is stopped by SIGTERM: it finishes the
     step, writes a checkpoint and exits 75. Run 2 resumes (no eval before training). Every
     sample's prompt is its own row's; checkpoints beyond --keep-checkpoints are gone."""
-    eval_path = write_rows(tmp_path / "eval.jsonl", [{"prompt": f"What is {n} mod 10?", "label": str(n % 10)} for n in range(77701, 77707)])
+    eval_path = write_rows(
+        tmp_path / "eval.jsonl", [{"prompt": f"What is {n} mod 10?", "label": str(n % 10)} for n in range(77701, 77707)]
+    )
     record = tmp_path / "record.jsonl"
     monkeypatch.setenv("RELAY_TEST_RECORD", str(record))
     run_dir = str(tmp_path / "run")
-    extra = ("--custom-rm-path", "tests.e2e.recording_reward.record", "--eval-prompt-data", eval_path, "--eval-interval", "3",
-             "--num-rollout", "4", "--save-interval", "1", "--keep-checkpoints", "2")
+    extra = (
+        "--custom-rm-path",
+        "tests.e2e.recording_reward.record",
+        "--eval-prompt-data",
+        eval_path,
+        "--eval-interval",
+        "3",
+        "--num-rollout",
+        "4",
+        "--save-interval",
+        "1",
+        "--keep-checkpoints",
+        "2",
+    )
     env = dict(os.environ, RELAY_CACHE=data["cache"])
-    p = subprocess.Popen(train_cmd("tiny-cpu-split", data, run_dir, *extra), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, start_new_session=True)
+    p = subprocess.Popen(
+        train_cmd("tiny-cpu-split", data, run_dir, *extra),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         deadline = time.monotonic() + 300
@@ -69,7 +90,9 @@ def test_every_sample_is_generated_from_its_own_rows_prompt_across_eval_signal_a
         assert json.load(f)["next_step"] == stopped_after + 1
 
     assert "Warning" not in out + err, "library warnings belong in the workers' log files"
-    assert any("Warning" in open(os.path.join(run_dir, "logs", f)).read() for f in os.listdir(os.path.join(run_dir, "logs")))
+    assert any(
+        "Warning" in open(os.path.join(run_dir, "logs", f)).read() for f in os.listdir(os.path.join(run_dir, "logs"))
+    )
     out2 = run_train("tiny-cpu-split", data, run_dir, *extra, "--resume", "--skip-eval-before-train", timeout=300)
     assert f"next step {stopped_after + 1}" in out2
     assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]  # each step once, across the stop
@@ -79,7 +102,9 @@ def test_every_sample_is_generated_from_its_own_rows_prompt_across_eval_signal_a
     train_q, eval_q = questions(data["train"]), questions(eval_path)
     seen = [json.loads(line) for line in record.read_text().splitlines()]
     for s in seen:
-        assert s["question"] in s["given"], f"sample of {s['question']!r} was generated from another prompt: {s['given']!r}"
+        assert s["question"] in s["given"], (
+            f"sample of {s['question']!r} was generated from another prompt: {s['given']!r}"
+        )
         assert s["label"] == (eval_q.get(s["question"]) or train_q[s["question"]])
     n_eval = sum(s["question"] in eval_q for s in seen)
     assert n_eval == 3 * len(eval_q)  # three evaluations, one sample per eval prompt, none mixed into training
@@ -89,7 +114,9 @@ def test_every_sample_is_generated_from_its_own_rows_prompt_across_eval_signal_a
 def test_defer_swap_evaluates_an_eval_set_that_is_not_whole_training_groups(data, tmp_path):
     """The shipped post-process hook groups an eval batch by the eval's k, not by the
     training group size (5 eval rows, 8 samples per training prompt)."""
-    eval_path = write_rows(tmp_path / "eval.jsonl", [{"prompt": f"What is {n} mod 10?", "label": str(n % 10)} for n in range(501, 506)])
+    eval_path = write_rows(
+        tmp_path / "eval.jsonl", [{"prompt": f"What is {n} mod 10?", "label": str(n % 10)} for n in range(501, 506)]
+    )
     run_dir = str(tmp_path / "run")
     run_train("tiny-cpu-defer", data, run_dir, "--num-rollout", "1", "--eval-prompt-data", eval_path)
     evals = records(run_dir, "eval")
@@ -117,8 +144,24 @@ def test_fully_async_bounds_in_flight_groups_and_counts_all_judge_work(data, tmp
 def test_a_failing_reward_names_itself_and_the_sample(data, tmp_path):
     run_dir = str(tmp_path / "run")
     env = dict(os.environ, RELAY_CACHE=data["cache"])
-    p = subprocess.run(train_cmd("tiny-cpu-split", data, run_dir, "--num-rollout", "1", "--custom-rm-path", "tests.e2e.recording_reward.bad_route"),
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(
+        train_cmd(
+            "tiny-cpu-split",
+            data,
+            run_dir,
+            "--num-rollout",
+            "1",
+            "--custom-rm-path",
+            "tests.e2e.recording_reward.bad_route",
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert p.returncode == 1
-    assert "the reward (--custom-rm-path tests.e2e.recording_reward.bad_route) failed on the sample of row" in p.stderr, p.stderr[-3000:]
+    assert (
+        "the reward (--custom-rm-path tests.e2e.recording_reward.bad_route) failed on the sample of row" in p.stderr
+    ), p.stderr[-3000:]
     assert "no-such-judge" in p.stderr and "label" in p.stderr

@@ -61,8 +61,15 @@ class FakeServer:
         max_new = sp.get("max_new_tokens", 128)  # SGLang's default
         limit = self.args.context_length
         if limit and len(ids) + max_new > limit:  # SGLang refuses it as the request's error
-            return web.json_response({"error": {"message": f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
-                                                           f"You requested a total of {len(ids) + max_new} tokens"}}, status=400)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "Requested token count exceeds the model's maximum context length of "
+                        f"{limit} tokens. You requested a total of {len(ids) + max_new} tokens"
+                    }
+                },
+                status=400,
+            )
         rid = body.get("rid") or f"r{len(self.log)}"
         stop_ids = set(sp.get("stop_token_ids") or [])
         out, finish = [], {"type": "length", "length": max_new}
@@ -83,8 +90,12 @@ class FakeServer:
         finally:
             self.running.pop(rid, None)
         meta = {
-            "id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out),
-            "cached_tokens": 0, "weight_version": self.weight_version,
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
             "output_token_logprobs": [[-0.5 - 0.01 * i, t, None] for i, t in enumerate(out)],
             "output_token_logprobs_length": len(out),
         }
@@ -165,7 +176,9 @@ class FakeServer:
 
     async def server_info(self, request):
         a = vars(self.args).copy()
-        return web.json_response({"args": a, "log": self.log, "released": sorted(self.released), "weight_version": self.weight_version})
+        return web.json_response(
+            {"args": a, "log": self.log, "released": sorted(self.released), "weight_version": self.weight_version}
+        )
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -12,14 +12,23 @@ import textwrap
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-pytest.importorskip("triton", reason="Triton is a dev dependency (pyproject [dev]); the kernel runs under its interpreter here")
+pytest.importorskip(
+    "triton", reason="Triton is a dev dependency (pyproject [dev]); the kernel runs under its interpreter here"
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _interpret(code: str, timeout: float = 240) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -79,15 +88,20 @@ def test_engine_decoding_through_the_kernel_equals_transformers(tmp_path):
         prompts = [[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)]
         async def main():
             eng = TorchEngine(path, kv_cache_tokens=1024)
-            res = await asyncio.gather(*(eng.generate(p, {{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}) for p in prompts))
-            seeded = await asyncio.gather(*(eng.generate(p, {{"temperature": 0.8, "seed": 11 + i, "max_new_tokens": 12, "ignore_eos": True}}) for i, p in enumerate(prompts)))
+            greedy = {{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+            res = await asyncio.gather(*(eng.generate(p, greedy) for p in prompts))
+            seeded = await asyncio.gather(*(
+                eng.generate(p, {{"temperature": 0.8, "seed": 11 + i, "max_new_tokens": 12, "ignore_eos": True}})
+                for i, p in enumerate(prompts)
+            ))
             await eng.close()
             return [r.token_ids for r in res], [r.token_ids for r in seeded]
         ours, seeded = asyncio.run(main())
         hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
         ref = []
         for p in prompts:
-            o = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+            o = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
             ref.append(o[0, len(p):].tolist())
         print(json.dumps([ours, ref, seeded]))
     """)
@@ -101,8 +115,10 @@ def test_engine_decoding_through_the_kernel_equals_transformers(tmp_path):
 
     async def torch_path():  # this process: no interpreter, so seeded rows use the torch hash path
         eng = TorchEngine(str(tmp_path / "m"), kv_cache_tokens=1024)
-        res = [await eng.generate(p, {"temperature": 0.8, "seed": 11 + i, "max_new_tokens": 12, "ignore_eos": True})
-               for i, p in enumerate([[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)])]
+        res = [
+            await eng.generate(p, {"temperature": 0.8, "seed": 11 + i, "max_new_tokens": 12, "ignore_eos": True})
+            for i, p in enumerate([[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)])
+        ]
         await eng.close()
         return [r.token_ids for r in res]
 

@@ -78,7 +78,9 @@ def test_generate_rendered_tokenizes_chats_like_apply_chat_template(tmp_path):
         want = await engine.generate_batch.call_one([[c, GREEDY] for c in chats]).result(120)
         for g, w, c in zip(got, want, chats):
             assert g.token_ids == w.token_ids and g.prompt_tokens == w.prompt_tokens
-            assert g.prompt_tokens == len(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            assert g.prompt_tokens == len(
+                tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
         assert isinstance(got[-1], TypeError) and "rendered chat text" in str(got[-1])
         await procs.stop()
 

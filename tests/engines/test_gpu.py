@@ -20,7 +20,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def model_06b(tmp_path_factory):
-    return make_model("qwen3", "0.6b", str(tmp_path_factory.mktemp("m") / "q06"), seed=0, dtype="bfloat16", init_device="cuda")
+    return make_model(
+        "qwen3", "0.6b", str(tmp_path_factory.mktemp("m") / "q06"), seed=0, dtype="bfloat16", init_device="cuda"
+    )
 
 
 @pytest.mark.parametrize("mode", ["backup", "discard"])
@@ -60,7 +62,9 @@ def test_bf16_output_close_to_transformers(model_06b):
 
     async def main():
         eng = TorchEngine(model_06b, device="cuda", kv_cache_tokens=8192)
-        res = await asyncio.gather(*(eng.generate(p, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}) for p in prompts))
+        res = await asyncio.gather(
+            *(eng.generate(p, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}) for p in prompts)
+        )
         await eng.close()
         return res
 
@@ -73,7 +77,9 @@ def test_bf16_output_close_to_transformers(model_06b):
             logits = hf(ids).logits[0, len(p) - 1 : -1].float()
         ref = torch.log_softmax(logits, -1)
         ours = torch.tensor(r.logprobs, device="cuda")
-        diffs.append((ours - ref.gather(1, torch.tensor(r.token_ids, device="cuda")[:, None])[:, 0]).abs().mean().item())
+        diffs.append(
+            (ours - ref.gather(1, torch.tensor(r.token_ids, device="cuda")[:, None])[:, 0]).abs().mean().item()
+        )
         agree += sum(int(a == b) for a, b in zip(ref.argmax(-1).tolist(), r.token_ids))
         total += len(r.token_ids)
     assert max(diffs) < 0.05, diffs  # bf16: same distribution up to rounding
@@ -104,7 +110,9 @@ def test_cuda_graph_decode_equals_eager_decode(model_06b):
 
     async def main(graph):
         eng = TorchEngine(model_06b, device="cuda", kv_cache_tokens=8192, cuda_graph=graph)
-        res = await asyncio.gather(*(eng.generate(p, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}) for p in prompts))
+        res = await asyncio.gather(
+            *(eng.generate(p, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}) for p in prompts)
+        )
         graphs = (await eng.stats())["cuda_graphs"]
         await eng.close()
         return res, graphs

@@ -27,7 +27,9 @@ def request(rid: int, n: int, *, max_new: int = 1000, first: int | None = None) 
     """Request ``rid`` with an ``n``-token prompt (distinct per request unless ``first`` is
     given: requests with the same ``first`` and ``n`` have identical prompts)."""
     start = rid * 1000 if first is None else first
-    return Sequence(rid, list(range(start, start + n)), SamplingParams(temperature=0, max_new_tokens=max_new), None, None, None)
+    return Sequence(
+        rid, list(range(start, start + n)), SamplingParams(temperature=0, max_new_tokens=max_new), None, None, None
+    )
 
 
 def ends_at_max_new(seq: Sequence, token: int) -> bool:

@@ -27,8 +27,18 @@ async def server_info(eng):
 
 def test_launch_arguments_are_mapped_from_our_config():
     async def main():
-        eng = SGLangEngine("/models/judge", tp_size=2, dp_size=2, ep_size=2, mem_fraction_static=0.3, context_length=8192,
-                           base_gpu_id=4, colocated=True, weights_cpu_backup=True, extra_args={"chunked_prefill_size": 4096})
+        eng = SGLangEngine(
+            "/models/judge",
+            tp_size=2,
+            dp_size=2,
+            ep_size=2,
+            mem_fraction_static=0.3,
+            context_length=8192,
+            base_gpu_id=4,
+            colocated=True,
+            weights_cpu_backup=True,
+            extra_args={"chunked_prefill_size": 4096},
+        )
         await eng.start()
         info = await server_info(eng)
         await eng.close()
@@ -122,7 +132,9 @@ def test_distributed_weight_update_announces_names_dtypes_shapes():
         await eng.start()
         await eng.init_weights_update_group("10.0.0.1", 29999, 1, 3)
         sent = []
-        await eng.update_weights_distributed(["a", "b"], ["bfloat16", "float32"], [[2, 2], [3]], version=2, broadcast=lambda: sent.append(True))
+        await eng.update_weights_distributed(
+            ["a", "b"], ["bfloat16", "float32"], [[2, 2], [3]], version=2, broadcast=lambda: sent.append(True)
+        )
         log = (await server_info(eng))["log"]
         await eng.close()
         return sent, log, eng

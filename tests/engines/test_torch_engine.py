@@ -33,8 +33,10 @@ def prompts():
 
 def hf_greedy(path, prompt, n):
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
@@ -60,7 +62,9 @@ def test_logprobs_equal_a_reforward(models):
     async def main():
         eng = TorchEngine(path, kv_cache_tokens=4096)
         greedy = await eng.generate(prompts()[3], GREEDY)
-        sampled = await eng.generate(prompts()[5], {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12, "ignore_eos": True, "seed": 3})
+        sampled = await eng.generate(
+            prompts()[5], {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12, "ignore_eos": True, "seed": 3}
+        )
         await eng.close()
         return greedy, sampled
 
@@ -109,7 +113,10 @@ def test_stops_and_limits(models):
 
     free, by_id, by_str, stop_text, by_eos, ignored = run(main())
     assert len(free.token_ids) == 12 and free.finish_reason == "length"
-    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[3]) + 1]
+    assert (
+        by_id.finish_reason == "stop"
+        and by_id.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[3]) + 1]
+    )
     assert by_str.finish_reason == "stop" and stop_text not in by_str.text and free.text.startswith(by_str.text)
     assert by_eos.finish_reason == "stop" and by_eos.token_ids == free.token_ids[:1]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == 5
@@ -138,7 +145,9 @@ def test_stop_string_late_in_a_long_output(models):
 def test_abort_finishes_requests_with_reason_abort(models):
     async def main():
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
-        long = asyncio.ensure_future(eng.generate(prompts()[0], {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}))
+        long = asyncio.ensure_future(
+            eng.generate(prompts()[0], {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True})
+        )
         while (await eng.stats())["tokens_generated"] < 5:
             await asyncio.sleep(0.01)
         assert await eng.abort() >= 1
@@ -160,7 +169,9 @@ def test_sleep_frees_memory_and_wake_restores_identical_output(models, mode):
         eng = TorchEngine(path, kv_cache_tokens=4096, weights_mode=mode)
         before = await eng.generate(prompts()[4], GREEDY)
         held = (await eng.stats())["bytes"]
-        pending = asyncio.ensure_future(eng.generate(prompts()[0], {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}))
+        pending = asyncio.ensure_future(
+            eng.generate(prompts()[0], {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True})
+        )
         await asyncio.sleep(0.05)
         await eng.sleep(["weights", "kv_cache"])  # drains: the request in flight is aborted
         drained = await pending
@@ -304,7 +315,9 @@ def test_samples_of_one_prompt_share_its_kv(models, prompt_len):
 
     async def main(share):
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, share_prefix=share)
-        seeded = await asyncio.gather(*(eng.generate(prompt, {"temperature": 1.0, "seed": 100 + j, "max_new_tokens": 20}) for j in range(8)))
+        seeded = await asyncio.gather(
+            *(eng.generate(prompt, {"temperature": 1.0, "seed": 100 + j, "max_new_tokens": 20}) for j in range(8))
+        )
         greedy = await asyncio.gather(*(eng.generate(prompt, GREEDY) for _ in range(8)))
         stats = await eng.stats()
         await eng.close()
@@ -329,7 +342,12 @@ def test_shared_blocks_survive_preemption(models):
 
     async def main(tokens):
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=tokens)
-        res = await asyncio.gather(*(eng.generate(prompt, {"temperature": 1.0, "seed": 7 + j, "max_new_tokens": 40, "ignore_eos": True}) for j in range(8)))
+        res = await asyncio.gather(
+            *(
+                eng.generate(prompt, {"temperature": 1.0, "seed": 7 + j, "max_new_tokens": 40, "ignore_eos": True})
+                for j in range(8)
+            )
+        )
         stats = await eng.stats()
         await eng.close()
         return res, stats
@@ -353,7 +371,9 @@ def test_an_engine_that_cannot_compute_fails_pending_requests_instead_of_hanging
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
         eng.model.prefill = eng.model.decode = boom
-        res = await asyncio.wait_for(asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 30)
+        res = await asyncio.wait_for(
+            asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 30
+        )
         await asyncio.wait_for(eng.sleep(["kv_cache"], drain="finish"), 30)
         health = await eng.health()
         await eng.wake(["kv_cache"])
@@ -387,7 +407,9 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_recovers(models):
             return real(logits, seqs)
 
         eng.sampler.sample_batch = fails_once
-        res = await asyncio.wait_for(asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 60)
+        res = await asyncio.wait_for(
+            asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts()), return_exceptions=True), 60
+        )
         after = [(await eng.generate(p, GREEDY)).token_ids for p in prompts()]
         stats, health = await eng.stats(), await eng.health()
         await eng.close()
@@ -438,7 +460,9 @@ def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(model
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=8192)
         sp = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": 5}
         alone = await eng.generate(prompts()[3], sp)
-        crowd = await asyncio.gather(*(eng.generate(p, {**sp, "seed": 100 + i}) for i, p in enumerate(prompts())), eng.generate(prompts()[3], sp))
+        crowd = await asyncio.gather(
+            *(eng.generate(p, {**sp, "seed": 100 + i}) for i, p in enumerate(prompts())), eng.generate(prompts()[3], sp)
+        )
         await eng.close()
         return alone, crowd[-1]
 
@@ -459,10 +483,22 @@ def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(model
 #: batch they travelled in: NaN/Inf, a too-small temperature, a float top_k, seeds and ids
 #: beyond 64 bits, non-bool flags, non-integer lengths.
 ENGINE_KILLERS = [
-    {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_k": 2.5, "temperature": 1.0},
-    {"seed": 2**63, "temperature": 1.0}, {"seed": 2**64}, {"max_new_tokens": float("nan")}, {"max_new_tokens": 2.5},
-    {"max_new_tokens": True}, {"top_k": 2**64}, {"stop_token_ids": [2**64]}, {"ignore_eos": "no"}, {"top_p": float("nan")},
-    {"stop": [""]}, {"stop": ["x"] * 65}, {"stop": 5}, {"seed": -1},
+    {"temperature": float("nan")},
+    {"temperature": float("inf")},
+    {"top_k": 2.5, "temperature": 1.0},
+    {"seed": 2**63, "temperature": 1.0},
+    {"seed": 2**64},
+    {"max_new_tokens": float("nan")},
+    {"max_new_tokens": 2.5},
+    {"max_new_tokens": True},
+    {"top_k": 2**64},
+    {"stop_token_ids": [2**64]},
+    {"ignore_eos": "no"},
+    {"top_p": float("nan")},
+    {"stop": [""]},
+    {"stop": ["x"] * 65},
+    {"stop": 5},
+    {"seed": -1},
 ]
 
 
@@ -488,10 +524,14 @@ def test_a_bad_sampling_value_fails_only_its_request_and_names_the_field(models,
 
 def test_sampling_values_that_are_fine_but_unusual():
     sp = SamplingParams.from_dict({"temperature": 1e-50, "stop": "abc", "max_response_len": 7, "top_p": 1})
-    assert sp.temperature == 0.0 and sp.stop == ["abc"] and sp.max_new_tokens == 7  # tiny temperature = greedy, as in SGLang
+    assert (
+        sp.temperature == 0.0 and sp.stop == ["abc"] and sp.max_new_tokens == 7
+    )  # tiny temperature = greedy, as in SGLang
     with pytest.raises(ValueError, match="sampling parameters must be an object"):
         SamplingParams.from_dict(["temperature", 1])
-    with pytest.raises(ValueError, match=r"seed must be an integer >= 0, or null; got an integer of 299 bits \(more than 64\)"):
+    with pytest.raises(
+        ValueError, match=r"seed must be an integer >= 0, or null; got an integer of 299 bits \(more than 64\)"
+    ):
         SamplingParams.from_dict({"seed": 10**90})
 
 
@@ -500,9 +540,27 @@ def test_any_json_value_for_any_field_is_accepted_safely_or_refused_with_a_value
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    scalars = st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=8)
-    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
-    fields = st.sampled_from(["temperature", "top_p", "top_k", "max_new_tokens", "max_response_len", "stop", "stop_token_ids", "ignore_eos", "seed"])
+    scalars = (
+        st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=8)
+    )
+    values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=8,
+    )
+    fields = st.sampled_from(
+        [
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_new_tokens",
+            "max_response_len",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "seed",
+        ]
+    )
 
     @settings(max_examples=1500, deadline=None)
     @given(st.dictionaries(fields, values, max_size=4))
@@ -513,7 +571,9 @@ def test_any_json_value_for_any_field_is_accepted_safely_or_refused_with_a_value
             return
         assert isinstance(sp.temperature, float) and sp.temperature >= 0 and sp.temperature == sp.temperature
         assert type(sp.top_k) is int and type(sp.max_new_tokens) is int and type(sp.ignore_eos) is bool
-        assert all(type(i) is int and 0 <= i < 2**31 for i in sp.stop_token_ids) and all(type(s) is str and s for s in sp.stop)
+        assert all(type(i) is int and 0 <= i < 2**31 for i in sp.stop_token_ids) and all(
+            type(s) is str and s for s in sp.stop
+        )
         assert sp.seed is None or (type(sp.seed) is int and 0 <= sp.seed < 2**63)
 
     check()

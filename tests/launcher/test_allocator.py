@@ -52,9 +52,19 @@ def test_defer_swap_detection_and_rejections():
     with pytest.raises(PlanError, match="--rm-type dummy"):
         plan(**kw, defer_reward_to_post_process=True, custom_reward_post_process_path="m.f")
     with pytest.raises(PlanError, match="needs GenRM to share the actor placement group"):
-        plan(resource={"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 4]}, colocate=True, genrm_model_path="/j", **defer)
+        plan(
+            resource={"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 4]},
+            colocate=True,
+            genrm_model_path="/j",
+            **defer,
+        )
     with pytest.raises(PlanError, match="needs GenRM to share the actor placement group"):
-        plan(resource={"actor": [1, 4], "rollout": [1, 2], "genrm": [1, 2]}, fully_async=True, genrm_model_path="/j", **defer)
+        plan(
+            resource={"actor": [1, 4], "rollout": [1, 2], "genrm": [1, 2]},
+            fully_async=True,
+            genrm_model_path="/j",
+            **defer,
+        )
 
 
 def test_the_seed_error_for_other_colocate_allocations():
@@ -71,19 +81,31 @@ def test_the_seed_error_for_other_colocate_allocations():
 def test_fully_async_pools_checks_and_roles_without_effect(caplog):
     """The original's fully-async line names actor_fwd and advantages: accepted, with a
     notice once, and left out of the plan (no GPUs reserved); critic is refused."""
-    import launcher.config
+    import launcher.config_rules
 
-    launcher.config._noticed.clear()
+    launcher.config_rules._noticed.clear()
     with caplog.at_level("WARNING", logger="relay.config"):
         for _ in range(2):
-            p = plan(resource={"actor": [1, 4], "rollout": [1, 2], "genrm": [1, 1], "reference": [1, 1], "advantages": [1, 0],
-                               "actor_fwd": [1, 1]}, fully_async=True, genrm_model_path="/j")
+            p = plan(
+                resource={
+                    "actor": [1, 4],
+                    "rollout": [1, 2],
+                    "genrm": [1, 1],
+                    "reference": [1, 1],
+                    "advantages": [1, 0],
+                    "actor_fwd": [1, 1],
+                },
+                fully_async=True,
+                genrm_model_path="/j",
+            )
     assert p.mode == "fully-async" and set(p.pools) == {"actor", "rollout", "genrm", "reference"}
     assert sum(len(pool.bundles) for pool in p.pools.values()) == 8
     notices = [r.getMessage() for r in caplog.records if "has no effect here" in r.getMessage()]
     assert sorted(notices) == [
-        "--resource 'actor_fwd' has no effect here (the trainer computes the old log-probs itself): no GPUs are reserved for it",
-        "--resource 'advantages' has no effect here (the controller computes GRPO advantages (a few numbers per group)): no GPUs are reserved for it",
+        "--resource 'actor_fwd' has no effect here (the trainer computes the old log-probs itself): no GPUs are "
+        "reserved for it",
+        "--resource 'advantages' has no effect here (the controller computes GRPO advantages (a few numbers per "
+        "group)): no GPUs are reserved for it",
     ]
     with pytest.raises(ConfigError, match="trains without a critic"):
         plan(resource={"actor": [1, 4], "rollout": [1, 2], "critic": [1, 2]}, fully_async=True)
@@ -95,8 +117,21 @@ def test_fully_async_pools_checks_and_roles_without_effect(caplog):
 
 def test_engines_stay_on_one_node_with_contiguous_gpus():
     with pytest.raises(PlanError, match="cross a node boundary"):
-        plan(resource={"actor": [1, 8], "rollout": [1, 6], "genrm": [1, 2]}, colocate=True, gpus_per_node=4, genrm_model_path="/j", rollout_num_gpus_per_engine=3)
-    p = plan(resource={"actor": [2, 4], "rollout": [1, 4], "genrm": [1, 4]}, colocate=True, gpus_per_node=4, genrm_model_path="/j", rollout_num_gpus_per_engine=4, genrm_num_gpus_per_engine=4)
+        plan(
+            resource={"actor": [1, 8], "rollout": [1, 6], "genrm": [1, 2]},
+            colocate=True,
+            gpus_per_node=4,
+            genrm_model_path="/j",
+            rollout_num_gpus_per_engine=3,
+        )
+    p = plan(
+        resource={"actor": [2, 4], "rollout": [1, 4], "genrm": [1, 4]},
+        colocate=True,
+        gpus_per_node=4,
+        genrm_model_path="/j",
+        rollout_num_gpus_per_engine=4,
+        genrm_num_gpus_per_engine=4,
+    )
     assert p.nnodes == 2 and {b.node for b in p.bundles_of(p.claims[2])} == {1}
 
 
@@ -109,10 +144,18 @@ def test_several_judges_are_laid_out_by_prefix_sums():
     assert ranges(p) == {"actor": (0, 8), "rollout": (0, 4), "genrm[quality]": (4, 6), "genrm[safety]": (6, 8)}
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "torchrun_configs", "*.yaml"))), ids=os.path.basename)
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(os.path.join(ROOT, "torchrun_configs", "*.yaml"))), ids=os.path.basename
+)
 def test_every_shipped_config_is_accepted_by_relay_plan(path):
     sft = ["--sft"] if path.endswith("-sft.yaml") else []  # relay sft configs place the actor only
-    out = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "--config", path, *sft], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "plan", "--config", path, *sft],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "layout:" in out.stdout and "bundle" in out.stdout
 
@@ -120,7 +163,10 @@ def test_every_shipped_config_is_accepted_by_relay_plan(path):
 def test_relay_plan_exits_nonzero_with_the_error():
     out = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "plan", "--config", "tiny-cpu-split", "--rollout-num-gpus", "3"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert out.returncode == 2 and "Got rollout=3, genrm=2, actor total=4" in out.stderr
 
@@ -163,8 +209,13 @@ def test_accepted_plans_fit_do_not_overlap_and_respect_nodes(kw):
         assert any(
             s in text
             for s in (
-                "GPU allocation must satisfy one of", "rollout must use the actor's GPUs", "cross a node boundary",
-                "cannot be split into engines", "must sum below 1.0", "needs GenRM to share", "Insufficient GPU resources",
+                "GPU allocation must satisfy one of",
+                "rollout must use the actor's GPUs",
+                "cross a node boundary",
+                "cannot be split into engines",
+                "must sum below 1.0",
+                "needs GenRM to share",
+                "Insufficient GPU resources",
             )
         ), text
         # ... and the seed's colocate rule is exactly what is enforced.

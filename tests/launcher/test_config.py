@@ -21,7 +21,10 @@ def cfg(**kw):
 def test_yaml_then_flags_override(tmp_path, monkeypatch):
     monkeypatch.setenv("MODEL_DIR", "/models")
     path = tmp_path / "x.yaml"
-    path.write_text("resource: {actor: [1, 8], rollout: [1, 8]}\ncolocate: true\nhf_checkpoint: ${MODEL_DIR}/q\nlr: 1.0e-5\ncache: ${NOPE:-/tmp/c}\n".replace("cache", "run_dir"))
+    path.write_text(
+        "resource: {actor: [1, 8], rollout: [1, 8]}\ncolocate: true\nhf_checkpoint: ${MODEL_DIR}/q\nlr: 1.0e-5\n"
+        "run_dir: ${NOPE:-/tmp/c}\n"
+    )
     c = load_config(str(path), ["--lr", "3e-4", "--n-samples-per-prompt", "8", "--global-batch-size=64", "--use-tis"])
     assert c.hf_checkpoint == "/models/q" and c.run_dir == "/tmp/c"
     assert c.lr == 3e-4 and c.n_samples_per_prompt == 8 and c.global_batch_size == 64 and c.use_tis is True
@@ -29,9 +32,13 @@ def test_yaml_then_flags_override(tmp_path, monkeypatch):
 
 
 def test_unknown_key_and_flag_name_the_closest_valid_one(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key 'rollout_temprature'; did you mean 'rollout_temperature'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'rollout_temprature'; did you mean 'rollout_temperature'"
+    ):
         load_config(None, {**BASE, "rollout_temprature": 1.0})
-    with pytest.raises(ConfigError, match=r"unknown flag --genrm-modl-path; did you mean 'genrm_model_path' \(--genrm-model-path\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown flag --genrm-modl-path; did you mean 'genrm_model_path' \(--genrm-model-path\)"
+    ):
         parse_overrides(["--genrm-modl-path", "x"])
     with pytest.raises(ConfigError, match="unknown role 'rolout'.*did you mean 'rollout'"):
         load_config(None, {"resource": {"actor": [1, 2], "rolout": [1, 2]}})
@@ -65,11 +72,21 @@ def test_bad_resource_entries():
 
 
 def test_legacy_genrm_model_path_becomes_the_default_instance():
-    c = cfg(genrm_model_path="/m/judge", genrm_engine_config={"mem_fraction_static": 0.3}, genrm_sampling_config={"temperature": 0.0})
+    c = cfg(
+        genrm_model_path="/m/judge",
+        genrm_engine_config={"mem_fraction_static": 0.3},
+        genrm_sampling_config={"temperature": 0.0},
+    )
     inst = c.genrm["__default__"]
     assert inst.model_path == "/m/judge" and inst.num_gpus == 4  # from --resource genrm
     assert inst.engine_config["max_context_len"] == 8192 and inst.engine_config["mem_fraction_static"] == 0.3
-    assert inst.sampling_config == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_response_len": 4096, "chat_template_kwargs": {}}
+    assert inst.sampling_config == {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_response_len": 4096,
+        "chat_template_kwargs": {},
+    }
 
 
 def test_instances_win_over_legacy_with_a_warning(caplog):
@@ -83,7 +100,10 @@ def test_missing_per_instance_keys_fall_back_to_global_flags():
     c = cfg(
         genrm_num_gpus_per_engine=2,
         genrm_sampling_config={"temperature": 0.5},
-        genrm_instances={"a": {"model_path": "/a", "num_gpus": 2}, "b": {"model_path": "/b", "num_gpus": 2, "num_gpus_per_engine": 1, "sampling_config": {"temperature": 0.0}}},
+        genrm_instances={
+            "a": {"model_path": "/a", "num_gpus": 2},
+            "b": {"model_path": "/b", "num_gpus": 2, "num_gpus_per_engine": 1, "sampling_config": {"temperature": 0.0}},
+        },
     )
     assert c.genrm["a"].num_gpus_per_engine == 2 and c.genrm["a"].sampling_config["temperature"] == 0.5
     assert c.genrm["b"].num_gpus_per_engine == 1 and c.genrm["b"].sampling_config["temperature"] == 0.0
@@ -102,13 +122,24 @@ def test_missing_per_instance_keys_fall_back_to_global_flags():
     ],
 )
 def test_instance_validation_errors(instances, message):
-    resource = {"actor": [1, 8], "rollout": [1, 5], "genrm": [1, 3]} if "not a multiple" in message else BASE["resource"]
+    resource = (
+        {"actor": [1, 8], "rollout": [1, 5], "genrm": [1, 3]} if "not a multiple" in message else BASE["resource"]
+    )
     with pytest.raises(ConfigError, match=message):
         load_config(None, {"resource": resource, "colocate": True, "genrm_instances": instances})
 
 
 def test_instances_flag_as_json_string():
-    c = load_config(None, ["--resource", json.dumps(BASE["resource"]), "--colocate", "--genrm-instances", json.dumps({"q": {"model_path": "/q", "num_gpus": 4}})])
+    c = load_config(
+        None,
+        [
+            "--resource",
+            json.dumps(BASE["resource"]),
+            "--colocate",
+            "--genrm-instances",
+            json.dumps({"q": {"model_path": "/q", "num_gpus": 4}}),
+        ],
+    )
     assert c.genrm["q"].num_gpus == 4 and c.colocate
 
 
@@ -132,14 +163,26 @@ def test_periodic_eval_can_be_turned_off_and_checkpoints_kept_to_a_number():
         load_config("tiny-cpu-split", ["--keep-checkpoints", "-1"])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--rollout-top-p", "1.5"], "--rollout-temperature/--rollout-top-p/--rollout-max-response-len: top_p must be in (0, 1], got 1.5"),
-    (["--eval-top-p", "0"], "--eval-temperature/--eval-top-p: top_p must be in (0, 1], got 0.0"),
-    (["--genrm-sampling-config", '{"temperature": NaN}'], "sampling_config (--genrm-sampling-config): temperature must be a finite number"),
-    (["--genrm-sampling-config", '{"top_k": 2.5}'], "top_k must be -1 (off) or an integer >= 1, got 2.5 (float)"),
-    (["--genrm-sampling-config", '{"seed": 18446744073709551616}'], "seed must be an integer >= 0, or null; got an integer of 65 bits"),
-    (["--genrm-sampling-config", '{"tempreature": 1}'], "unknown sampling parameters ['tempreature']"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--rollout-top-p", "1.5"],
+            "--rollout-temperature/--rollout-top-p/--rollout-max-response-len: top_p must be in (0, 1], got 1.5",
+        ),
+        (["--eval-top-p", "0"], "--eval-temperature/--eval-top-p: top_p must be in (0, 1], got 0.0"),
+        (
+            ["--genrm-sampling-config", '{"temperature": NaN}'],
+            "sampling_config (--genrm-sampling-config): temperature must be a finite number",
+        ),
+        (["--genrm-sampling-config", '{"top_k": 2.5}'], "top_k must be -1 (off) or an integer >= 1, got 2.5 (float)"),
+        (
+            ["--genrm-sampling-config", '{"seed": 18446744073709551616}'],
+            "seed must be an integer >= 0, or null; got an integer of 65 bits",
+        ),
+        (["--genrm-sampling-config", '{"tempreature": 1}'], "unknown sampling parameters ['tempreature']"),
+    ],
+)
 def test_sampling_values_no_engine_can_run_fail_at_load_time(flags, message):
     with pytest.raises(ConfigError) as e:
         load_config("tiny-cpu-split", flags)

@@ -28,12 +28,28 @@ def free_port() -> int:
 
 
 def relay_cli(*args, **kw) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "launcher.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [PY, "-m", "launcher.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+    )
 
 
 def torchrun_node(port: int, run_id: str, *args) -> subprocess.Popen:
-    cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", run_id, "-m", "launcher", *args]
+    cmd = [
+        TORCHRUN,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "-m",
+        "launcher",
+        *args,
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -99,10 +115,16 @@ def test_killing_an_agent_stops_the_job_within_10_s():
     # on a real cluster where the head node hosts it.
     nodes = [torchrun_node(port, "kill-agent", "--config", "tiny-cpu-split", "--gpus-per-node", "2", "--hold", "120")]
     wait_for(lambda: _listening(port), 30, "the rendezvous store")
-    nodes.append(torchrun_node(port, "kill-agent", "--config", "tiny-cpu-split", "--gpus-per-node", "2", "--hold", "120"))
+    nodes.append(
+        torchrun_node(port, "kill-agent", "--config", "tiny-cpu-split", "--gpus-per-node", "2", "--hold", "120")
+    )
     try:
         wait_for(lambda: len(procs_with_env("RELAY_BUNDLE")) == 4, 90, "4 workers")
-        agent = wait_for(lambda: [p for p in procs_with_env("GROUP_RANK", "1") if "launcher" in open(f"/proc/{p}/cmdline").read()], 10, "the rank-1 agent")[0]
+        agent = wait_for(
+            lambda: [p for p in procs_with_env("GROUP_RANK", "1") if "launcher" in open(f"/proc/{p}/cmdline").read()],
+            10,
+            "the rank-1 agent",
+        )[0]
         os.kill(agent, signal.SIGKILL)
         t0 = time.monotonic()
         controller_node = None
@@ -118,7 +140,9 @@ def test_killing_an_agent_stops_the_job_within_10_s():
         assert elapsed < 10, (elapsed, err[-3000:])
         assert f"node 1 agent (host 127.0.0.1, pid {agent})" in err and "bundles 2..3" in err
         # the agent's death is seen by its missed heartbeats or, sooner, by its dropped connection
-        assert "missed heartbeats" in err or "connection lost (the process exited or its host is unreachable)" in err, err[-3000:]
+        assert "missed heartbeats" in err or "connection lost (the process exited or its host is unreachable)" in err, (
+            err[-3000:]
+        )
     finally:
         reap(nodes)
 
@@ -155,7 +179,9 @@ def test_killing_a_worker_names_node_bundle_and_roles():
             p.communicate()
     assert p.returncode == 1
     assert re.search(
-        rf"relay: job failed: node 0 \(host [^)]+\): the worker of bundle 2 \(roles: actor, genrm\[__default__\]; pid {worker}\) was killed by signal SIGKILL", err
+        rf"relay: job failed: node 0 \(host [^)]+\): the worker of bundle 2 "
+        rf"\(roles: actor, genrm\[__default__\]; pid {worker}\) was killed by signal SIGKILL",
+        err,
     ), err
 
 
@@ -187,7 +213,9 @@ def test_network_interface_sets_the_address_and_nccl_gloo_interfaces_of_every_wo
         read_until(p, "holding the job", 60)
         workers = set(procs_with_env("RELAY_BUNDLE"))
         assert len(workers) == 4
-        assert workers <= set(procs_with_env("NCCL_SOCKET_IFNAME", "lo")) & set(procs_with_env("GLOO_SOCKET_IFNAME", "lo"))
+        assert workers <= set(procs_with_env("NCCL_SOCKET_IFNAME", "lo")) & set(
+            procs_with_env("GLOO_SOCKET_IFNAME", "lo")
+        )
         assert workers <= set(procs_with_env("RELAY_HOST", "127.0.0.1"))
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=30)
@@ -213,7 +241,11 @@ def test_a_missing_input_stops_the_job_before_any_worker_starts_naming_node_and_
     assert p.returncode == 1 and "placed a probe actor" not in out
     host = socket.gethostname()
     # the judge (under .cache, built on first use by the tiny configs) is not reported
-    assert f"relay: job failed: node 0 (host {host}): missing {model} (--hf-checkpoint); node 0 (host {host}): missing {data} (--prompt-data)\n" in err
+    assert (
+        f"relay: job failed: node 0 (host {host}): missing {model} (--hf-checkpoint); node 0 (host {host}): missing "
+        f"{data} (--prompt-data)\n"
+        in err
+    )
 
 
 def test_a_model_missing_on_another_node_names_that_node(tmp_path):
@@ -227,17 +259,44 @@ def test_a_model_missing_on_another_node_names_that_node(tmp_path):
     prompts.write_text('{"prompt": "1+1?", "label": "2"}\n')
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     port = free_port()
-    args = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "missing-model", "-m", "launcher", "--config", "tiny-cpu-split", "--gpus-per-node", "2",
-            "--hf-checkpoint", "models/policy", "--prompt-data", str(prompts)]
+    args = [
+        TORCHRUN,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "missing-model",
+        "-m",
+        "launcher",
+        "--config",
+        "tiny-cpu-split",
+        "--gpus-per-node",
+        "2",
+        "--hf-checkpoint",
+        "models/policy",
+        "--prompt-data",
+        str(prompts),
+    ]
     # the first torchrun hosts the store and gets rank 0 (see test_killing_an_agent_stops_the_job_within_10_s)
     nodes = [subprocess.Popen(args, cwd=here, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
     try:
         wait_for(lambda: _listening(port), 30, "the rendezvous store")
-        nodes.append(subprocess.Popen(args, cwd=there, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        nodes.append(
+            subprocess.Popen(args, cwd=there, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
         outs = [n.communicate(timeout=120) for n in nodes]
     finally:
         reap(nodes)
-    assert [n.returncode for n in nodes] == [1, 1], [o[1][-2000:] for o in outs]  # every node exits non-zero when the job failed
-    assert f"relay: job failed: node 1 (host {socket.gethostname()}): missing models/policy (--hf-checkpoint)\n" in outs[0][1]
+    assert [n.returncode for n in nodes] == [1, 1], [
+        o[1][-2000:] for o in outs
+    ]  # every node exits non-zero when the job failed
+    assert (
+        f"relay: job failed: node 1 (host {socket.gethostname()}): missing models/policy (--hf-checkpoint)\n"
+        in outs[0][1]
+    )
     assert "placed a probe actor" not in outs[0][0]

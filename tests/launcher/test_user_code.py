@@ -41,7 +41,8 @@ def write_user_package(cwd) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "cwd_hook.py").write_text(
         "import os\n"
-        "open(os.path.join(os.path.dirname(os.path.dirname(__file__)), 'imported-by'), 'a').write(f'{os.getpid()}\\n')\n"
+        "open(os.path.join(os.path.dirname(os.path.dirname(__file__)), 'imported-by'), "
+        "'a').write(f'{os.getpid()}\\n')\n"
         f"def {HOOK}(args, samples):\n"
         "    return [0.0] * len(samples), [0.0] * len(samples)\n"
         "def reward(args, sample):\n"
@@ -57,7 +58,9 @@ def relay(cwd, *args, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_console_script_imports_an_examples_hook_from_the_working_directory(tmp_path):
     write_user_package(tmp_path)
-    p = relay(tmp_path, "plan", "--config", "tiny-cpu-defer", "--custom-reward-post-process-path", f"examples.cwd_hook.{HOOK}")
+    p = relay(
+        tmp_path, "plan", "--config", "tiny-cpu-defer", "--custom-reward-post-process-path", f"examples.cwd_hook.{HOOK}"
+    )
     assert p.returncode == 0, p.stderr
     assert "Shared defer-swap" in p.stdout
     assert (tmp_path / "imported-by").read_text().split() != []  # validated by importing it, from the cwd
@@ -69,13 +72,32 @@ def test_processes_of_a_job_inherit_the_working_directory_on_their_path(tmp_path
     """relay train from a directory: its workers get that directory first on their import
     path (RELAY_USER_PATH, PYTHONPATH, and relay's RELAY_SYS_PATH)."""
     write_user_package(tmp_path)
-    p = subprocess.Popen([RELAY, "train", "--config", "tiny-cpu-defer", "--custom-reward-post-process-path", f"examples.cwd_hook.{HOOK}",
-                          "--hold", "60"], cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            RELAY,
+            "train",
+            "--config",
+            "tiny-cpu-defer",
+            "--custom-reward-post-process-path",
+            f"examples.cwd_hook.{HOOK}",
+            "--hold",
+            "60",
+        ],
+        cwd=tmp_path,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         tag = os.environ["RELAY_TEST_TAG"]
         deadline, workers = time.monotonic() + 60, []
         while time.monotonic() < deadline and len(workers) < 2:
-            workers = [env for env in map(_environ, filter(str.isdigit, os.listdir("/proc"))) if env.get("RELAY_TEST_TAG") == tag and "RELAY_BUNDLE" in env]
+            workers = [
+                env
+                for env in map(_environ, filter(str.isdigit, os.listdir("/proc")))
+                if env.get("RELAY_TEST_TAG") == tag and "RELAY_BUNDLE" in env
+            ]
             time.sleep(0.2)
         assert len(workers) == 2, "the job's two workers did not start"
         for env in workers:
@@ -100,10 +122,22 @@ def _environ(pid: str) -> dict:
 @pytest.mark.parametrize(
     "flag,path,message",
     [
-        ("--custom-reward-post-process-path", "examples.nope.f", "cannot import module 'examples.nope': No module named 'examples.nope'"),
+        (
+            "--custom-reward-post-process-path",
+            "examples.nope.f",
+            "cannot import module 'examples.nope': No module named 'examples.nope'",
+        ),
         ("--custom-rm-path", "nopkg.reward", "cannot import module 'nopkg': No module named 'nopkg'"),
-        ("--custom-rm-path", "examples.cwd_hook.nope", r"module 'examples\.cwd_hook' \(.*cwd_hook\.py\) has no function 'nope'"),
-        ("--custom-rm-path", "examples.broken.reward", "importing module 'examples.broken' raised RuntimeError: the module itself is broken"),
+        (
+            "--custom-rm-path",
+            "examples.cwd_hook.nope",
+            r"module 'examples\.cwd_hook' \(.*cwd_hook\.py\) has no function 'nope'",
+        ),
+        (
+            "--custom-rm-path",
+            "examples.broken.reward",
+            "importing module 'examples.broken' raised RuntimeError: the module itself is broken",
+        ),
         ("--custom-rm-path", "noreward", r"must look like 'package\.module\.function'"),
     ],
 )
@@ -120,51 +154,115 @@ def test_a_bad_module_path_fails_before_anything_starts(tmp_path, command, flag,
 
 
 def test_torchrun_entry_checks_module_paths_too(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "launcher", "--config", "tiny-cpu-defer", "--custom-reward-post-process-path", "examples.nope.f"],
-                       cwd=tmp_path, env={**user_env(), "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "python -m launcher: --custom-reward-post-process-path examples.nope.f: cannot import" in p.stderr, p.stderr
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--config",
+            "tiny-cpu-defer",
+            "--custom-reward-post-process-path",
+            "examples.nope.f",
+        ],
+        cwd=tmp_path,
+        env={**user_env(), "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        p.returncode == 2
+        and "python -m launcher: --custom-reward-post-process-path examples.nope.f: cannot import" in p.stderr
+    ), p.stderr
     assert p.stdout == ""
 
 
 def test_sbatch_checks_module_paths_before_writing_a_script(tmp_path):
-    p = relay(tmp_path, "sbatch", "--config", "tiny-cpu-split", "--nodes", "1", "-o", "job.sbatch", "--custom-rm-path", "nopkg.reward")
-    assert p.returncode == 2 and "relay sbatch: --custom-rm-path nopkg.reward: cannot import module 'nopkg'" in p.stderr, p.stderr
+    p = relay(
+        tmp_path,
+        "sbatch",
+        "--config",
+        "tiny-cpu-split",
+        "--nodes",
+        "1",
+        "-o",
+        "job.sbatch",
+        "--custom-rm-path",
+        "nopkg.reward",
+    )
+    assert (
+        p.returncode == 2 and "relay sbatch: --custom-rm-path nopkg.reward: cannot import module 'nopkg'" in p.stderr
+    ), p.stderr
     assert not (tmp_path / "job.sbatch").exists()
 
 
 # ---------------------------------------------------------------- what a job needs, checked up front
 
-NO_JUDGE = ["--device", "cpu", "--gpus-per-node", "2", "--resource", '{"actor": [1, 2], "rollout": [1, 2]}', "--colocate"]
+NO_JUDGE = [
+    "--device",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--resource",
+    '{"actor": [1, 2], "rollout": [1, 2]}',
+    "--colocate",
+]
 
 
 def test_dapo_genrm_without_a_judge_is_rejected_by_relay_plan(tmp_path):
     p = relay(tmp_path, "plan", *NO_JUDGE, "--rm-type", "dapo-genrm")
     assert p.returncode == 2, p.stdout
-    assert "relay plan: --rm-type dapo-genrm scores every sample with a judge, and this config has none: add a genrm model" in p.stderr
+    assert (
+        "relay plan: --rm-type dapo-genrm scores every sample with a judge, and this config has none: add a genrm model"
+        in p.stderr
+    )
     assert "--genrm-model-path" in p.stderr and "--genrm-instances" in p.stderr
 
 
 @pytest.mark.unit
 def test_check_job_needs_a_judge_for_dapo_genrm_and_a_reward_to_train():
-    no_judge = load_config(None, {"resource": {"actor": [1, 2], "rollout": [1, 2]}, "colocate": True, "rm_type": "dapo-genrm"})
+    no_judge = load_config(
+        None, {"resource": {"actor": [1, 2], "rollout": [1, 2]}, "colocate": True, "rm_type": "dapo-genrm"}
+    )
     with pytest.raises(ConfigError, match="add a genrm model"):
         check_job(no_judge)
     check_job(no_judge, sft=True)  # relay sft never calls a reward
-    judged = load_config(None, {"resource": {"actor": [1, 2], "rollout": [1, 1], "genrm": [1, 1]}, "colocate": True,
-                                "rm_type": "dapo-genrm", "genrm_model_path": "/m"})
+    judged = load_config(
+        None,
+        {
+            "resource": {"actor": [1, 2], "rollout": [1, 1], "genrm": [1, 1]},
+            "colocate": True,
+            "rm_type": "dapo-genrm",
+            "genrm_model_path": "/m",
+        },
+    )
     check_job(judged)
-    custom = load_config(None, {"resource": {"actor": [1, 2], "rollout": [1, 2]}, "colocate": True, "rm_type": "dapo-genrm",
-                                "custom_rm_path": "tests.reward.test_rewards.sync_reward"})
+    custom = load_config(
+        None,
+        {
+            "resource": {"actor": [1, 2], "rollout": [1, 2]},
+            "colocate": True,
+            "rm_type": "dapo-genrm",
+            "custom_rm_path": "tests.reward.test_rewards.sync_reward",
+        },
+    )
     check_job(custom)  # the custom reward is what runs
     with pytest.raises(ConfigError, match="training needs a reward: set --rm-type"):
-        check_job(load_config(None, {"resource": {"actor": [1, 2], "rollout": [1, 2]}, "colocate": True, "prompt_data": "p.jsonl"}))
+        check_job(
+            load_config(
+                None, {"resource": {"actor": [1, 2], "rollout": [1, 2]}, "colocate": True, "prompt_data": "p.jsonl"}
+            )
+        )
 
 
 @pytest.mark.unit
 def test_every_module_path_flag_is_checked():
     assert set(user_code_flags()) == {"custom_rm_path", "custom_reward_post_process_path"}
     for name in user_code_flags():
-        c = load_config(None, {"resource": {"actor": [1, 2], "rollout": [1, 2]}, "colocate": True, "rm_type": "dummy", name: "nopkg.fn"})
+        c = load_config(
+            None,
+            {"resource": {"actor": [1, 2], "rollout": [1, 2]}, "colocate": True, "rm_type": "dummy", name: "nopkg.fn"},
+        )
         with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} nopkg.fn: cannot import module 'nopkg'"):
             check_job(c)
 
@@ -175,7 +273,9 @@ def test_every_module_path_flag_is_checked():
 @pytest.mark.parametrize("command", ["plan", "train", "sft", "judge", "sbatch", "python -m launcher"])
 def test_help_lists_every_config_flag_with_its_help_and_default(tmp_path, command):
     if command == "python -m launcher":  # the torchrun entry
-        p = subprocess.run([sys.executable, "-m", "launcher", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "launcher", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
     else:
         p = relay(tmp_path, command, "--help")
     assert p.returncode == 0, p.stderr
@@ -194,5 +294,5 @@ def test_help_lists_every_config_flag_with_its_help_and_default(tmp_path, comman
         assert " ".join(f.metadata["help"].split()) in entry and "[default: " in entry, entry
     text = " ".join(epilog.split())
     assert "--num-rollout INT training steps (rollout + train) to run (>= 0) [default: 1]" in text
-    assert '--resource JSON JSON {role: [num_groups, gpus_per_group]}' in text
+    assert "--resource JSON JSON {role: [num_groups, gpus_per_group]}" in text
     assert "--rm-type TEXT reward type (one of: dapo, dapo-genrm, dummy) [default: unset]" in text

@@ -29,7 +29,13 @@ class Echo(Actor):
     @endpoint
     async def whoami(self):
         ctx = context()
-        return {"rank": ctx.rank, "coords": ctx.coords, "extent": ctx.extent, "message_rank": ctx.message_rank, "pid": os.getpid()}
+        return {
+            "rank": ctx.rank,
+            "coords": ctx.coords,
+            "extent": ctx.extent,
+            "message_rank": ctx.message_rank,
+            "pid": os.getpid(),
+        }
 
     @endpoint
     async def sleep_then(self, seconds: float, value):

@@ -108,7 +108,9 @@ asyncio.run(main())
 
 def _client(addr: str, tmp_path, **env_changes) -> dict:
     """Run a real client process that attaches to ``addr`` and authenticates (30 s bound)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE", "RELAY_JOB_ID")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE", "RELAY_JOB_ID")
+    }
     env.update({k: v for k, v in env_changes.items() if v is not None})
     out = subprocess.run([sys.executable, "-c", _CLIENT, addr], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
@@ -144,11 +146,17 @@ def test_handshake_acks_the_job_secret_and_rejects_a_wrong_or_missing_one(tmp_pa
             assert f"the relay process at {addr} rejected this process: not authenticated" in got[case]["error"]
             assert "export RELAY_JOB_SECRET=" in got[case]["error"] and "RELAY_JOB_SECRET_FILE=" in got[case]["error"]
         assert "has no RELAY_JOB_SECRET (nor RELAY_JOB_SECRET_FILE)" in got["missing"]["error"]
-        assert "its secret differs from the server's (this process's secret comes from RELAY_JOB_SECRET)" in got["wrong"]["error"]
+        assert (
+            "its secret differs from the server's (this process's secret comes from RELAY_JOB_SECRET)"
+            in got["wrong"]["error"]
+        )
         assert f"comes from RELAY_JOB_SECRET_FILE={wrong_file}" in got["wrong_file"]["error"]
 
         after = await echo.stats.call_one()
-        delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("auth_handshakes", "auth_rejections_sent", "dropped_unauthenticated")}
+        delta = {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in ("auth_handshakes", "auth_rejections_sent", "dropped_unauthenticated")
+        }
         assert delta == {"auth_handshakes": 2, "auth_rejections_sent": 3, "dropped_unauthenticated": 3}
         await procs.stop()
 
@@ -158,10 +166,15 @@ def test_handshake_acks_the_job_secret_and_rejects_a_wrong_or_missing_one(tmp_pa
 def test_a_secret_file_that_cannot_be_used_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.secret"
     bad.write_text("not hex\n")
-    for path, says in ((bad, "the file must hold the job's secret as one hex string"), (tmp_path / "none", "cannot read the secret file")):
+    for path, says in (
+        (bad, "the file must hold the job's secret as one hex string"),
+        (tmp_path / "none", "cannot read the secret file"),
+    ):
         env = {k: v for k, v in os.environ.items() if k not in ("RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE")}
         env["RELAY_JOB_SECRET_FILE"] = str(path)
-        out = subprocess.run([sys.executable, "-c", _CLIENT, "ipc:///nonexistent"], env=env, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [sys.executable, "-c", _CLIENT, "ipc:///nonexistent"], env=env, capture_output=True, text=True, timeout=30
+        )
         assert out.returncode != 0 and f"RELAY_JOB_SECRET_FILE={path}: {says}" in out.stderr
 
 
@@ -282,7 +295,9 @@ def test_unauthenticated_messages_are_logged_at_most_once_per_interval(capfd):
         lines = [ln for ln in err.splitlines() if "unauthenticated message(s)" in ln]
         counts = [int(re.search(r"dropped (\d+) unauthenticated", ln).group(1)) for ln in lines]
         assert len(lines) == 2 and sum(counts) == 12 and counts[1] >= 7, lines
-        assert "(total 12)" in lines[1] and "RELAY_JOB_SECRET" in lines[1] and "at most one such line per 2 s" in lines[1]
+        assert (
+            "(total 12)" in lines[1] and "RELAY_JOB_SECRET" in lines[1] and "at most one such line per 2 s" in lines[1]
+        )
         assert (await echo.stats.call_one())["dropped_unauthenticated"] == 12
         rogue.close()
         await procs.stop()

@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_values_parse_to_their_types_and_unset_ones_take_their_defaults():
-    s = Settings.from_env({"RELAY_HEARTBEAT_TIMEOUT": "2", "RELAY_SHM": "0", "RELAY_LISTEN": "tcp", "RELAY_SYS_PATH": "/a:/b"})
+    s = Settings.from_env(
+        {"RELAY_HEARTBEAT_TIMEOUT": "2", "RELAY_SHM": "0", "RELAY_LISTEN": "tcp", "RELAY_SYS_PATH": "/a:/b"}
+    )
     assert s.heartbeat_timeout == 2.0 and s.shm is False and s.listen_tcp is True and s.sys_path == ("/a", "/b")
     assert s.host == "127.0.0.1" and s.call_timeout == 600.0
     assert Settings.from_env({}) == Settings()

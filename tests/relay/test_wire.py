@@ -16,19 +16,49 @@ from relay import _wire, this_host
 from tests.helpers import run
 from tests.relay.actors import Echo, Job
 
-DTYPES_NP = [np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_, np.complex64]
-DTYPES_TORCH = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
+DTYPES_NP = [
+    np.float32,
+    np.float64,
+    np.float16,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.bool_,
+    np.complex64,
+]
+DTYPES_TORCH = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 
 
 def roundtrip(value):
     data, buffers = _wire.encode(value)
-    frames = [memoryview(np.ascontiguousarray(b)).cast("B") if isinstance(b, np.ndarray) else memoryview(b) for b in buffers]
+    frames = [
+        memoryview(np.ascontiguousarray(b)).cast("B") if isinstance(b, np.ndarray) else memoryview(b) for b in buffers
+    ]
     return _wire.decode(data, frames)
 
 
 @pytest.mark.unit
 def test_plain_values_roundtrip():
-    value = {"a": [1, 2.5, "x", None, True], "t": (1, (2, 3)), "s": {1, 2}, "f": frozenset({"q"}), "b": b"\x00\xff", 3: "int key"}
+    value = {
+        "a": [1, 2.5, "x", None, True],
+        "t": (1, (2, 3)),
+        "s": {1, 2},
+        "f": frozenset({"q"}),
+        "b": b"\x00\xff",
+        3: "int key",
+    }
     assert roundtrip(value) == value
     assert isinstance(roundtrip((1, 2)), tuple)
     assert roundtrip(bytearray(200_000)) == bytes(200_000)  # large: its own frame
@@ -113,7 +143,10 @@ def test_arrays_and_tensors_roundtrip_bit_exact_through_processes():
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
         for a, b in zip(tensors, back["tensors"]):
             assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-            assert torch.equal(a.detach().contiguous().view(-1).view(torch.uint8) if a.numel() else a.detach(), b.contiguous().view(-1).view(torch.uint8) if b.numel() else b)
+            assert torch.equal(
+                a.detach().contiguous().view(-1).view(torch.uint8) if a.numel() else a.detach(),
+                b.contiguous().view(-1).view(torch.uint8) if b.numel() else b,
+            )
         big = rng.integers(0, 255, size=8 << 20, dtype=np.uint8)
         out = await echo.echo.call_one(big)
         assert np.array_equal(out, big)

@@ -40,7 +40,11 @@ def test_final_answer_and_prompt():
     long = "x" * 500 + "the end"
     assert final_answer(long) == long[-300:]
     msgs = judge_messages("What is 6*7?", "42", "so Answer: 42")
-    assert msgs[0]["role"] == "user" and "What is 6*7?" in msgs[0]["content"] and "Model's final answer:\n42" in msgs[0]["content"]
+    assert (
+        msgs[0]["role"] == "user"
+        and "What is 6*7?" in msgs[0]["content"]
+        and "Model's final answer:\n42" in msgs[0]["content"]
+    )
     with pytest.raises(ValueError):
         parse_verdict("1", "fuzzy")
 

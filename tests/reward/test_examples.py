@@ -22,8 +22,14 @@ def test_examples_call_the_judges_through_route_keys(judge_model, monkeypatch):
         dual = await reward_dual_genrm_quality_safety.reward_func(None, sample)
         agent = await agentic_routing.reward_func(
             None,
-            {"trajectory": [{"module": "quality", "input": "a", "output": "b"}, {"module": "planner", "input": "c", "output": "d"}]},
-            routes={"quality", "safety"}, default_route="safety",
+            {
+                "trajectory": [
+                    {"module": "quality", "input": "a", "output": "b"},
+                    {"module": "planner", "input": "c", "output": "d"},
+                ]
+            },
+            routes={"quality", "safety"},
+            default_route="safety",
         )
         args = SimpleNamespace(n_samples_per_prompt=2, genrm_parse="loose")
         raw, norm = await post_process_genrm_swap.custom_reward_post_process(args, [dict(sample), dict(sample)])

@@ -46,11 +46,30 @@ class Judge:
 def judge(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
     port = free_port()
-    env = dict(os.environ, RELAY_CACHE=str(tmp / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32), XDG_CACHE_HOME=str(tmp / "xdg"))
-    limits = ["--genrm-gateway-header-timeout", str(TIMEOUT), "--genrm-gateway-body-timeout", str(TIMEOUT),
-              "--genrm-gateway-idle-timeout", str(TIMEOUT), "--genrm-gateway-max-connections", str(MAX_CONNECTIONS)]
-    p = subprocess.Popen([RELAY, "judge", "--config", "tiny-cpu-split", "--port", str(port), *limits],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ,
+        RELAY_CACHE=str(tmp / "cache"),
+        RELAY_JOB_SECRET=secrets.token_hex(32),
+        XDG_CACHE_HOME=str(tmp / "xdg"),
+    )
+    limits = [
+        "--genrm-gateway-header-timeout",
+        str(TIMEOUT),
+        "--genrm-gateway-body-timeout",
+        str(TIMEOUT),
+        "--genrm-gateway-idle-timeout",
+        str(TIMEOUT),
+        "--genrm-gateway-max-connections",
+        str(MAX_CONNECTIONS),
+    ]
+    p = subprocess.Popen(
+        [RELAY, "judge", "--config", "tiny-cpu-split", "--port", str(port), *limits],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out = read_until(p, "judge ready", 240)
         addr = re.search(r"relay address for reward code: (\S+)\)", out).group(1)
@@ -63,11 +82,16 @@ def judge(tmp_path_factory):
 
 MSG = [{"role": "user", "content": "Is 2+2=4? Answer 1 or 0."}]
 ENGINE_KILLERS = [  # each disabled an engine before (issue 14)
-    {"temperature": 1e-50}, {"top_k": 2.5, "temperature": 0.7}, {"seed": 2**63, "temperature": 0.7},
+    {"temperature": 1e-50},
+    {"top_k": 2.5, "temperature": 0.7},
+    {"seed": 2**63, "temperature": 0.7},
     {"max_response_len": float("nan")},
 ]
 POISON = [  # integers past 64 bits failed the other requests batched with them
-    {"top_k": 2**64}, {"seed": 2**64}, {"stop_token_ids": [2**64]}, {"max_response_len": 2**64},
+    {"top_k": 2**64},
+    {"seed": 2**64},
+    {"stop_token_ids": [2**64]},
+    {"max_response_len": 2**64},
 ]
 VALID = {
     "temperature": st.sampled_from([0.0, 0.0, 0.5, 1.0]),
@@ -82,11 +106,39 @@ VALID = {
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "unread"]), st.booleans(), max_size=2),
 }
 HOSTILE_VALUE = st.one_of(
-    st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e-50, 1e308, -1.0, 2.5, 2**63, 2**64, -(2**63) - 1, 10**40, True, False]),
-    st.integers(), st.floats(), st.none(), st.text(max_size=20), st.binary(max_size=8).map(lambda b: b.hex()),
-    st.lists(st.integers() | st.text(max_size=3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
-    st.sampled_from([{"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}, {"chat_template": "{{ 7*7 }}"},
-                     {"tools": [{"a": 1}]}, {"enable_thinking": [[[[]]]]}, {"x" * 300: 1}]),
+    st.sampled_from(
+        [
+            float("nan"),
+            float("inf"),
+            float("-inf"),
+            1e-50,
+            1e308,
+            -1.0,
+            2.5,
+            2**63,
+            2**64,
+            -(2**63) - 1,
+            10**40,
+            True,
+            False,
+        ]
+    ),
+    st.integers(),
+    st.floats(),
+    st.none(),
+    st.text(max_size=20),
+    st.binary(max_size=8).map(lambda b: b.hex()),
+    st.lists(st.integers() | st.text(max_size=3), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.sampled_from(
+        [
+            {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"},
+            {"chat_template": "{{ 7*7 }}"},
+            {"tools": [{"a": 1}]},
+            {"enable_thinking": [[[[]]]]},
+            {"x" * 300: 1},
+        ]
+    ),
 )
 
 
@@ -109,14 +161,32 @@ def request(draw) -> tuple:
     if kind == 0:
         sp = draw(st.sampled_from(ENGINE_KILLERS + POISON))
     elif kind == 1:
-        messages = draw(st.sampled_from([[], [{}], [{"role": "user"}], [{"role": "root", "content": "x"}], "text", [["user", "x"]],
-                                         [{"role": "user", "content": 5}], [{"role": "user", "content": "x", "extra": 1}]]))
+        messages = draw(
+            st.sampled_from(
+                [
+                    [],
+                    [{}],
+                    [{"role": "user"}],
+                    [{"role": "root", "content": "x"}],
+                    "text",
+                    [["user", "x"]],
+                    [{"role": "user", "content": 5}],
+                    [{"role": "user", "content": "x", "extra": 1}],
+                ]
+            )
+        )
     elif kind == 2:
-        rk = draw(st.sampled_from(["x" * 200_000, "nope", "", "__default__"]) | st.integers() | st.lists(st.integers(), max_size=2))
+        rk = draw(
+            st.sampled_from(["x" * 200_000, "nope", "", "__default__"])
+            | st.integers()
+            | st.lists(st.integers(), max_size=2)
+        )
     elif kind == 3:
         messages = [{"role": "user", "content": "{{ 7*7 }} {% for i in range(10**9) %}x{% endfor %}" + content}]
     elif kind == 4:
-        messages = [{"role": "user", "content": "y" * draw(st.sampled_from([30_000, 300_000]))}]  # past the KV cache: refused
+        messages = [
+            {"role": "user", "content": "y" * draw(st.sampled_from([30_000, 300_000]))}
+        ]  # past the KV cache: refused
     elif kind == 5:
         sp = draw(HOSTILE_VALUE)
     return messages, sp, rk
@@ -128,13 +198,21 @@ def _nest(depth: int) -> str:
 
 RAW_BODIES = st.one_of(
     st.binary(max_size=64),
-    st.sampled_from([
-        _nest(100_000).encode(), ('{"messages": ' + _nest(5000) + "}").encode(),
-        ('{"messages": [{"role": "user", "content": "x"}], "sampling_params": {"seed": 1' + "0" * 5000 + "}}").encode(),
-        b'{"messages": [{"role": "user", "content": "x"}], "sampling_params": {"temperature": NaN}}',
-        b'{"messages": [{"role": "user", "content": "x"}], "sampling_params": {"temperature": Infinity}}',
-        b"\xff\xfe{}", b"null", b"[]", b'"messages"',
-    ]),
+    st.sampled_from(
+        [
+            _nest(100_000).encode(),
+            ('{"messages": ' + _nest(5000) + "}").encode(),
+            (
+                '{"messages": [{"role": "user", "content": "x"}], "sampling_params": {"seed": 1' + "0" * 5000 + "}}"
+            ).encode(),
+            b'{"messages": [{"role": "user", "content": "x"}], "sampling_params": {"temperature": NaN}}',
+            b'{"messages": [{"role": "user", "content": "x"}], "sampling_params": {"temperature": Infinity}}',
+            b"\xff\xfe{}",
+            b"null",
+            b"[]",
+            b'"messages"',
+        ]
+    ),
 )
 
 
@@ -154,6 +232,7 @@ def http_body(draw) -> bytes:
 
 
 # ---------------------------------------------------------------------------- helpers
+
 
 async def _engine_requests(session: aiohttp.ClientSession, url: str) -> tuple[int, list]:
     async with session.get(f"{url}/genrm/metrics?format=json&engines=1") as r:
@@ -186,10 +265,18 @@ TALLY: collections.Counter = collections.Counter()  # across the examples of thi
 
 # ---------------------------------------------------------------------------- tests
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.data_too_large, HealthCheck.too_slow])
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.data_too_large, HealthCheck.too_slow],
+)
 @given(bodies=st.lists(http_body(), min_size=BATCH, max_size=BATCH))
-@example(bodies=[json.dumps({"messages": MSG, "sampling_params": sp}).encode() for sp in ENGINE_KILLERS + POISON] * 4
-         + [json.dumps({"messages": [{"role": "user", "content": f"valid {i}"}]}).encode() for i in range(BATCH - 32)])
+@example(
+    bodies=[json.dumps({"messages": MSG, "sampling_params": sp}).encode() for sp in ENGINE_KILLERS + POISON] * 4
+    + [json.dumps({"messages": [{"role": "user", "content": f"valid {i}"}]}).encode() for i in range(BATCH - 32)]
+)
 def test_generated_http_bodies_never_get_a_5xx_or_harm_the_judge(judge, bodies):
     """Over HTTP, 32 at a time so that hostile and valid requests share engine batches:
     every answer is 200 or a 4xx with a short error; most requests reach an engine (the
@@ -200,7 +287,9 @@ def test_generated_http_bodies_never_get_a_5xx_or_harm_the_judge(judge, bodies):
             before, _ = await _engine_requests(s, judge.url)
 
             async def send(body):
-                async with s.post(f"{judge.url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                async with s.post(
+                    f"{judge.url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     return r.status, await r.json(content_type=None), body
 
             answers = await asyncio.gather(*(send(b) for b in bodies))
@@ -240,9 +329,17 @@ _ZMQ_CALLER = textwrap.dedent("""
 """)
 
 
-@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.data_too_large, HealthCheck.too_slow])
+@settings(
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.data_too_large, HealthCheck.too_slow],
+)
 @given(requests=st.lists(request(), min_size=BATCH, max_size=BATCH))
-@example(requests=[(MSG, sp, None) for sp in ENGINE_KILLERS + POISON] * 4 + [([{"role": "user", "content": f"zmq {i}"}], None, None) for i in range(BATCH - 32)])
+@example(
+    requests=[(MSG, sp, None) for sp in ENGINE_KILLERS + POISON] * 4
+    + [([{"role": "user", "content": f"zmq {i}"}], None, None) for i in range(BATCH - 32)]
+)
 def test_generated_requests_over_the_zeromq_client_fail_only_themselves(judge, requests):
     """The same requests through the reward-code client (calls of one loop turn share one
     relay message): each gets its response or its own error (ValueError, TypeError and
@@ -250,8 +347,15 @@ def test_generated_requests_over_the_zeromq_client_fail_only_themselves(judge, r
     CallTimeout, a transport error)."""
     lines = "".join(json.dumps(list(r)) + "\n" for r in requests)
     env = dict(judge.env, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-c", _ZMQ_CALLER, judge.addr], input=lines, env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", _ZMQ_CALLER, judge.addr],
+        input=lines,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     outcomes = [json.loads(line) for line in p.stdout.splitlines()]
     assert len(outcomes) == len(requests)
@@ -291,6 +395,7 @@ def test_after_the_fuzz_no_engine_failed_and_valid_requests_all_succeed(judge):
 
 # ---------------------------------------------------------------------------- connections
 
+
 def _connect(port: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     s.settimeout(10)
@@ -327,7 +432,10 @@ def test_idle_and_slow_connections_are_closed_by_the_timeouts(judge):
     idle, slow_header, slow_body = _connect(judge.port), _connect(judge.port), _connect(judge.port)
     try:
         slow_header.sendall(b"POST /genrm/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        slow_body.sendall(b"POST /genrm/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        slow_body.sendall(
+            b"POST /genrm/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
         t0 = time.monotonic()
         results = [_closed_within(s, 10 * TIMEOUT) for s in (idle, slow_header, slow_body)]
         took = time.monotonic() - t0
@@ -355,7 +463,9 @@ def test_the_judge_keeps_answering_while_idle_connections_are_held(judge):
         assert len(refused) >= 1  # past the cap: 503 "too many connections", closed
         t0 = time.monotonic()
         while _health_or_none(judge.port) != 200:
-            assert time.monotonic() - t0 < 10 * TIMEOUT, "the gateway did not serve a new client while idle connections were held"
+            assert time.monotonic() - t0 < 10 * TIMEOUT, (
+                "the gateway did not serve a new client while idle connections were held"
+            )
             time.sleep(0.2)
     finally:
         for s in held:
@@ -374,7 +484,8 @@ def _health_or_none(port: int):
 def test_a_declared_length_over_the_limit_gets_413_at_once(judge, expect):
     s = _connect(judge.port)
     try:
-        head = b"POST /genrm/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000000000000\r\n"
+        head = (b"POST /genrm/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000000000000\r\n")
         t0 = time.monotonic()
         s.sendall(head + (b"Expect: 100-continue\r\n" if expect else b"") + b"\r\n")
         closed, got = _closed_within(s, 5)
@@ -384,11 +495,14 @@ def test_a_declared_length_over_the_limit_gets_413_at_once(judge, expect):
     assert time.monotonic() - t0 < 2
 
 
-@pytest.mark.parametrize("head", [
-    b"Transfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFF\r\n",
-    b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n0\r\n\r\n",
-    b"Content-Length: 2\r\nContent-Length: 20\r\n\r\n{}",
-])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"Transfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFF\r\n",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n0\r\n\r\n",
+        b"Content-Length: 2\r\nContent-Length: 20\r\n\r\n{}",
+    ],
+)
 def test_chunked_and_ambiguous_bodies_are_refused(judge, head):
     s = _connect(judge.port)
     try:

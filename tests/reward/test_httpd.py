@@ -64,7 +64,9 @@ async def connect(port: int):
 
 def split_head(head: bytes) -> tuple[int, dict[str, str]]:
     status_line, *lines = head.decode("latin-1").split("\r\n")
-    return int(status_line.split(" ")[1]), {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split(" ")[1]), {
+        name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)
+    }
 
 
 async def read_response(reader: asyncio.StreamReader, head_only: bool = False) -> tuple[int, dict[str, str], bytes]:
@@ -130,9 +132,16 @@ def test_requests_are_parsed_and_the_connection_kept_alive(run):
     async def main():
         async with serving(handler) as (server, port):
             reader, writer = await connect(port)
-            writer.write(b"GET /a/%7Eb?x=1&y=2&x=3&z= HTTP/1.1\r\nHost: h\r\nX-Dup: 1\r\nx-dup: 2\r\nX-Pad:  v \t\r\n\r\n")
+            writer.write(
+                b"GET /a/%7Eb?x=1&y=2&x=3&z= HTTP/1.1\r\nHost: h\r\nX-Dup: 1\r\nx-dup: 2\r\nX-Pad:  v \t\r\n\r\n"
+            )
             status, headers, body = await read_response(reader)
-            assert (status, body, headers["content-type"], headers["content-length"]) == (200, b'{"ok": true}', "application/json", "12")
+            assert (status, body, headers["content-type"], headers["content-length"]) == (
+                200,
+                b'{"ok": true}',
+                "application/json",
+                "12",
+            )
             assert headers["x-seen"] == "1" and "date" in headers and "connection" not in headers
             writer.write(b"POST /p HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello")
             status, headers, _ = await read_response(reader)
@@ -163,7 +172,9 @@ def test_pipelined_requests_are_answered_in_order_one_at_a_time(run):
     async def main():
         async with serving(handler) as (_, port):
             reader, writer = await connect(port)
-            writer.write(b"".join(b"POST /%d HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\n%d" % (i, i) for i in range(3)))
+            writer.write(
+                b"".join(b"POST /%d HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\n\r\n%d" % (i, i) for i in range(3))
+            )
             bodies = [json.loads((await read_response(reader))[2]) for _ in range(3)]
             writer.close()
             assert bodies == [{"path": f"/{i}", "body": str(i)} for i in range(3)] and peak == 1
@@ -187,7 +198,11 @@ def test_reading_pauses_while_a_handler_runs(run):
             release.set()
             (first, _, _), (second, _, body) = parse_responses(await read_to_close(reader))
             writer.close()
-            assert (first, second, json.loads(body)) == (200, 431, {"error": "request line and headers over 1000 bytes"})
+            assert (first, second, json.loads(body)) == (
+                200,
+                431,
+                {"error": "request line and headers over 1000 bytes"},
+            )
             assert server.stats["bad_requests"] == 1
 
     run(main())
@@ -214,7 +229,11 @@ def test_slowloris_gets_408_after_the_header_timeout(run):
             writer.close()
             assert (status, headers["connection"]) == (408, "close") and 0.45 < elapsed < 1.2
             assert json.loads(body) == {"error": "request line and headers not received within 0.5 s"}
-            assert server.stats["timeouts_header"] == 1 and server.stats["bad_requests"] == 1 and server.stats["timeouts_idle"] == 0
+            assert (
+                server.stats["timeouts_header"] == 1
+                and server.stats["bad_requests"] == 1
+                and server.stats["timeouts_idle"] == 0
+            )
 
     run(main())
 
@@ -226,7 +245,10 @@ def test_half_a_body_gets_408_after_the_body_timeout(run):
             reply = await exchange(port, b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 10\r\n\r\nhalf!")
             elapsed = asyncio.get_running_loop().time() - started
             [(status, _, body)] = parse_responses(reply)
-            assert (status, json.loads(body)) == (408, {"error": "body not received within 0.3 s"}) and 0.25 < elapsed < 1.0
+            assert (status, json.loads(body)) == (
+                408,
+                {"error": "body not received within 0.3 s"},
+            ) and 0.25 < elapsed < 1.0
             assert server.stats["timeouts_body"] == 1 and server.stats["requests"] == 0
 
     run(main())
@@ -278,7 +300,11 @@ def test_a_connection_over_the_cap_gets_503_and_the_others_keep_working(run):
                 writer.write(GET)
                 assert (await read_response(reader))[0] == 200
             [(status, headers, body)] = parse_responses(await exchange(port, b""))  # sending nothing: 503 sent at once
-            assert (status, headers["connection"], json.loads(body)) == (503, "close", {"error": "too many connections"})
+            assert (status, headers["connection"], json.loads(body)) == (
+                503,
+                "close",
+                {"error": "too many connections"},
+            )
             for reader, writer in served:
                 writer.write(GET)
                 assert (await read_response(reader))[0] == 200
@@ -286,7 +312,9 @@ def test_a_connection_over_the_cap_gets_503_and_the_others_keep_working(run):
             served.pop()[1].close()
             while server.stats["connections_open"] > 4:
                 await asyncio.sleep(0.01)
-            [(status, _, _)] = parse_responses(await exchange(port, GET.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")))
+            [(status, _, _)] = parse_responses(
+                await exchange(port, GET.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+            )
             assert status == 200
             for _, writer in served:
                 writer.close()
@@ -300,11 +328,17 @@ def test_a_declared_10e12_byte_body_is_refused_at_once(run, expect):
         async with serving(body_timeout=3, header_timeout=3, idle_timeout=3) as (server, port):
             loop = asyncio.get_running_loop()
             started = loop.time()
-            reply = await exchange(port, b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1000000000000\r\n" + expect + b"\r\n")
+            reply = await exchange(
+                port, b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1000000000000\r\n" + expect + b"\r\n"
+            )
             assert loop.time() - started < 0.5
             assert b"100 Continue" not in reply
             [(status, headers, body)] = parse_responses(reply)
-            assert (status, headers["connection"], json.loads(body)) == (413, "close", {"error": "body over 1048576 bytes"})
+            assert (status, headers["connection"], json.loads(body)) == (
+                413,
+                "close",
+                {"error": "body over 1048576 bytes"},
+            )
             assert (server.stats["too_large"], server.stats["bad_requests"], server.stats["requests"]) == (1, 1, 0)
 
     run(main())
@@ -324,7 +358,9 @@ def test_an_aiohttp_client_uploading_an_oversized_body_reads_the_413(run):
 def test_a_client_still_uploading_a_refused_body_reads_the_413(run):
     async def main():
         async with serving(max_body=1000, idle_timeout=3) as (server, port):
-            reply = await exchange(port, b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 4000000\r\n\r\n" + b"x" * 4_000_000)
+            reply = await exchange(
+                port, b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 4000000\r\n\r\n" + b"x" * 4_000_000
+            )
             [(status, _, _)] = parse_responses(reply)  # not a reset: the server lingered, reading
             assert status == 413 and server.stats["too_large"] == 1
 
@@ -354,35 +390,109 @@ def request_with(*header_lines: bytes, method: bytes = b"GET", body: bytes = b""
 BAD_REQUESTS = {
     "bare LF": (b"GET / HTTP/1.1\nHost: h\n\n", 400, "bare LF: lines must end with CRLF"),
     "bare LF in a header": (b"GET / HTTP/1.1\r\nHost: h\nX: 1\r\n\r\n", 400, "bare CR or LF: lines must end with CRLF"),
-    "bare CR in the request line": (b"GET /\r HTTP/1.1\r\nHost: h\r\n\r\n", 400, "bare CR or LF: lines must end with CRLF"),
+    "bare CR in the request line": (
+        b"GET /\r HTTP/1.1\r\nHost: h\r\n\r\n",
+        400,
+        "bare CR or LF: lines must end with CRLF",
+    ),
     "obs-fold": (request_with(b"Host: h", b"X-A: 1", b"  folded"), 400, "obsolete line folding is not accepted"),
     "no colon": (request_with(b"Host: h", b"NoColon"), 400, "header line without a colon"),
     "space before the colon": (request_with(b"Host : h"), 400, "invalid header name"),
     "NUL in a value": (request_with(b"Host: h", b"X-A: a\x00b"), 400, "invalid character in a header value"),
     "method not a token": (b"G(ET / HTTP/1.1\r\nHost: h\r\n\r\n", 400, "invalid method"),
     "bad request line before the headers end": (b"G(ET / HTTP/1.1\r\nHost: h", 400, "invalid method"),
-    "two spaces": (b"GET  / HTTP/1.1\r\nHost: h\r\n\r\n", 400, "the request line must be METHOD SP target SP HTTP-version"),
-    "space in the target": (b"GET /a b HTTP/1.1\r\nHost: h\r\n\r\n", 400, "the request line must be METHOD SP target SP HTTP-version"),
+    "two spaces": (
+        b"GET  / HTTP/1.1\r\nHost: h\r\n\r\n",
+        400,
+        "the request line must be METHOD SP target SP HTTP-version",
+    ),
+    "space in the target": (
+        b"GET /a b HTTP/1.1\r\nHost: h\r\n\r\n",
+        400,
+        "the request line must be METHOD SP target SP HTTP-version",
+    ),
     "non-ASCII target": (b"GET /\xff HTTP/1.1\r\nHost: h\r\n\r\n", 400, "invalid request target"),
     "HTTP/2.0": (b"GET / HTTP/2.0\r\nHost: h\r\n\r\n", 400, "only HTTP/1.0 and HTTP/1.1 are served"),
-    "empty line first": (b"\r\nGET / HTTP/1.1\r\nHost: h\r\n\r\n", 400, "the request line must be METHOD SP target SP HTTP-version"),
+    "empty line first": (
+        b"\r\nGET / HTTP/1.1\r\nHost: h\r\n\r\n",
+        400,
+        "the request line must be METHOD SP target SP HTTP-version",
+    ),
     "no Host": (b"GET / HTTP/1.1\r\n\r\n", 400, "missing Host header"),
-    "repeated Content-Length": (request_with(b"Host: h", b"Content-Length: 1", b"Content-Length: 1", body=b"x"), 400, "repeated content-length header"),
+    "repeated Content-Length": (
+        request_with(b"Host: h", b"Content-Length: 1", b"Content-Length: 1", body=b"x"),
+        400,
+        "repeated content-length header",
+    ),
     "repeated Host": (request_with(b"Host: h", b"host: h"), 400, "repeated host header"),
-    "repeated Authorization": (request_with(b"Host: h", b"Authorization: a", b"Authorization: b"), 400, "repeated authorization header"),
-    "repeated Content-Type": (request_with(b"Host: h", b"Content-Type: a", b"Content-Type: b"), 400, "repeated content-type header"),
-    "repeated Transfer-Encoding": (request_with(b"Host: h", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked"), 400, "repeated transfer-encoding header"),
-    "Content-Length +5": (request_with(b"Host: h", b"Content-Length: +5", body=b"12345"), 400, "Content-Length must be 1-18 ASCII digits"),
-    "Content-Length -1": (request_with(b"Host: h", b"Content-Length: -1"), 400, "Content-Length must be 1-18 ASCII digits"),
-    "Content-Length 5, 5": (request_with(b"Host: h", b"Content-Length: 5, 5", body=b"12345"), 400, "Content-Length must be 1-18 ASCII digits"),
-    "Content-Length 0x10": (request_with(b"Host: h", b"Content-Length: 0x10"), 400, "Content-Length must be 1-18 ASCII digits"),
-    "Content-Length 5 5": (request_with(b"Host: h", b"Content-Length: 5 5"), 400, "Content-Length must be 1-18 ASCII digits"),
-    "Content-Length empty": (request_with(b"Host: h", b"Content-Length:"), 400, "Content-Length must be 1-18 ASCII digits"),
-    "Content-Length 19 digits": (request_with(b"Host: h", b"Content-Length: " + b"1" * 19), 400, "Content-Length must be 1-18 ASCII digits"),
-    "Content-Length Arabic digit": (request_with(b"Host: h", "Content-Length: \u0665".encode()), 400, "Content-Length must be 1-18 ASCII digits"),
-    "chunked": (request_with(b"Host: h", b"Transfer-Encoding: chunked", method=b"POST", body=b"5\r\nhello\r\n0\r\n\r\n"), 501, "Transfer-Encoding is not accepted; send a Content-Length"),
+    "repeated Authorization": (
+        request_with(b"Host: h", b"Authorization: a", b"Authorization: b"),
+        400,
+        "repeated authorization header",
+    ),
+    "repeated Content-Type": (
+        request_with(b"Host: h", b"Content-Type: a", b"Content-Type: b"),
+        400,
+        "repeated content-type header",
+    ),
+    "repeated Transfer-Encoding": (
+        request_with(b"Host: h", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked"),
+        400,
+        "repeated transfer-encoding header",
+    ),
+    "Content-Length +5": (
+        request_with(b"Host: h", b"Content-Length: +5", body=b"12345"),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "Content-Length -1": (
+        request_with(b"Host: h", b"Content-Length: -1"),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "Content-Length 5, 5": (
+        request_with(b"Host: h", b"Content-Length: 5, 5", body=b"12345"),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "Content-Length 0x10": (
+        request_with(b"Host: h", b"Content-Length: 0x10"),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "Content-Length 5 5": (
+        request_with(b"Host: h", b"Content-Length: 5 5"),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "Content-Length empty": (
+        request_with(b"Host: h", b"Content-Length:"),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "Content-Length 19 digits": (
+        request_with(b"Host: h", b"Content-Length: " + b"1" * 19),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "Content-Length Arabic digit": (
+        request_with(b"Host: h", "Content-Length: \u0665".encode()),
+        400,
+        "Content-Length must be 1-18 ASCII digits",
+    ),
+    "chunked": (
+        request_with(b"Host: h", b"Transfer-Encoding: chunked", method=b"POST", body=b"5\r\nhello\r\n0\r\n\r\n"),
+        501,
+        "Transfer-Encoding is not accepted; send a Content-Length",
+    ),
     "chunked and Content-Length": (
-        request_with(b"Host: h", b"Content-Length: 4", b"Transfer-Encoding: chunked", method=b"POST", body=b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n"),
+        request_with(
+            b"Host: h",
+            b"Content-Length: 4",
+            b"Transfer-Encoding: chunked",
+            method=b"POST",
+            body=b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n",
+        ),
         501,
         "Transfer-Encoding is not accepted; send a Content-Length",
     ),
@@ -404,7 +514,11 @@ def test_malformed_requests_are_refused_and_closed(run, case):
     async def main():
         async with serving(handler, header_timeout=3) as (server, port):
             [(status, headers, body)] = parse_responses(await exchange(port, data))
-            assert (status, headers["connection"], json.loads(body)) == (expected_status, "close", {"error": expected_error})
+            assert (status, headers["connection"], json.loads(body)) == (
+                expected_status,
+                "close",
+                {"error": expected_error},
+            )
             assert server.stats["bad_requests"] == 1 and not handled
 
     run(main())
@@ -473,13 +587,23 @@ def test_a_failing_handler_is_a_500_without_its_text_and_the_connection_survives
             for path in ("/raise", "/not-a-response", "/bad-header", "/bad-status", "/cancelled", "/fine"):
                 writer.write(b"GET %s HTTP/1.1\r\nHost: h\r\n\r\n" % path.encode())
                 status, headers, body = await read_response(reader)
-                assert (status, body) == ((200, b'{"path": "/fine", "body": ""}') if path == "/fine" else (500, b'{"error": "internal error"}'))
+                assert (status, body) == (
+                    (200, b'{"path": "/fine", "body": ""}')
+                    if path == "/fine"
+                    else (500, b'{"error": "internal error"}')
+                )
                 assert "connection" not in headers
             writer.close()
             assert server.stats["handler_errors"] == 5
 
     run(main())
-    assert reported == [("/raise", "RuntimeError"), ("/not-a-response", "TypeError"), ("/bad-header", "ValueError"), ("/bad-status", "ValueError"), ("/cancelled", "CancelledError")]
+    assert reported == [
+        ("/raise", "RuntimeError"),
+        ("/not-a-response", "TypeError"),
+        ("/bad-header", "ValueError"),
+        ("/bad-status", "ValueError"),
+        ("/cancelled", "CancelledError"),
+    ]
 
 
 def test_a_client_leaving_mid_handler_cancels_the_handler(run):
@@ -518,7 +642,10 @@ def test_http10_and_connection_close_end_the_connection_after_the_response(run):
     async def main():
         async with serving(idle_timeout=3) as (server, port):
             pipelined = b"GET /next HTTP/1.1\r\nHost: h\r\n\r\n"
-            for request in (b"GET /old HTTP/1.0\r\n\r\n", b"GET /old HTTP/1.1\r\nHost: h\r\nConnection: keep-alive, Close\r\n\r\n"):
+            for request in (
+                b"GET /old HTTP/1.0\r\n\r\n",
+                b"GET /old HTTP/1.1\r\nHost: h\r\nConnection: keep-alive, Close\r\n\r\n",
+            ):
                 [(status, headers, body)] = parse_responses(await exchange(port, request + pipelined))
                 assert (status, headers["connection"], json.loads(body)["path"]) == (200, "close", "/old")
             assert server.stats["requests"] == 2
@@ -537,9 +664,19 @@ def test_head_204_and_custom_response_headers(run):
     async def main():
         async with serving(handler) as (_, port):
             reader, writer = await connect(port)
-            writer.write(b"HEAD / HTTP/1.1\r\nHost: h\r\n\r\n" + GET + b"GET /empty HTTP/1.1\r\nHost: h\r\n\r\nGET /odd HTTP/1.1\r\nHost: h\r\n\r\n")
+            writer.write(
+                b"HEAD / HTTP/1.1\r\nHost: h\r\n\r\n"
+                + GET
+                + b"GET /empty HTTP/1.1\r\nHost: h\r\n\r\nGET /odd HTTP/1.1\r\nHost: h\r\n\r\n"
+            )
             status, headers, _ = await read_response(reader, head_only=True)
-            assert (status, headers["content-length"], headers["content-type"], headers["x-a"], headers["retry-after"]) == (200, "5", "text/plain; charset=utf-8", "1", "1")
+            assert (
+                status,
+                headers["content-length"],
+                headers["content-type"],
+                headers["x-a"],
+                headers["retry-after"],
+            ) == (200, "5", "text/plain; charset=utf-8", "1", "1")
             assert (await read_response(reader))[2] == b"hello"
             status, headers, _ = await read_response(reader, head_only=True)
             assert status == 204 and "content-length" not in headers and "content-type" not in headers

@@ -40,7 +40,9 @@ CLIENT = textwrap.dedent(
 
 
 def _env(**changes) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE", "RELAY_JOB_ID")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE", "RELAY_JOB_ID")
+    }
     env["PYTHONPATH"] = ROOT
     env.update(changes)
     return env
@@ -67,7 +69,11 @@ def test_relay_judge_without_a_secret_writes_it_to_a_0600_file_that_clients_use(
     env = _env(RELAY_CACHE=str(tmp_path / "cache"), XDG_CACHE_HOME=str(cache), RELAY_AUTH_LOG_INTERVAL="3")
     p = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "judge", "--config", "tiny-cpu-split", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         out = read_until(p, "judge ready", 300)
@@ -83,7 +89,9 @@ def test_relay_judge_without_a_secret_writes_it_to_a_0600_file_that_clients_use(
 
         # The two ways the judge printed work, as printed.
         assert "response" in _client(addr, _env(), shell_prefix=exports)
-        assert "response" in _client(addr, _env(), shell_prefix=f"export RELAY_GENRM_ADDR={addr} && export RELAY_JOB_SECRET=$(cat {path})")
+        assert "response" in _client(
+            addr, _env(), shell_prefix=f"export RELAY_GENRM_ADDR={addr} && export RELAY_JOB_SECRET=$(cat {path})"
+        )
         # No secret, a wrong one: the error names the secret and what to set.
         for env_changes, origin in (
             ({}, "this process has no RELAY_JOB_SECRET (nor RELAY_JOB_SECRET_FILE)"),
@@ -91,14 +99,21 @@ def test_relay_judge_without_a_secret_writes_it_to_a_0600_file_that_clients_use(
         ):
             got = _client(addr, _env(**env_changes))
             assert got["type"] == "AuthenticationError", got
-            assert got["error"].startswith(f"judge client: the relay process at {addr} rejected this process: not authenticated")
+            assert got["error"].startswith(
+                f"judge client: the relay process at {addr} rejected this process: not authenticated"
+            )
             assert origin in got["error"]
-            assert "export RELAY_JOB_SECRET=<the server's hex secret>, or RELAY_JOB_SECRET_FILE=<a file holding it>" in got["error"]
+            assert (
+                "export RELAY_JOB_SECRET=<the server's hex secret>, or RELAY_JOB_SECRET_FILE=<a file holding it>"
+                in got["error"]
+            )
             assert "`relay judge` prints the file that holds its secret" in got["error"]
 
         # The judge counts what it rejected, in /genrm/metrics.
         url = f"http://127.0.0.1:{port}/genrm/metrics"
-        m = json.loads(subprocess.run(["curl", "-s", f"{url}?format=json"], capture_output=True, text=True, timeout=30).stdout)
+        m = json.loads(
+            subprocess.run(["curl", "-s", f"{url}?format=json"], capture_output=True, text=True, timeout=30).stdout
+        )
         assert m["relay"]["dropped_unauthenticated"] == 2 and m["relay"]["auth_rejections_sent"] == 2
         assert m["relay"]["auth_handshakes"] == 2
         text = subprocess.run(["curl", "-s", url], capture_output=True, text=True, timeout=30).stdout
@@ -122,14 +137,21 @@ def test_relay_judge_without_a_secret_writes_it_to_a_0600_file_that_clients_use(
     ("env_changes", "says"),
     [
         ({"RELAY_JOB_SECRET": "not-hex"}, "relay judge: RELAY_JOB_SECRET must be a hex string"),
-        ({"RELAY_JOB_SECRET_FILE": "/nonexistent/judge.secret"}, "relay judge: RELAY_JOB_SECRET_FILE=/nonexistent/judge.secret: cannot read the secret file"),
+        (
+            {"RELAY_JOB_SECRET_FILE": "/nonexistent/judge.secret"},
+            "relay judge: RELAY_JOB_SECRET_FILE=/nonexistent/judge.secret: cannot read the secret file",
+        ),
     ],
 )
 def test_relay_judge_with_an_unusable_secret_says_what_to_change(tmp_path, env_changes, says):
     env = _env(RELAY_CACHE=str(tmp_path / "cache"), XDG_CACHE_HOME=str(tmp_path / "xdg"), **env_changes)
     out = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "judge", "--config", "tiny-cpu-split", "--port", str(free_port())],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert not os.path.exists(tmp_path / "cache")  # nothing was started or built
@@ -154,7 +176,8 @@ def test_relay_judge_takes_its_secret_from_the_variable_else_the_file_else_makes
     monkeypatch.setenv("RELAY_JOB_SECRET_FILE", str(path))
     assert _choose_secret() == ("file", str(path)) and os.environ["RELAY_JOB_SECRET"] == key  # children inherit it
     assert _secret_lines("ipc:///a", "file", str(path)) == [
-        f"relay secret: from {path}; reward code outside this process: export RELAY_GENRM_ADDR=ipc:///a RELAY_JOB_SECRET_FILE={path}"
+        f"relay secret: from {path}; reward code outside this process: export RELAY_GENRM_ADDR=ipc:///a "
+        f"RELAY_JOB_SECRET_FILE={path}"
     ]
     monkeypatch.delenv("RELAY_JOB_SECRET")
     monkeypatch.delenv("RELAY_JOB_SECRET_FILE")

@@ -49,7 +49,9 @@ class EchoEngine(CancelRecorder):
         if self.broken:
             raise RuntimeError("this engine is broken")
         return [
-            ValueError("max_new_tokens 13 is refused") if s["max_new_tokens"] == 13 else GenerateResult([1], f" {s['seed']} ", [0.0], "stop", len(p), 0)
+            ValueError("max_new_tokens 13 is refused")
+            if s["max_new_tokens"] == 13
+            else GenerateResult([1], f" {s['seed']} ", [0.0], "stop", len(p), 0)
             for p, s, *_ in requests
         ]
 
@@ -98,12 +100,21 @@ def test_generate_batch_keeps_order_and_each_requests_own_error(judge_model):
 
 
 #: Values an engine's wire cannot carry (integers past 64 bits) or its sampler cannot handle.
-POISONS = [{"seed": 2**64}, {"top_k": 2**64}, {"stop_token_ids": [2**64]}, {"max_response_len": 2**64},
-           {"temperature": float("nan")}, {"max_response_len": float("nan")}, {"top_k": 2.5, "temperature": 1.0}]
+POISONS = [
+    {"seed": 2**64},
+    {"top_k": 2**64},
+    {"stop_token_ids": [2**64]},
+    {"max_response_len": 2**64},
+    {"temperature": float("nan")},
+    {"max_response_len": float("nan")},
+    {"top_k": 2.5, "temperature": 1.0},
+]
 
 
 def _field(poison: dict) -> str:
-    return next(k for k in poison if k != "temperature" or len(poison) == 1).replace("max_response_len", "max_new_tokens")
+    return next(k for k in poison if k != "temperature" or len(poison) == 1).replace(
+        "max_response_len", "max_new_tokens"
+    )
 
 
 def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_model):
@@ -116,7 +127,10 @@ def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_mode
 
     async def main():
         judge, (engine,) = await start([False], model=judge_model)
-        svc = JudgeService({"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}}, cache="off")
+        svc = JudgeService(
+            {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}},
+            cache="off",
+        )
         await svc.setup()
         gateway = Gateway(svc)
         port = await gateway.server.start("127.0.0.1", 0)
@@ -125,7 +139,11 @@ def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_mode
 
                 async def post(sp):
                     data = json.dumps({"messages": MSG, "sampling_params": sp}, allow_nan=True)
-                    async with s.post(f"http://127.0.0.1:{port}/genrm/generate", data=data, headers={"Content-Type": "application/json"}) as r:
+                    async with s.post(
+                        f"http://127.0.0.1:{port}/genrm/generate",
+                        data=data,
+                        headers={"Content-Type": "application/json"},
+                    ) as r:
                         return r.status, await r.json()
 
                 http = await asyncio.gather(*(post({"seed": i}) for i in range(8)), *(post(p) for p in POISONS))
@@ -221,13 +239,20 @@ def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
     convs = [
         MSG,
         [{"role": "system", "content": "Be strict."}, {"role": "user", "content": "x = \\frac{1}{2}?"}],
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "ünïcode ✓ <|im_end|>"}],
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "ünïcode ✓ <|im_end|>"},
+        ],
         [{"role": "user", "content": "tool-less", "name": None}],  # not plain: goes through apply_chat_template
     ]
     for kwargs in ({}, {"enable_thinking": False}):
         template = ChatTemplate.of(tok, kwargs)
         assert template.compiled is not None
-        expected = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)) for c in convs]
+        expected = [
+            list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
+            for c in convs
+        ]
         # the compiled fast path (the configured kwargs themselves) and apply_chat_template (a copy)
         for given in (template.kwargs, dict(template.kwargs)):
             assert encode_rendered(tok, template.render(convs, given)) == expected
@@ -296,10 +321,17 @@ def test_a_dead_engine_is_retried_once_on_another_then_reported(judge_model, fau
             engines = procs.spawn("engine", EchoEngine)
             await engines.initialized(60)
             meshes = [engines.slice(engines=i) for i in range(2)]
-            spec = {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": meshes}}
+            spec = {
+                "__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": meshes}
+            }
             judge = this_proc().spawn("genrm", JudgeService, spec, cache="off")
             await judge.initialized(120)
-            assert await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(4)]).result(60) == ["0", "1", "2", "3"]
+            assert await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(4)]).result(60) == [
+                "0",
+                "1",
+                "2",
+                "3",
+            ]
             os.kill(procs.procs[0].pid, signal.SIGKILL)
             for _ in range(100):  # until the runtime has seen the death
                 try:
@@ -315,7 +347,11 @@ def test_a_dead_engine_is_retried_once_on_another_then_reported(judge_model, fau
             await asyncio.sleep(0.5)
             got = await judge.generate_batch.call_one([[MSG, {"seed": 1}, None]]).result(60)
             # both engines left dispatch: the request fails at once, naming why
-            assert isinstance(got[0], JudgeUnavailable) and "has no working engine" in str(got[0]) and "SIGKILL" in str(got[0])
+            assert (
+                isinstance(got[0], JudgeUnavailable)
+                and "has no working engine" in str(got[0])
+                and "SIGKILL" in str(got[0])
+            )
             assert (await judge.metrics_snapshot.call_one().result(10))["__default__"]["engines_down"] == 2
             health = (await judge.health.call_one().result(10))["__default__"]
             assert health["status"] == "unhealthy" and health["available"] is False
@@ -451,12 +487,17 @@ def test_an_engine_that_cannot_go_on_leaves_dispatch_at_once(judge_model):
         good = this_proc().spawn("good", EchoEngine)
         await bad.initialized(60)
         await good.initialized(60)
-        spec = {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [bad, good]}}
+        spec = {
+            "__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [bad, good]}
+        }
         judge = this_proc().spawn("genrm", JudgeService, spec, cache="off")
         await judge.initialized(120)
         first = await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(10)]).result(60)
         calls = await bad.call_count.call_one().result(10)
-        later = [await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(10)]).result(60) for _ in range(5)]
+        later = [
+            await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(10)]).result(60)
+            for _ in range(5)
+        ]
         health = await judge.health.call_one().result(10)
         metrics = await judge.metrics_snapshot.call_one().result(10)
         return first, calls, later, await bad.call_count.call_one().result(10), health, metrics

@@ -30,10 +30,17 @@ MSG = [{"role": "user", "content": "Is 2+2=4? Answer 1 or 0."}]
 
 async def start(judge_model, instances=("__default__",), token=None):
     procs = this_host().spawn_procs(per_host={"gpus": len(instances)}, name="judges")
-    engines = procs.spawn("judge-engine", EngineActor, judge_model, "torch", kv_cache_tokens=2048, weights_mode="backup")
+    engines = procs.spawn(
+        "judge-engine", EngineActor, judge_model, "torch", kv_cache_tokens=2048, weights_mode="backup"
+    )
     await engines.initialized(120)
     spec = {
-        name: {"model_path": judge_model, "num_gpus": 1, "sampling_config": {"temperature": 0.0, "max_response_len": 4}, "engines": [engines.slice(gpus=i)]}
+        name: {
+            "model_path": judge_model,
+            "num_gpus": 1,
+            "sampling_config": {"temperature": 0.0, "max_response_len": 4},
+            "engines": [engines.slice(gpus=i)],
+        }
         for i, name in enumerate(instances)
     }
     judge, judge_procs = await start_judge_service(spec, 120)  # serving HTTP from its own process
@@ -49,17 +56,33 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
                 assert r.status == 200
                 first = (await r.json())["response"]
             assert isinstance(first, str)
-            async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": {"max_new_tokens": 2}}) as r:
+            async with s.post(
+                f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": {"max_new_tokens": 2}}
+            ) as r:
                 assert r.status == 200
             async with s.get(f"{url}/genrm/health") as r:
                 assert await r.json() == {"status": "healthy", "service": "genrm"}
             # curl, as a user would (in a thread: a blocking call)
-            out = await asyncio.to_thread(subprocess.run, ["curl", "-s", f"{url}/genrm/health"], capture_output=True, text=True, timeout=30)
+            out = await asyncio.to_thread(
+                subprocess.run, ["curl", "-s", f"{url}/genrm/health"], capture_output=True, text=True, timeout=30
+            )
             assert json.loads(out.stdout)["status"] == "healthy"
             out = await asyncio.to_thread(
                 subprocess.run,
-                ["curl", "-s", "-X", "POST", f"{url}/genrm/generate", "-H", "Content-Type: application/json", "-d", json.dumps({"messages": MSG})],
-                capture_output=True, text=True, timeout=30,
+                [
+                    "curl",
+                    "-s",
+                    "-X",
+                    "POST",
+                    f"{url}/genrm/generate",
+                    "-H",
+                    "Content-Type: application/json",
+                    "-d",
+                    json.dumps({"messages": MSG}),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
             assert json.loads(out.stdout) == {"response": first}  # deterministic: cached
             # close admission (the controller does this while the judge sleeps)
@@ -74,7 +97,12 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
             async with s.get(f"{url}/genrm/metrics?format=json") as r:
                 m = await r.json()
             inst = m["instances"]["__default__"]
-            assert inst["num_engines"] == 1 and inst["requests"] == 3 and inst["cache_hits"] == 1 and inst["rejected_asleep"] == 1
+            assert (
+                inst["num_engines"] == 1
+                and inst["requests"] == 3
+                and inst["cache_hits"] == 1
+                and inst["rejected_asleep"] == 1
+            )
             lat = inst["latency_s"]  # cumulative histogram of the two calls that reached the engine
             assert lat["count"] == 2 and lat["buckets"][-1] == ["+Inf", 2] and lat["sum"] > 0
             for i in range(25):  # reward code reports unreadable verdicts: warned past 20%
@@ -132,12 +160,17 @@ def test_bad_input_gets_4xx_and_the_service_stays_healthy(judge_model):
         procs, engines, judge, judge_procs, url = await start(judge_model)
         async with aiohttp.ClientSession() as s:
             for body, status in BAD_BODIES:
-                async with s.post(f"{url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                async with s.post(
+                    f"{url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     text = await r.text()
                     assert r.status == status, (body[:80], r.status, text)
                     assert r.status < 500
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "route_key": "nope"}) as r:
-                assert "No GenRM instance registered for route_key='nope'; available=['__default__']" in (await r.json())["error"]
+                assert (
+                    "No GenRM instance registered for route_key='nope'; available=['__default__']"
+                    in (await r.json())["error"]
+                )
             async with s.get(f"{url}/genrm/health") as r:
                 assert (await r.json())["status"] == "healthy"
         await judge_procs.stop()
@@ -148,7 +181,9 @@ def test_bad_input_gets_4xx_and_the_service_stays_healthy(judge_model):
 
 def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
     async def main():
-        procs, engines, judge, judge_procs, url = await start(judge_model, instances=("quality", "safety"), token="s3cret")
+        procs, engines, judge, judge_procs, url = await start(
+            judge_model, instances=("quality", "safety"), token="s3cret"
+        )
         async with aiohttp.ClientSession() as s:
             async with s.get(f"{url}/genrm/health") as r:
                 assert r.status == 401
@@ -158,10 +193,15 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
             assert body["status"] == "healthy" and set(body["instances"]) == {"quality", "safety"}
             await judge.set_awake.call_one("safety", False)
             async with s.get(f"{url}/genrm/health", headers=h) as r:
-                assert (await r.json())["instances"] == {"quality": {"status": "healthy"}, "safety": {"status": "healthy", "sleeping": True}}
+                assert (await r.json())["instances"] == {
+                    "quality": {"status": "healthy"},
+                    "safety": {"status": "healthy", "sleeping": True},
+                }
             await judge.set_awake.call_one("safety", True)
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG}, headers=h) as r:
-                assert r.status == 400 and "route_key='__default__'" in (await r.json())["error"]  # several: must choose
+                assert (
+                    r.status == 400 and "route_key='__default__'" in (await r.json())["error"]
+                )  # several: must choose
             async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "route_key": "safety"}, headers=h) as r:
                 assert r.status == 200
         addr = judge._view.members[0].proc.addr
@@ -184,7 +224,9 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
             asyncio.run(main())
             """
         )
-        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        out = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         got = json.loads(out.stdout.strip().splitlines()[-1])
         assert isinstance(got["one"], str) and len(got["many"]) == 3
@@ -203,8 +245,11 @@ def test_auth_is_exact_and_without_a_token_browsers_are_kept_out(judge_model):
         try:
             async with aiohttp.ClientSession() as s:
                 for name, headers in {
-                    "none": {}, "wrong": {"Authorization": "Bearer nope"}, "basic": {"Authorization": "Basic czNjcmV0"},
-                    "lower": {"Authorization": "bearer s3cret"}, "upper": {"Authorization": "BEARER  s3cret"},
+                    "none": {},
+                    "wrong": {"Authorization": "Bearer nope"},
+                    "basic": {"Authorization": "Basic czNjcmV0"},
+                    "lower": {"Authorization": "bearer s3cret"},
+                    "upper": {"Authorization": "BEARER  s3cret"},
                 }.items():
                     for route in ("health", "metrics"):
                         async with s.get(f"{url}/genrm/{route}", headers=headers) as r:
@@ -221,8 +266,10 @@ def test_auth_is_exact_and_without_a_token_browsers_are_kept_out(judge_model):
                 body = json.dumps({"messages": MSG})
                 port = open_url.rsplit(":", 1)[1]
                 for name, headers in {
-                    "text/plain": {"Content-Type": "text/plain"}, "form": {"Content-Type": "application/x-www-form-urlencoded"},
-                    "no type": {}, "rebinding": {"Content-Type": "application/json", "Host": f"evil.example:{port}"},
+                    "text/plain": {"Content-Type": "text/plain"},
+                    "form": {"Content-Type": "application/x-www-form-urlencoded"},
+                    "no type": {},
+                    "rebinding": {"Content-Type": "application/json", "Host": f"evil.example:{port}"},
                     "other site": {"Content-Type": "application/json", "Origin": "http://evil.example"},
                     "same site": {"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"},
                     "localhost": {"Content-Type": "application/json; charset=utf-8", "Host": f"localhost:{port}"},
@@ -272,7 +319,9 @@ def test_callers_that_leave_have_their_engine_work_aborted(judge_model):
         try:
             async with aiohttp.ClientSession() as s:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(s.post(f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": long}), 0.5)
+                    await asyncio.wait_for(
+                        s.post(f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": long}), 0.5
+                    )
             after_http = await settled(1)
             addr = judge._view.members[0].proc.addr
             script = textwrap.dedent(f"""
@@ -287,7 +336,9 @@ def test_callers_that_leave_have_their_engine_work_aborted(judge_model):
                     await asyncio.sleep(0.5)  # the cancel message goes out
                 asyncio.run(main())
             """)
-            out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+            out = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+            )
             assert out.returncode == 0, out.stderr
             after_zmq = await settled(2)
         finally:
@@ -299,7 +350,9 @@ def test_callers_that_leave_have_their_engine_work_aborted(judge_model):
     assert after_http["cancelled"] == 1 and after_http["running"] == 0
     assert after_zmq["cancelled"] == 2 and after_zmq["running"] == 0
     # neither ran to its end: the engine aborted each (the first before the second started)
-    assert after_http["tokens_generated"] < 1900 and after_zmq["tokens_generated"] - after_http["tokens_generated"] < 1900
+    assert (
+        after_http["tokens_generated"] < 1900 and after_zmq["tokens_generated"] - after_http["tokens_generated"] < 1900
+    )
     assert after_zmq["kv_blocks_free"] == after_zmq["kv_blocks_total"]
 
 
@@ -315,7 +368,9 @@ def test_with_no_working_engine_generate_and_health_answer_503(judge_model, faul
             os.kill(procs.procs[0].pid, signal.SIGKILL)
             async with aiohttp.ClientSession() as s:
                 for _ in range(100):  # until the service has seen the death
-                    async with s.post(f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": {"seed": _}}) as r:
+                    async with s.post(
+                        f"{url}/genrm/generate", json={"messages": MSG, "sampling_params": {"seed": _}}
+                    ) as r:
                         gen = (r.status, await r.json(), r.headers.get("Retry-After"))
                     if "no working engine" in gen[1].get("error", ""):
                         break
@@ -337,12 +392,20 @@ def test_with_no_working_engine_generate_and_health_answer_503(judge_model, faul
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.sampled_from(["messages", "role", "content", "sampling_params", "route_key", "x"]), children, max_size=4),
-    max_leaves=12,
-))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(["messages", "role", "content", "sampling_params", "route_key", "x"]),
+                children,
+                max_size=4,
+            )
+        ),
+        max_leaves=12,
+    )
+)
 def test_fuzzed_bodies_are_accepted_or_rejected_with_a_reason(body):
     """Any JSON value: either a valid (messages, sampling, route_key) or a ValueError."""
     try:
@@ -363,27 +426,67 @@ def test_relay_judge_serves_the_tiny_config_and_stops_on_sigint(tmp_path):
     from tests.launcher.test_launch import read_until
 
     port = free_port()
-    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env = dict(
+        os.environ,
+        RELAY_CACHE=str(tmp_path / "cache"),
+        RELAY_JOB_SECRET=secrets.token_hex(32),
+        XDG_CACHE_HOME=str(tmp_path / "xdg"),
+    )
     p = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "judge", "--config", "tiny-cpu-split", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         out = read_until(p, "judge ready", 120)
         # An exported secret is the one clients need; no file is written.
-        assert "relay secret: RELAY_JOB_SECRET as exported here; reward code outside this process needs the same value: export RELAY_GENRM_ADDR=" in out
+        assert (
+            "relay secret: RELAY_JOB_SECRET as exported here; reward code outside this process needs the same value: "
+            "export RELAY_GENRM_ADDR="
+            in out
+        )
         assert not os.path.exists(tmp_path / "xdg")
-        health = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/genrm/health"], capture_output=True, text=True, timeout=30)
+        health = subprocess.run(
+            ["curl", "-s", f"http://127.0.0.1:{port}/genrm/health"], capture_output=True, text=True, timeout=30
+        )
         assert json.loads(health.stdout) == {"status": "healthy", "service": "genrm"}
         gen = subprocess.run(
-            ["curl", "-s", "-X", "POST", f"http://127.0.0.1:{port}/genrm/generate", "-H", "Content-Type: application/json",
-             "-d", json.dumps({"messages": MSG})],
-            capture_output=True, text=True, timeout=30,
+            [
+                "curl",
+                "-s",
+                "-X",
+                "POST",
+                f"http://127.0.0.1:{port}/genrm/generate",
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                json.dumps({"messages": MSG}),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert "response" in json.loads(gen.stdout)
         # curl -d alone sends a form content type, as a browser's simple POST would: refused, saying what to send
-        form = subprocess.run(["curl", "-s", "-w", " %{http_code}", "-X", "POST", f"http://127.0.0.1:{port}/genrm/generate",
-                               "-d", json.dumps({"messages": MSG})], capture_output=True, text=True, timeout=30)
+        form = subprocess.run(
+            [
+                "curl",
+                "-s",
+                "-w",
+                " %{http_code}",
+                "-X",
+                "POST",
+                f"http://127.0.0.1:{port}/genrm/generate",
+                "-d",
+                json.dumps({"messages": MSG}),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert form.stdout.endswith(" 415") and "Content-Type: application/json" in form.stdout
         assert os.path.exists(tmp_path / "cache" / "models" / "tiny-judge" / "config.json")
         p.send_signal(signal.SIGINT)
@@ -409,42 +512,77 @@ def test_relay_judge_reads_its_token_from_a_file_and_warns_about_one_on_the_comm
     env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
     env.pop("RELAY_GENRM_TOKEN", None)
     base = [relay_bin, "judge", "--config", "tiny-cpu-split"]
-    for flag, message in (("/nonexistent/token", "cannot read --token-file /nonexistent/token"), (str(tmp_path / "empty"), "is empty")):
-        bad = subprocess.run([*base, "--token-file", flag], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    for flag, message in (
+        ("/nonexistent/token", "cannot read --token-file /nonexistent/token"),
+        (str(tmp_path / "empty"), "is empty"),
+    ):
+        bad = subprocess.run(
+            [*base, "--token-file", flag], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
     port = free_port()
-    p = subprocess.Popen([*base, "--port", str(port), "--token-file", str(tmp_path / "token")],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*base, "--port", str(port), "--token-file", str(tmp_path / "token")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         read_until(p, "judge ready", 120)
         url = f"http://127.0.0.1:{port}/genrm"
-        codes = [subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", *auth, f"{url}/{route}"],
-                                capture_output=True, text=True, timeout=30).stdout
-                 for route in ("health", "metrics") for auth in ([], ["-H", f"Authorization: Bearer {token}"])]
+        codes = [
+            subprocess.run(
+                ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", *auth, f"{url}/{route}"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+            for route in ("health", "metrics")
+            for auth in ([], ["-H", f"Authorization: Bearer {token}"])
+        ]
         assert codes == ["401", "200", "401", "200"]
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
         assert token not in ps
     finally:
         interrupt(p)
-    p = subprocess.Popen([*base, "--port", str(free_port()), "--token", token], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*base, "--port", str(free_port()), "--token", token],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         warning = p.stderr.readline()
     finally:
         p.kill()
         p.communicate()
-    assert "--token is visible to every user of this machine in ps; use RELAY_GENRM_TOKEN or --token-file instead" in warning
+    assert (
+        "--token is visible to every user of this machine in ps; use RELAY_GENRM_TOKEN or --token-file instead"
+        in warning
+    )
 
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.sampled_from(["messages", "role", "content", "sampling_params", "route_key", "x"]), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["messages", "role", "content", "sampling_params", "route_key", "x"]), children, max_size=4
+        )
+    ),
     max_leaves=12,
 )
 _SAMPLING = st.dictionaries(
     st.sampled_from(["temperature", "top_p", "top_k", "max_new_tokens", "max_response_len", "stop", "seed", "bogus"]),
-    st.none() | st.integers(-5, 10**7) | st.floats(-2, 5, allow_nan=False) | st.text(max_size=5) | st.lists(st.text(max_size=3), max_size=2),
+    st.none()
+    | st.integers(-5, 10**7)
+    | st.floats(-2, 5, allow_nan=False)
+    | st.text(max_size=5)
+    | st.lists(st.text(max_size=3), max_size=2),
     max_size=4,
 )
 _BODIES = st.one_of(
@@ -466,7 +604,9 @@ def test_fuzzed_http_requests_never_get_a_5xx_and_the_gateway_stays_healthy(judg
         try:
             async with aiohttp.ClientSession() as s:
                 for body in bodies:
-                    async with s.post(f"{url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                    async with s.post(
+                        f"{url}/genrm/generate", data=body, headers={"Content-Type": "application/json"}
+                    ) as r:
                         payload = await r.json(content_type=None)
                         seen.append((r.status, payload, body[:80]))
                 async with s.get(f"{url}/genrm/health") as r:

@@ -37,7 +37,9 @@ class MegatronCheck(Actor):
         cfg = ModelConfig.from_dir(path)
         hf_sd = load_file(os.path.join(path, "model.safetensors"))
         gpt = build_gpt(cfg).eval().to(dev)
-        missing, unexpected = gpt.load_state_dict({k: v.to(dev) for k, v in hf_to_megatron(cfg, hf_sd).items()}, strict=False)
+        missing, unexpected = gpt.load_state_dict(
+            {k: v.to(dev) for k, v in hf_to_megatron(cfg, hf_sd).items()}, strict=False
+        )
         back = megatron_to_hf(cfg, {k: v.cpu() for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")})
         skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         exact = sorted(back) == sorted(set(hf_sd) - skip) and all(torch.equal(back[k], hf_sd[k]) for k in back)
@@ -78,7 +80,9 @@ class TPTrainer(Actor):
         self.cfg = ModelConfig.from_dir(path)
         self.model = build_gpt(self.cfg, tp=tp)
         full = hf_to_megatron(self.cfg, load_file(os.path.join(path, "model.safetensors")))
-        missing, unexpected = self.model.load_state_dict(shard_for_rank(full, tp, parallel_state.get_tensor_model_parallel_rank()), strict=False)
+        missing, unexpected = self.model.load_state_dict(
+            shard_for_rank(full, tp, parallel_state.get_tensor_model_parallel_rank()), strict=False
+        )
         assert not [m for m in missing if not m.endswith("_extra_state")] and not unexpected
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
 

@@ -32,9 +32,21 @@ def free_port() -> int:
 
 
 def rank_proc(rank: int, world: int, port: int, **env) -> subprocess.Popen:
-    e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), RELAY_BUNDLE=str(10 + rank),
-             RELAY_NODE="1", RELAY_HOST="127.0.0.1", RELAY_DIST_INIT_TIMEOUT="3", **env)
-    return subprocess.Popen([sys.executable, "-c", JOIN], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    e = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        RELAY_BUNDLE=str(10 + rank),
+        RELAY_NODE="1",
+        RELAY_HOST="127.0.0.1",
+        RELAY_DIST_INIT_TIMEOUT="3",
+        **env,
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", JOIN], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def test_ranks_form_the_group_even_with_torchruns_agent_store_flag():
@@ -50,10 +62,14 @@ def test_a_rank_left_alone_fails_fast_naming_itself():
     lone = rank_proc(0, 2, port)  # rank 1 never comes
     _, err = lone.communicate(timeout=60)
     assert lone.returncode != 0
-    assert "trainer rank 0 of 2 (bundle 10, node 1, host 127.0.0.1): torch.distributed did not form within 3 s" in err, err[-2000:]
+    assert (
+        "trainer rank 0 of 2 (bundle 10, node 1, host 127.0.0.1): torch.distributed did not form within 3 s" in err
+    ), err[-2000:]
     assert "not every rank joined the store" in err and "missing: rank 1" in err and "RELAY_DIST_INIT_TIMEOUT" in err
 
     orphan = rank_proc(1, 2, free_port())  # nobody hosts its store
     _, err = orphan.communicate(timeout=60)
     assert orphan.returncode != 0
-    assert "trainer rank 1 of 2 (bundle 11, node 1, host 127.0.0.1)" in err and "could not join the store of rank 0" in err, err[-2000:]
+    assert (
+        "trainer rank 1 of 2 (bundle 11, node 1, host 127.0.0.1)" in err and "could not join the store of rank 0" in err
+    ), err[-2000:]

@@ -67,7 +67,9 @@ def test_tis_kl_in_loss_and_logged_figures():
         policy_loss(t(0.0), t(0.0), torch.tensor([1.0]), one, LossConfig(use_tis=True))
     # KL: logged when the reference is given; added only with a coefficient
     base, s0 = policy_loss(t(0.5), t(0.5), torch.tensor([1.0]), one, LossConfig(kl_type="k2"), ref_logp=t(0.0))
-    with_kl, s1 = policy_loss(t(0.5), t(0.5), torch.tensor([1.0]), one, LossConfig(kl_type="k2", kl_coef=0.1), ref_logp=t(0.0))
+    with_kl, s1 = policy_loss(
+        t(0.5), t(0.5), torch.tensor([1.0]), one, LossConfig(kl_type="k2", kl_coef=0.1), ref_logp=t(0.0)
+    )
     assert s0["kl"] == pytest.approx(0.125) and with_kl.item() == pytest.approx(base.item() + 0.0125)
     # entropy bonus
     ent = torch.full((1, 1), 2.0)

@@ -39,8 +39,11 @@ def free_port() -> int:
 
 @pytest.mark.unit
 def test_flatten_packs_mixed_dtypes_aligned_and_unflatten_views_them():
-    named = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.tensor([1, 2, 3], dtype=torch.bfloat16)),
-             ("c", torch.arange(5, dtype=torch.int64))]
+    named = [
+        ("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+        ("b", torch.tensor([1, 2, 3], dtype=torch.bfloat16)),
+        ("c", torch.arange(5, dtype=torch.int64)),
+    ]
     buf, metas = weight_sync.flatten(named, "cpu")
     assert buf.dtype == torch.uint8 and all(m[3] % weight_sync.ALIGN == 0 for m in metas)
     assert metas == weight_sync.metas_for([m[0] for m in metas], [m[2] for m in metas], [m[1] for m in metas])[0]
@@ -60,7 +63,7 @@ def test_a_receiver_in_the_senders_process_reads_the_bucket_until_it_is_released
     buf, metas = weight_sync.flatten([("w", torch.arange(6.0))], "cpu")
     h = weight_sync.ipc_handle(buf, cross_process=False)
     assert "handle" not in h  # nothing exported to CUDA
-    (name, view), = weight_sync.unflatten(weight_sync.open_ipc(h, "cpu"), metas)
+    ((name, view),) = weight_sync.unflatten(weight_sync.open_ipc(h, "cpu"), metas)
     assert name == "w" and torch.equal(view, torch.arange(6.0))
     assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # no copy
     weight_sync.release(h)
@@ -82,7 +85,9 @@ def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(p
         await engines.wake.call(["weights"]).result(60)
         e0, e1 = engines.slice(gpus=0), engines.slice(gpus=1)
         relay_bytes = await t.push_weights.call_one([e0], 1, 4096).result(120)  # auto on CPU: relay
-        bcast_bytes = await t.push_weights.call_one([e1], 1, 4096, 60.0, "distributed").result(120)  # gloo group, many buckets
+        bcast_bytes = await t.push_weights.call_one([e1], 1, 4096, 60.0, "distributed").result(
+            120
+        )  # gloo group, many buckets
         groups = [(await e1.stats.call_one().result(60))["weight_update_groups"]]
         await engines.wake.call(["kv_cache"]).result(60)
         outs = (await engines.generate.call(SEQS[0][:6], GREEDY).result(60)).values()
@@ -138,7 +143,9 @@ def test_broadcast_group_times_out_instead_of_hanging(policy):
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        groups = list(pool.map(lambda r: weight_sync.BroadcastGroup("127.0.0.1", port, r, 2, "gloo", 2.0, "silent"), [0, 1]))
+        groups = list(
+            pool.map(lambda r: weight_sync.BroadcastGroup("127.0.0.1", port, r, 2, "gloo", 2.0, "silent"), [0, 1])
+        )
     with pytest.raises(TimeoutError, match="did not finish"):
         groups[1].broadcast(torch.empty(16, dtype=torch.uint8))
     groups[0].close()

@@ -1,0 +1,193 @@
+"""The rules of a job's configuration beyond each key's type: roles and their GPUs, judge
+instances (the legacy single-judge flags and ``--genrm-instances``), sampling values any
+engine can run. :mod:`launcher.config` applies them when it builds a config."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from reward.protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS
+
+if TYPE_CHECKING:
+    from .config import JobConfig
+
+log = logging.getLogger("relay.config")
+
+ROLES = ("actor", "rollout", "genrm", "reference")
+#: Roles the original's launch lines name that have nothing to run here: accepted, with a
+#: notice at start, and left out of the plan (no GPUs reserved for them).
+NO_EFFECT_ROLES = {
+    "actor_fwd": "the trainer computes the old log-probs itself",
+    "advantages": "the controller computes GRPO advantages (a few numbers per group)",
+}
+RESERVED_INSTANCE = DEFAULT_ROUTE  # the instance of the legacy single-judge flags
+
+
+class ConfigError(ValueError):
+    """A configuration the user must change; the message says what."""
+
+
+@dataclass
+class GenRMInstance:
+    """One judge deployment (``route_key`` -> this)."""
+
+    name: str
+    model_path: str
+    num_gpus: int
+    num_gpus_per_engine: int = 1
+    engine_config: dict = field(default_factory=dict)
+    sampling_config: dict = field(default_factory=dict)
+
+    @property
+    def mem_fraction_static(self) -> float | None:
+        v = self.engine_config.get("mem_fraction_static")
+        return None if v is None else float(v)
+
+
+GENRM_ENGINE_DEFAULTS = {"max_context_len": 8192, "dp_size": 1, "pp_size": 1, "ep_size": 1}
+GENRM_SAMPLING_DEFAULTS = {**SAMPLING_DEFAULTS, "chat_template_kwargs": {}}
+
+
+def resolve_genrm_instances(cfg: JobConfig) -> dict[str, GenRMInstance]:
+    """Legacy ``--genrm-model-path`` -> the ``"__default__"`` instance; ``--genrm-instances``
+    wins (with a warning) when both are given; ``model_path`` and ``num_gpus`` are required
+    per instance (no implicit even split); missing optional keys fall back to the global
+    flags; the ``genrm`` entry of ``--resource`` must equal the sum of ``num_gpus``."""
+    instances: dict[str, GenRMInstance] = {}
+    if cfg.genrm_instances:
+        if cfg.genrm_model_path:
+            log.warning("both --genrm-instances and --genrm-model-path are set: using --genrm-instances")
+        if not isinstance(cfg.genrm_instances, dict):
+            raise ConfigError("--genrm-instances must be a JSON object {route_key: {model_path, num_gpus, ...}}")
+        for name, spec in cfg.genrm_instances.items():
+            if name == RESERVED_INSTANCE:
+                raise ConfigError(
+                    f"--genrm-instances: the key '{RESERVED_INSTANCE}' is reserved for --genrm-model-path; choose "
+                    f"another route_key"
+                )
+            if not isinstance(spec, dict):
+                raise ConfigError(f"--genrm-instances[{name!r}] must be an object, got {type(spec).__name__}")
+            for key in ("model_path", "num_gpus"):
+                if key not in spec:
+                    raise ConfigError(f"--genrm-instances[{name!r}]: missing required key '{key}'")
+            unknown = set(spec) - {"model_path", "num_gpus", "num_gpus_per_engine", "engine_config", "sampling_config"}
+            if unknown:
+                raise ConfigError(f"--genrm-instances[{name!r}]: unknown keys {sorted(unknown)}")
+            instances[name] = GenRMInstance(
+                name,
+                str(spec["model_path"]),
+                positive_int(spec["num_gpus"], f"--genrm-instances[{name!r}].num_gpus"),
+                positive_int(
+                    spec.get("num_gpus_per_engine", cfg.genrm_num_gpus_per_engine),
+                    f"--genrm-instances[{name!r}].num_gpus_per_engine",
+                ),
+                {**GENRM_ENGINE_DEFAULTS, **cfg.genrm_engine_config, **spec.get("engine_config", {})},
+                {**GENRM_SAMPLING_DEFAULTS, **cfg.genrm_sampling_config, **spec.get("sampling_config", {})},
+            )
+    elif cfg.genrm_model_path:
+        num = cfg.genrm_num_gpus if cfg.genrm_num_gpus is not None else cfg.role_gpus("genrm")
+        if num <= 0:
+            raise ConfigError("--genrm-model-path needs GPUs: give --genrm-num-gpus or a 'genrm' entry in --resource")
+        instances[RESERVED_INSTANCE] = GenRMInstance(
+            RESERVED_INSTANCE,
+            cfg.genrm_model_path,
+            num,
+            cfg.genrm_num_gpus_per_engine,
+            {**GENRM_ENGINE_DEFAULTS, **cfg.genrm_engine_config},
+            {**GENRM_SAMPLING_DEFAULTS, **cfg.genrm_sampling_config},
+        )
+    if instances and "genrm" in cfg.resource:
+        total = sum(i.num_gpus for i in instances.values())
+        if cfg.role_gpus("genrm") != total:
+            raise ConfigError(
+                f"--resource genrm has {cfg.role_gpus('genrm')} GPUs, which must equal the sum of the "
+                f"GenRM instances' num_gpus ({total}: "
+                + ", ".join(f"{k}={v.num_gpus}" for k, v in instances.items())
+                + ")"
+            )
+    for inst in instances.values():
+        if inst.num_gpus % inst.num_gpus_per_engine:
+            raise ConfigError(
+                f"GenRM instance {inst.name!r}: num_gpus {inst.num_gpus} is not a multiple of num_gpus_per_engine "
+                f"{inst.num_gpus_per_engine}"
+            )
+        mf = inst.mem_fraction_static
+        if mf is not None and not 0 < mf < 1:
+            raise ConfigError(
+                f"GenRM instance {inst.name!r}: engine_config.mem_fraction_static must be in (0, 1), got {mf}"
+            )
+    return instances
+
+
+def positive_int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{what} must be a positive integer, got {v!r}")
+    return v
+
+
+# ------------------------------------------------------------------ loading
+
+
+_noticed: set = set()  # roles whose notice this process has given
+
+
+def check_resource(resource: dict) -> None:
+    """Validate ``--resource`` and drop the roles that have no effect here (a notice once
+    per process for each)."""
+    for role, spec in list(resource.items()):
+        if role == "critic":
+            raise ConfigError(
+                "--resource: this system trains without a critic (GRPO advantages need none); remove 'critic'"
+            )
+        if role not in ROLES and role not in NO_EFFECT_ROLES:
+            match = difflib.get_close_matches(role, [*ROLES, *NO_EFFECT_ROLES], n=1)
+            hint = f"; did you mean '{match[0]}'?" if match else ""
+            raise ConfigError(f"--resource: unknown role {role!r} (roles: {', '.join(ROLES)}){hint}")
+        ok = (
+            isinstance(spec, list)
+            and len(spec) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in spec)
+        )
+        if not ok:
+            raise ConfigError(
+                f"--resource[{role!r}] must be [num_groups, gpus_per_group] (non-negative integers), got {spec!r}"
+            )
+        if role in NO_EFFECT_ROLES:
+            del resource[role]
+            if role not in _noticed:
+                _noticed.add(role)
+                log.warning(
+                    "--resource %r has no effect here (%s): no GPUs are reserved for it", role, NO_EFFECT_ROLES[role]
+                )
+        elif spec[0] * spec[1] == 0:
+            raise ConfigError(f"--resource[{role!r}] has 0 GPUs; give every role at least one")
+
+
+def check_sampling(cfg: JobConfig) -> None:
+    """Rollout, eval and judge sampling with the engines' own check (SamplingParams.validate):
+    a value no engine can run fails at load time, naming the flag."""
+    from engines.interface import SamplingParams
+
+    for flags, values in (
+        (
+            "--rollout-temperature/--rollout-top-p/--rollout-max-response-len",
+            {
+                "temperature": cfg.rollout_temperature,
+                "top_p": cfg.rollout_top_p,
+                "max_new_tokens": cfg.rollout_max_response_len,
+            },
+        ),
+        ("--eval-temperature/--eval-top-p", {"temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p}),
+    ):
+        try:
+            SamplingParams.from_dict(values)
+        except ValueError as e:
+            raise ConfigError(f"{flags}: {e}") from None
+    for inst in cfg.genrm.values():  # normalizes the judge instances too: errors surface at load time
+        try:
+            SamplingParams.from_dict(inst.sampling_config)
+        except ValueError as e:
+            raise ConfigError(f"GenRM instance {inst.name!r}: sampling_config (--genrm-sampling-config): {e}") from None
