@@ -44,5 +44,5 @@ def test_every_relay_variable_the_code_names_is_in_the_table_and_the_docs():
                     with open(os.path.join(dirpath, f)) as fh:
                         named |= set(re.findall(r"[\"'](RELAY_[A-Z_]+)[\"'=]", fh.read()))
     assert named <= known, named - known
-    with open(os.path.join(ROOT, "docs", "relay.md")) as f:
+    with open(os.path.join(ROOT, "docs/relay.md")) as f:
         assert markdown_table() in f.read()
