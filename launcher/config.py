@@ -1,5 +1,5 @@
 """The job's typed configuration: YAML (torchrun_configs/*.yaml) plus command-line overrides
-that use the seed's flag names (``--resource``, ``--genrm-instances``, ...).
+that use the original system's flag names (``--resource``, ``--genrm-instances``, ...).
 
 Precedence: dataclass defaults < YAML < flags. ``${VAR}`` (or ``${VAR:-default}``) in YAML
 strings is replaced from the environment. An unknown key or flag is an error naming the
@@ -236,7 +236,7 @@ class JobConfig:
 
     @property
     def genrm(self) -> dict[str, GenRMInstance]:
-        """Judge instances, normalized as the seed does (see :func:`resolve_genrm_instances`)."""
+        """Judge instances, normalized as the original system does (see :func:`resolve_genrm_instances`)."""
         cached = self.__dict__.get("_genrm")
         if cached is None:
             cached = resolve_genrm_instances(self)

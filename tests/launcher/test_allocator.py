@@ -1,4 +1,4 @@
-"""The allocator: the seed's layouts and errors, and properties over random inputs."""
+"""The allocator: the original system's layouts and errors, and properties over random inputs."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_defer_swap_detection_and_rejections():
         )
 
 
-def test_the_seed_error_for_other_colocate_allocations():
+def test_the_original_systems_error_for_other_colocate_allocations():
     with pytest.raises(PlanError) as info:
         plan(resource={"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 2]}, colocate=True, genrm_model_path="/j")
     assert str(info.value) == (
@@ -218,7 +218,7 @@ def test_accepted_plans_fit_do_not_overlap_and_respect_nodes(kw):
                 "Insufficient GPU resources",
             )
         ), text
-        # ... and the seed's colocate rule is exactly what is enforced.
+        # ... and the original system's colocate rule is exactly what is enforced.
         if "GPU allocation must satisfy" in text:
             r, g, a = kw["resource"]["rollout"][1], kw["resource"].get("genrm", [0, 0])[1], kw["resource"]["actor"][1]
             assert not (r + g == a or r == g == a)
