@@ -32,7 +32,9 @@ STARTUP_GRACE = 20.0
 class HeartbeatMonitor:
     """Acks beats and reports processes gone silent, on a thread of its own."""
 
-    def __init__(self, ctx: zmq.Context, address: str, on_lost: Callable[[str, str], None]):
+    def __init__(self, ctx: zmq.Context, address: str, on_lost: Callable[[str, str], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self._clock = clock  # monotonic seconds (tests drive the state machine with their own)
         self._thread = threading.Thread(target=self._run, name="relay-heartbeat-monitor", daemon=True)
         self.address = address
         self._ctx = ctx
@@ -55,7 +57,7 @@ class HeartbeatMonitor:
         """Expect beats from ``proc_id``: one within ``timeout + grace`` (start-up), then
         one every ``timeout``. A beat already received counts (the process beat first)."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             seen = self._seen_at.get(proc_id)
             if seen is not None:
                 self._deadline[proc_id] = seen + self._timeout
@@ -86,7 +88,7 @@ class HeartbeatMonitor:
         sock.bind(self.address)
         self._ready.set()
         poll_ms = max(10, int(self._interval * 1000 / 2))
-        last = time.monotonic()
+        last = self._clock()
         try:
             while not self._halt.is_set():
                 if sock.poll(poll_ms):
@@ -96,31 +98,52 @@ class HeartbeatMonitor:
                         except zmq.Again:
                             break
                         self._beat(sock, frames)
-                now = time.monotonic()
+                now = self._clock()
                 lag = now - last - poll_ms / 1000
                 last = now
-                lost = []
-                with self._lock:
-                    if lag > self._interval:  # we were not scheduled: do not blame the workers
-                        for k in self._deadline:
-                            self._deadline[k] += lag
-                    for proc_id, deadline in list(self._deadline.items()):
-                        if now > deadline:
-                            last_beat = self._last.pop(proc_id, None)
-                            since = self._since.pop(proc_id, now)
-                            del self._deadline[proc_id]
-                            if last_beat is None:
-                                why = f"sent no heartbeat in the {now - since:.1f} s since it was started"
-                            else:
-                                why = f"missed heartbeats for {now - last_beat:.1f} s (dead, hung or unreachable)"
-                            bad = self._unverified.pop(proc_id, 0)
-                            if bad:
-                                why += f" ({bad} beats naming it failed authentication)"
-                            lost.append((proc_id, why))
-                for proc_id, why in lost:
+                if lag > self._interval:  # we were not scheduled: do not blame the workers
+                    self.postpone(lag)
+                for proc_id, why in self.expired():
                     self._on_lost(proc_id, why)
         finally:
             sock.close(0)
+
+    def postpone(self, seconds: float) -> None:
+        """Move every deadline ``seconds`` later (the monitor itself was not running)."""
+        with self._lock:
+            for proc_id in self._deadline:
+                self._deadline[proc_id] += seconds
+
+    def record_beat(self, proc_id: str) -> None:
+        """A verified beat from ``proc_id`` now (also before :meth:`watch`: a remote process
+        may beat first)."""
+        with self._lock:
+            now = self._clock()
+            self._seen_at[proc_id] = now
+            if proc_id in self._deadline:
+                self._deadline[proc_id] = now + self._timeout
+                self._last[proc_id] = now
+
+    def expired(self) -> list[tuple[str, str]]:
+        """The watched processes past their deadline now, each with why; each is reported
+        once (it is no longer watched)."""
+        lost = []
+        with self._lock:
+            now = self._clock()
+            for proc_id, deadline in list(self._deadline.items()):
+                if now > deadline:
+                    last_beat = self._last.pop(proc_id, None)
+                    since = self._since.pop(proc_id, now)
+                    del self._deadline[proc_id]
+                    if last_beat is None:
+                        why = f"sent no heartbeat in the {now - since:.1f} s since it was started"
+                    else:
+                        why = f"missed heartbeats for {now - last_beat:.1f} s (dead, hung or unreachable)"
+                    bad = self._unverified.pop(proc_id, 0)
+                    if bad:
+                        why += f" ({bad} beats naming it failed authentication)"
+                    lost.append((proc_id, why))
+        return lost
 
     def _beat(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         if len(frames) != 3 or not self._signer.verify(frames[1], frames[2]):
@@ -138,12 +161,7 @@ class HeartbeatMonitor:
         except Exception:
             self.dropped += 1
             return
-        with self._lock:
-            now = time.monotonic()
-            self._seen_at[proc_id] = now  # also before watch(): a remote process may beat first
-            if proc_id in self._deadline:
-                self._deadline[proc_id] = now + self._timeout
-                self._last[proc_id] = now
+        self.record_beat(proc_id)
         ack = msgpack.packb(["ack"])
         try:
             sock.send_multipart([frames[0], self._signer.sign(ack), ack], zmq.NOBLOCK)

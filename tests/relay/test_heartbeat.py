@@ -53,21 +53,55 @@ def test_a_beat_before_watch_counts(monitor):
     assert lost[0][2] - t0 < 2  # not after the 30 s grace
 
 
-def test_regular_beats_keep_a_process_alive_and_silence_is_reported_once(monitor):
-    mon, beat, lost = monitor
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def by_hand(monkeypatch):
+    """A monitor driven by hand: its own clock, no thread, no socket (timeout 0.5 s)."""
+    monkeypatch.setenv("RELAY_HEARTBEAT_INTERVAL", "0.05")
+    monkeypatch.setenv("RELAY_HEARTBEAT_TIMEOUT", "0.5")
+    clock = FakeClock()
+    return HeartbeatMonitor(zmq.Context.instance(), "inproc://unused", lambda p, why: None, clock=clock), clock
+
+
+def test_regular_beats_keep_a_process_alive_and_silence_is_reported_once(by_hand):
+    mon, clock = by_hand
     mon.watch("w0")
-    end = time.monotonic() + 1.5
-    while time.monotonic() < end:  # three timeouts' worth of regular beats
-        beat("w0")
-        time.sleep(0.05)
-    assert lost == []
-    time.sleep(1.2)
-    assert [p for p, _, _ in lost] == ["w0"]
-    mon.unwatch("w0")
+    for _ in range(30):  # three timeouts' worth of regular beats
+        clock.now += 0.05
+        mon.record_beat("w0")
+        assert mon.expired() == []
+    clock.now += 0.5  # exactly the timeout: not yet
+    assert mon.expired() == []
+    clock.now += 0.01
+    (lost,) = mon.expired()
+    assert lost[0] == "w0" and "missed heartbeats for 0.5 s" in lost[1]
+    clock.now += 10
+    assert mon.expired() == []  # reported once
 
 
-def test_no_beat_at_all_is_reported_after_the_grace(monitor):
-    mon, beat, lost = monitor
+def test_no_beat_at_all_is_reported_after_the_grace(by_hand):
+    mon, clock = by_hand
     mon.watch("never", grace=0.2)
-    time.sleep(1.5)
-    assert lost and "sent no heartbeat" in lost[0][1]
+    clock.now += 0.7  # timeout + grace
+    assert mon.expired() == []
+    clock.now += 0.01
+    (lost,) = mon.expired()
+    assert lost[0] == "never" and "sent no heartbeat in the 0.7 s since it was started" in lost[1]
+
+
+def test_a_monitor_that_was_not_running_postpones_every_deadline(by_hand):
+    mon, clock = by_hand
+    mon.watch("w1")
+    mon.record_beat("w1")
+    clock.now += 5  # the monitor's own thread was not scheduled for 5 s
+    mon.postpone(5)
+    assert mon.expired() == []
+    clock.now += 0.51
+    assert [p for p, _ in mon.expired()] == ["w1"]
