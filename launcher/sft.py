@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 from .agent import WorkerInfo
 from .allocator import Plan
 from .config import JobConfig
 from .data import PromptOrder, Row, load_rows, prompt_ids
 from .metrics import MetricsLog
+from .rl.timing import PhaseTimer
 from .rl.trainer_group import TrainerGroup, attach_claim
 
 
@@ -77,14 +77,15 @@ class SFTJob:
         order = PromptOrder(self.rows, cfg.seed)
         log = MetricsLog(self.run_dir, self.steps, self.out)
         rec: dict = {}
-        t0 = time.monotonic()
+        timer = PhaseTimer()
+        t0 = timer.clock()
         try:
             for step in range(self.steps):
-                t = time.monotonic()
-                stats = await self._per_dp("sft_step", order.batch(step, cfg.global_batch_size))
+                timer.begin_step()
+                with timer.phase("train"):
+                    stats = await self._per_dp("sft_step", order.batch(step, cfg.global_batch_size))
                 rec = {"kind": "sft", "step": step, "train/loss": sum(s["loss"] for s in stats) / len(stats),
-                       "train/grad_norm": stats[0]["grad_norm"], "train/lr": stats[0]["lr"],
-                       "time/step": time.monotonic() - t}
+                       "train/grad_norm": stats[0]["grad_norm"], "train/lr": stats[0]["lr"], **timer.metrics()}
                 last = step == self.steps - 1
                 if self.eval_rows and (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):
                     rec["eval/accuracy"] = await self.evaluate()
@@ -94,7 +95,7 @@ class SFTJob:
         finally:
             log.close()
         await self.save()
-        rec["time/total"] = time.monotonic() - t0
+        rec["time/total"] = timer.clock() - t0
         accuracy = f"; held-out accuracy {rec['eval/accuracy']:.3f}" if "eval/accuracy" in rec else ""
         print(f"sft: {self.steps} steps in {rec['time/total']:.1f} s; wrote {self.save_to}{accuracy}",
               file=self.out, flush=True)
