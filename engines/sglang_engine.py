@@ -166,23 +166,23 @@ class SGLangEngine(Engine):
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
         if self._asleep:
             raise RuntimeError(f"{self.name}: asleep ({sorted(self._asleep)}); wake it before generating")
-        sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
-        sp.validate()
+        request_sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        request_sampling.validate()
         params = {
-            "temperature": sp.temperature,
-            "top_p": sp.top_p,
-            "top_k": sp.top_k,
-            "max_new_tokens": sp.max_new_tokens,  # always sent: the server's default is 128
-            "ignore_eos": sp.ignore_eos,
+            "temperature": request_sampling.temperature,
+            "top_p": request_sampling.top_p,
+            "top_k": request_sampling.top_k,
+            "max_new_tokens": request_sampling.max_new_tokens,  # always sent: the server's default is 128
+            "ignore_eos": request_sampling.ignore_eos,
             "no_stop_trim": False,
             "skip_special_tokens": True,
         }
-        if sp.stop:
-            params["stop"] = list(sp.stop)
-        if sp.stop_token_ids:
-            params["stop_token_ids"] = list(sp.stop_token_ids)
-        if sp.seed is not None:
-            params["sampling_seed"] = sp.seed
+        if request_sampling.stop:
+            params["stop"] = list(request_sampling.stop)
+        if request_sampling.stop_token_ids:
+            params["stop_token_ids"] = list(request_sampling.stop_token_ids)
+        if request_sampling.seed is not None:
+            params["sampling_seed"] = request_sampling.seed
         self._rid += 1
         body = {
             "rid": f"{self.name}-{self._rid}",

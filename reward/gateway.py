@@ -198,12 +198,12 @@ class Gateway:
             reason = "nested too deeply" if isinstance(e, RecursionError) else short_repr(str(e), 160)
             return _error(f"Invalid request body: not JSON ({reason})")
         try:
-            messages, sp, rk = validate_request(body)
+            messages, sampling_params, route_key = validate_request(body)
         except ValueError as e:
             self._count("invalid_request")
             return _error(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
         try:
-            text = await asyncio.wait_for(self.service.submit(messages, sp, rk), self.timeout)
+            text = await asyncio.wait_for(self.service.submit(messages, sampling_params, route_key), self.timeout)
         except JudgeAsleep as e:
             self._count("asleep")
             return _error(str(e), 503, {"Retry-After": "1"})

@@ -118,14 +118,14 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------------ requests (asyncio side)
 
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
-        sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
-        sp.validate()
+        request_sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        request_sampling.validate()
         ids = encode_prompt(self.tokenizer, self.cfg.vocab_size, prompt, chat_template_kwargs)
-        need = len(ids) + sp.max_new_tokens
+        need = len(ids) + request_sampling.max_new_tokens
         capacity = self.blocks.num_blocks * self.block_size
         if need > capacity:
             raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_new_tokens "
-                             f"{sp.max_new_tokens}) but the engine holds {capacity}")
+                             f"{request_sampling.max_new_tokens}) but the engine holds {capacity}")
         if need > self.cfg.max_position_embeddings:
             raise ValueError(f"request of {need} tokens exceeds the model's "
                              f"{self.cfg.max_position_embeddings} positions")
@@ -137,10 +137,10 @@ class TorchEngine(Engine):
             raise EngineFailed(f"{self.name}: the engine failed and serves no more requests: {self._failed!r}")
         loop = asyncio.get_running_loop()
         gen = None
-        if sp.seed is not None:
+        if request_sampling.seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(sp.seed)
-        seq = Sequence(self._next_rid, ids, sp, loop.create_future(), loop, gen)
+            gen.manual_seed(request_sampling.seed)
+        seq = Sequence(self._next_rid, ids, request_sampling, loop.create_future(), loop, gen)
         self._next_rid += 1
         self.scheduler.add(seq)
         self._ensure_loop()

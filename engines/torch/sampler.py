@@ -57,20 +57,20 @@ class Sampler:
         return tok, logp
 
     @staticmethod
-    def _sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
+    def _sample(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
         """One row: greedy, or drawn after top-k / top-p truncation (with ``gen`` if seeded)."""
-        if sp.temperature == 0:
+        if sampling.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             tok = int(torch.argmax(logits))
             return tok, float(logp[tok])
-        logp = torch.log_softmax(logits / sp.temperature, dim=-1)
+        logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
         probs = logp.exp()
-        if sp.top_k > 0 and sp.top_k < probs.numel():
-            kth = torch.topk(probs, sp.top_k).values[-1]
+        if sampling.top_k > 0 and sampling.top_k < probs.numel():
+            kth = torch.topk(probs, sampling.top_k).values[-1]
             probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if sp.top_p < 1.0:
+        if sampling.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < sp.top_p
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[idx[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))
@@ -81,24 +81,24 @@ class Sampler:
         """Whether ``tok`` (just appended) ends ``seq``: eos (unless ignored), a stop token
         id, a stop string, or the length limit. Sets its finish reason (and, for a stop
         string, the text before the string's first occurrence)."""
-        sp = seq.sampling
-        if (not sp.ignore_eos and tok in self.eos) or tok in sp.stop_token_ids:
+        sampling = seq.sampling
+        if (not sampling.ignore_eos and tok in self.eos) or tok in sampling.stop_token_ids:
             seq.finish_reason = "stop"
             return True
-        if sp.stop:
+        if sampling.stop:
             # A stop string completed by this token lies within the last few tokens (a token
             # is at least one byte; a character at most 4): decode only that tail each step,
             # and the whole output once one matches (to cut at its first occurrence).
-            window = 4 * max(len(s) for s in sp.stop) + 4
+            window = 4 * max(len(s) for s in sampling.stop) + 4
             tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=True)
-            if any(s and s in tail for s in sp.stop):
+            if any(s and s in tail for s in sampling.stop):
                 text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-                hits = [text.find(s) for s in sp.stop if s and s in text]
+                hits = [text.find(s) for s in sampling.stop if s and s in text]
                 if hits:
                     seq.finish_reason = "stop"
                     seq.text_before_stop = text[: min(hits)]
                     return True
-        if len(seq.output) >= sp.max_new_tokens:
+        if len(seq.output) >= sampling.max_new_tokens:
             seq.finish_reason = "length"
             return True
         return False
