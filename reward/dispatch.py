@@ -28,6 +28,7 @@ from .metrics import Metrics
 log = logging.getLogger("relay.judge")
 
 MAX_ENGINE_BATCH = 128  # requests per relay message to one engine
+ENGINE_CALL_TIMEOUT = 1800.0  # seconds: an engine call still unanswered then is retried on another engine
 
 
 @dataclass(eq=False)
@@ -168,7 +169,7 @@ class EnginePool:
         try:
             results = await slot.mesh.generate_rendered.call_one(
                 [[job.prompt, job.sampling, job.tag] for job in batch]
-            ).result()
+            ).result(ENGINE_CALL_TIMEOUT)
             if len(results) != len(batch):
                 raise ValueError(f"the engine answered {len(results)} results for {len(batch)} requests")
         except (SupervisionError, CallTimeout, ConnectionError) as e:

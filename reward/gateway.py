@@ -203,7 +203,8 @@ class Gateway:
             self._count("invalid_request")
             return _error(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
         try:
-            text = await asyncio.wait_for(self.service.submit(messages, sampling_params, route_key), self.timeout)
+            answer = self.service.submit(messages, sampling_params, route_key, checked=True)  # checked above
+            text = await asyncio.wait_for(answer, self.timeout)
         except JudgeAsleep as e:
             self._count("asleep")
             return _error(str(e), 503, {"Retry-After": "1"})

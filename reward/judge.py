@@ -157,13 +157,20 @@ class JudgeService(Actor):
         return await self.submit(messages, sampling_params, route_key)
 
     def submit(
-        self, messages: list, sampling_params: dict | None = None, route_key: str | None = None
+        self,
+        messages: list,
+        sampling_params: dict | None = None,
+        route_key: str | None = None,
+        *,
+        checked: bool = False,
     ) -> asyncio.Future:
         """In this process (the HTTP gateway): admit one request now (its errors raise here)
         and return the future of its response text. Rendering happens here too, or off the
         event loop for a request with much text (its errors then come with the future).
-        Cancelling the future cancels the request, in its engine too."""
-        check_request(messages, sampling_params, route_key)
+        Cancelling the future cancels the request, in its engine too. ``checked``: the caller
+        already ran :func:`reward.protocol.check_request` on it (the HTTP gateway)."""
+        if not checked:
+            check_request(messages, sampling_params, route_key)
         admitted = self._admit(sampling_params, route_key)
         if message_chars([messages]) <= INLINE_RENDER_CHARS:
             return self._judge(admitted, admitted.instance.template.render([messages], admitted.template_kwargs)[0])

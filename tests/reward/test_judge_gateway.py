@@ -48,6 +48,14 @@ async def start(judge_model, instances=("__default__",), token=None):
     return procs, engines, judge, judge_procs, f"http://127.0.0.1:{port}"
 
 
+def _with_secret() -> dict:
+    """This process's environment with its relay secret exported (a client process needs it)."""
+    import relay
+
+    relay.job_secret()  # settles and exports this process's secret
+    return dict(os.environ)
+
+
 def test_generate_health_metrics_and_sleeping_judge(judge_model):
     async def main():
         procs, engines, judge, judge_procs, url = await start(judge_model)
@@ -225,7 +233,8 @@ def test_route_keys_token_and_zmq_client_from_another_process(judge_model):
             """
         )
         out = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+            subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+            env=_with_secret()
         )
         assert out.returncode == 0, out.stderr
         got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -337,7 +346,8 @@ def test_callers_that_leave_have_their_engine_work_aborted(judge_model):
                 asyncio.run(main())
             """)
             out = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+                subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+            env=_with_secret()
             )
             assert out.returncode == 0, out.stderr
             after_zmq = await settled(2)
