@@ -407,18 +407,14 @@ async def start_judge_service(specs: dict, timeout: float = 300.0, **kwargs) -> 
     return judge, procs
 
 
-_frozen: list = []
-
-
 def freeze_startup_objects() -> None:
     """Move the objects alive now (torch, transformers, tokenizers) out of the collector's
     view: a full collection over them stalls the event loop of the process serving judge
     requests. They are handed back at exit, so that the interpreter's teardown still
-    collects them."""
+    collects them. Calling it again freezes what is alive then; the hand-back stays one."""
     gc.freeze()
-    if not _frozen:
-        _frozen.append(True)
-        atexit.register(gc.unfreeze)
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
 
 
 def _within_fd_limit(limits):

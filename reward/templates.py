@@ -86,20 +86,69 @@ def message_chars(conversations: list) -> int:
 
 
 def _compiled_template(tokenizer, kwargs: dict) -> tuple | None:
-    """The tokenizer's chat template compiled by transformers, with the variables
-    ``apply_chat_template`` would give it (special tokens, then ``kwargs``); None when this
-    transformers does not offer them or the template cannot be had."""
-    try:
-        from transformers.utils.chat_template_utils import (
-            _compile_jinja_template,
-            _plain_template_data,
-        )
+    """The tokenizer's chat template compiled in a sandbox set up as transformers sets up its
+    own (trim/lstrip blocks, loop controls, ``tojson``, ``raise_exception``, ``strftime_now``),
+    with the variables ``apply_chat_template`` gives it (special tokens, then ``kwargs``).
 
-        return _compile_jinja_template(tokenizer.get_chat_template()), _plain_template_data(
-            {**tokenizer.special_tokens_map, **kwargs}
-        )
+    Used only where it provably agrees with ``apply_chat_template``: probe conversations are
+    rendered both ways at start-up, and any difference (or a template this environment cannot
+    compile, such as one with ``{% generation %}`` blocks) gives None: every request then goes
+    through ``apply_chat_template``."""
+    try:
+        template = _sandbox().from_string(tokenizer.get_chat_template())
+        variables = _plain_json({**tokenizer.special_tokens_map, **kwargs})
+        for conversation in _PROBES:
+            fast = template.render(
+                messages=conversation, tools=None, documents=None, add_generation_prompt=True, **variables
+            )
+            general = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+            if fast != general:
+                return None
+        return template, variables
     except Exception:  # noqa: BLE001 - no fast path; the general one reports real errors
         return None
+
+
+_PROBES = (
+    [{"role": "user", "content": "What is 1 + 1?"}],
+    [
+        {"role": "system", "content": "Judge strictly."},
+        {"role": "user", "content": "x = \\frac{1}{2}"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "ünïcode \"quoted\" <tag>"},
+    ],
+)
+
+
+def _sandbox():
+    import json
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _plain_json(value):
+    """``value`` rebuilt from plain JSON types (special tokens may be rich token objects)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    return str(value)
 
 
 def _template_reads(tokenizer, compiled: tuple | None) -> frozenset:

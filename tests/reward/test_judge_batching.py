@@ -509,3 +509,22 @@ def test_an_engine_that_cannot_go_on_leaves_dispatch_at_once(judge_model):
     h = health["__default__"]
     assert h["status"] == "unhealthy" and "CUDA error" in h["error"] and "available" not in h
     assert metrics["__default__"]["engines_down"] == 1
+
+
+def test_a_template_the_sandbox_cannot_match_renders_through_apply_chat_template(judge_model):
+    """A template with transformers-only tags ({% generation %}) has no compiled fast path;
+    its prompts still come out exactly as apply_chat_template renders them."""
+    from transformers import AutoTokenizer
+
+    from reward.templates import ChatTemplate
+
+    tok = AutoTokenizer.from_pretrained(judge_model)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    template = ChatTemplate.of(tok, {})
+    assert template.compiled is None
+    convs = [MSG, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]]
+    expected = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+    assert template.render(convs, template.kwargs) == expected
