@@ -210,6 +210,21 @@ class JobConfig:
     resume: bool = _opt(
         False, help="continue from the latest checkpoint in --run-dir (same data order and step numbers)"
     )
+    use_fault_tolerance: bool = _opt(
+        False,
+        help="survive failures: a dead rollout or judge engine is rebuilt (rollout engines with the trainer's current "
+        "weights) and the step goes on; a dead trainer worker, node agent or controller restarts the job from its "
+        "last checkpoint, at most --max-global-restart times (docs/failures.md)",
+    )
+    use_health_check: bool = _opt(
+        False,
+        help="the original system's switch for restarting the job after a failure: here the same as "
+        "--use-fault-tolerance (heartbeats are always on: RELAY_HEARTBEAT_*)",
+    )
+    max_global_restart: int = _opt(
+        3, help="with --use-fault-tolerance: restarts of the whole job from its last checkpoint before it stops",
+        minimum=0,
+    )
     sft_steps: int | None = _opt(
         None, help="relay sft: optimizer steps (default: one pass over --prompt-data)", minimum=1
     )
@@ -220,6 +235,11 @@ class JobConfig:
     seed: int = _opt(1234, help="random seed")
 
     # ------------------------------------------------------------------ derived values
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """Failures are survived (see ``use_fault_tolerance``)."""
+        return self.use_fault_tolerance or self.use_health_check
 
     def role_gpus(self, role: str) -> int:
         """GPUs of ``role`` from --resource (num_groups * gpus_per_group); 0 if absent."""
