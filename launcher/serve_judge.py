@@ -8,6 +8,11 @@ names, else a new one each start, written to ``${XDG_CACHE_HOME:-~/.cache}/relay
 judge-<port>.secret`` (mode 0600, removed at a clean stop). It says which, and how a
 client gets it, when ready.
 
+An engine whose process dies is replaced: the service serves on the others meanwhile (its
+health says ``"degraded": true``), a new process loads the model again and takes the dead
+engine's place (at most ``RESPAWNS`` times per engine; docs/failures.md). The service's own
+process dying stops the judge (exit 1).
+
 A judge model path that does not exist yet and sits under the cache directory (the tiny
 configs' ``${RELAY_CACHE:-.cache}/models/tiny-judge``) is built on first use (a tiny random
 Qwen3 with a local tokenizer: no download) and reused afterwards.
@@ -19,6 +24,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 import relay
 from engines.actor import EngineActor
@@ -28,6 +34,84 @@ from relay import job_secret, read_secret_file, write_secret_file
 from reward.judge import start_judge_service
 
 SECRET_ENV, SECRET_FILE_ENV = "RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE"
+RESPAWNS = 5  # new engines one engine slot gets before it is left down
+ENGINE_LOAD_TIMEOUT = 600.0
+
+
+class JudgeEngines:
+    """The judge's engines, one process each, and their replacement when one dies.
+
+    :meth:`on_failure` is the root's fault hook while the judge runs: the failure of an
+    engine process starts a replacement (:meth:`respawn`); any other goes to ``fallback``
+    (the default hook: report, stop everything, exit 1)."""
+
+    def __init__(self, cfg: JobConfig, fallback, out=sys.stdout):
+        self.cfg = cfg
+        self.fallback = fallback
+        self.out = out
+        self.procs: dict[str, tuple[str, int]] = {}  # an engine process's id -> (instance, index)
+        self.meshes: list = []  # every process mesh started, to stop at the end
+        self.respawns: dict[tuple[str, int], int] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.service = None  # the JudgeService mesh, once started
+        self.closing = False
+
+    def start(self, name: str, index: int):
+        """Spawn engine ``index`` of instance ``name`` in a new process; returns its mesh
+        (await ``initialized``)."""
+        inst = self.cfg.genrm[name]
+        path = ensure_model(inst.model_path)
+        procs = relay.this_host().spawn_procs(per_host={"engines": 1}, name=f"judge-{name}-{index}".replace("_", ""))
+        kw: dict = {"weights_mode": "backup"}
+        if self.cfg.device == "cpu":
+            kw["kv_cache_tokens"] = int(inst.engine_config.get("kv_cache_tokens", 8192))
+        else:
+            kw.update(device="cuda", mem_fraction_static=inst.mem_fraction_static or 0.8)
+        self.meshes.append(procs)
+        self.procs[procs.procs[0].proc_id] = (name, index)
+        return procs.spawn("engine", EngineActor, path, self.cfg.engine, **kw)
+
+    def on_failure(self, failure) -> None:
+        if self.closing:
+            return
+        where = self.procs.pop(failure.proc_id, None)
+        if where is None or self.service is None:
+            self.fallback(failure)
+            return
+        task = asyncio.get_running_loop().create_task(self.respawn(*where, failure))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def respawn(self, name: str, index: int, failure) -> None:
+        """Replace engine ``index`` of ``name`` (its process died with ``failure``)."""
+        count = self.respawns[(name, index)] = self.respawns.get((name, index), 0) + 1
+        if count > RESPAWNS:
+            print(f"relay judge: engine {index} of {name!r} died again ({failure.reason}); it was replaced "
+                  f"{RESPAWNS} times already and stays down", file=sys.stderr, flush=True)
+            return
+        print(f"relay judge: engine {index} of {name!r} died ({failure.reason}); serving on the others while "
+              f"a new one loads", file=self.out, flush=True)
+        t0 = time.monotonic()
+        try:
+            engine = self.start(name, index)
+            await engine.initialized(ENGINE_LOAD_TIMEOUT)
+            await self.service.replace_engine.call_one(name, index, engine).result(60)
+        except Exception as e:  # noqa: BLE001 - reported; the slot stays down
+            print(f"relay judge: the new engine {index} of {name!r} did not start: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return
+        print(f"relay judge: engine {index} of {name!r} is back ({time.monotonic() - t0:.1f} s)",
+              file=self.out, flush=True)
+
+    async def stop(self) -> None:
+        """Stop every engine (replacements under way are abandoned) and hand the fault hook back."""
+        self.closing = True
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for procs in self.meshes:
+            await procs.stop()
+        relay.set_unhandled_fault_hook(self.fallback)
 
 
 def secret_file_path(port: int) -> str:
@@ -78,33 +162,26 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     except ValueError as e:
         print(f"relay judge: {e}", file=sys.stderr)
         return 2
-    specs, meshes = {}, []
+    engines = JudgeEngines(cfg, relay.set_unhandled_fault_hook(lambda f: engines.on_failure(f)))
+    specs = {}
     for name, inst in cfg.genrm.items():
-        path = ensure_model(inst.model_path)
         n_engines = inst.num_gpus // inst.num_gpus_per_engine
-        procs = relay.this_host().spawn_procs(per_host={"engines": n_engines}, name=f"judge-{name}".replace("_", ""))
-        kw = {"weights_mode": "backup"}
-        if cfg.device == "cpu":
-            kw["kv_cache_tokens"] = int(inst.engine_config.get("kv_cache_tokens", 8192))
-        else:
-            kw.update(device="cuda", mem_fraction_static=inst.mem_fraction_static or 0.8)
-        engines = procs.spawn("engine", EngineActor, path, cfg.engine, **kw)
-        meshes.append(procs)
+        started = [engines.start(name, i) for i in range(n_engines)]
         specs[name] = {
-            "model_path": path,
+            "model_path": ensure_model(inst.model_path),
             "num_gpus": inst.num_gpus,
             "sampling_config": inst.sampling_config,
-            "engines": [engines.slice(engines=i) for i in range(n_engines)],
+            "engines": started,
         }
-        await engines.initialized(600)
+        await asyncio.gather(*(e.initialized(ENGINE_LOAD_TIMEOUT) for e in started))
     judge, judge_procs = await start_judge_service(specs, 600)
-    meshes.append(judge_procs)
+    engines.service = judge
     try:
         port = await judge.serve_http.call_one(host, port, token, cfg.gateway_limits()).result(60)
     except relay.ActorError as e:
         print(f"relay judge: {e.exception}", file=sys.stderr)
-        for procs in meshes:
-            await procs.stop()
+        await engines.stop()
+        await judge_procs.stop()
         return 2
     secret_path = detail if secret_source == "file" else ""
     if secret_source == "generated":
@@ -123,8 +200,8 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for procs in meshes:
-        await procs.stop()
+    await engines.stop()
+    await judge_procs.stop()
     if secret_source == "generated":
         _remove_secret_file(secret_path, detail)
     print("judge stopped", flush=True)

@@ -8,8 +8,8 @@
 One client per process and event loop (``get_genrm_client`` caches it). Errors are typed:
 :class:`~reward.errors.JudgeAsleep` at once while the judge sleeps (no waiting on a sleeping
 judge), ``ValueError`` / :class:`~reward.errors.UnknownRouteKey` for bad requests (never
-retried), :class:`~reward.errors.JudgeEngineError` when an engine step failed the request
-(not retried: a request that breaks steps must not be sent again and again),
+retried), :class:`~reward.errors.JudgeEngineError` when engine steps failed the request in
+all the service's attempts (3, with backoff; not retried again here),
 :class:`~reward.errors.JudgeUnavailable` after bounded retries of transport failures.
 Cancelling a call (its task) cancels the request in the service and in its engine. Outside
 a job, pass ``address`` and give the process the judge's secret (``RELAY_JOB_SECRET``, or

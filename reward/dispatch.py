@@ -3,11 +3,15 @@
 Least-loaded choice among the working engines, at most ``cap`` requests in flight each (the
 rest wait in the engine's queue and go as answers come back); the requests bound for one
 engine in one event-loop turn travel as one ``generate_rendered`` relay call (at most
-``MAX_ENGINE_BATCH``). A transport failure or an engine that reports it cannot go on sends
-each of its requests once more to another engine; an engine whose process is gone or that
-failed for good leaves dispatch at once (it would answer fastest, so least-loaded choice
-would prefer it). A caller that gives up has its request dropped from the queue or
-cancelled in its engine.
+``MAX_ENGINE_BATCH``). A request that fails not by its own fault (a transport failure, an
+engine whose process is gone or that cannot go on, a failed engine step) is tried again, at
+most ``ATTEMPTS`` times in all, ``RETRY_BACKOFF * attempt`` seconds later, on an engine it has
+not failed on when there is one (the original system's policy: 3 attempts, 0.3 s steps); a
+request the engine refuses (its sampling, its length) is never retried. An engine whose
+process is gone or that failed for good leaves dispatch at once (it would answer fastest,
+so least-loaded choice would prefer it) until :meth:`EnginePool.replace` puts a new one in
+its place. A caller that gives up has its request dropped from the queue or cancelled in
+its engine.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engines.interface import EngineFailed, GenerateResult
+from engines.interface import EngineFailed, EngineStepError, GenerateResult
 from relay import ActorError, CallTimeout, SupervisionError
 
 from .errors import JudgeEngineError, JudgeUnavailable
@@ -29,6 +33,8 @@ log = logging.getLogger("relay.judge")
 
 MAX_ENGINE_BATCH = 128  # requests per relay message to one engine
 ENGINE_CALL_TIMEOUT = 1800.0  # seconds: an engine call still unanswered then is retried on another engine
+ATTEMPTS = 3  # tries of one request, the first included
+RETRY_BACKOFF = 0.3  # seconds times the attempt number before a request is tried again
 
 
 @dataclass(eq=False)
@@ -42,6 +48,7 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     tag: str = ""  # names it to its engine, to cancel it there when its caller leaves
     tried: set = field(default_factory=set)  # engines that failed it not by its own fault
+    attempts: int = 0  # tries that failed not by its own fault
     engine: int = -1  # the engine it runs on, while it runs there
 
 
@@ -82,6 +89,12 @@ class EnginePool:
         job.tag = f"{next(self._tags):x}"
         job.future.add_done_callback(lambda f: self._cancelled(job) if f.cancelled() else None)
         self._dispatch(job)
+
+    def replace(self, i: int, mesh) -> None:
+        """A new engine takes slot ``i`` (its predecessor died): it joins dispatch at once."""
+        self.slots[i] = EngineSlot(mesh)
+        self.metrics.inc(self.name, "engines_replaced")
+        log.warning("GenRM instance %r: engine %d is back in dispatch (a new engine)", self.name, i)
 
     def engine_down(self, i: int, reason: str) -> None:
         """Engine ``i`` cannot serve: it leaves dispatch at once, and its queue goes to the others."""
@@ -146,24 +159,35 @@ class EnginePool:
             slot.in_flight += len(batch)
             loop.create_task(self._call(i, batch))
 
-    def _retry_elsewhere(self, i: int, job: Job, error) -> None:
-        """``job`` failed on engine ``i`` not by its own fault: once more on another engine."""
+    def _retry(self, i: int, job: Job, error) -> None:
+        """``job`` failed on engine ``i`` not by its own fault: again after a backoff,
+        preferring another engine, or its final error after ``ATTEMPTS`` tries (a failed
+        step: JudgeEngineError, 502; anything else: JudgeUnavailable, 503)."""
         job.engine = -1
         job.tried.add(i)
-        if len(job.tried) < 2:
-            self._dispatch(job)
+        job.attempts += 1
+        if job.attempts < ATTEMPTS:
+            self.metrics.inc(self.name, "retries")
+            asyncio.get_running_loop().call_later(RETRY_BACKOFF * job.attempts, self._redispatch, job)
+        elif isinstance(error, EngineStepError):
+            _settle(job, JudgeEngineError(
+                f"GenRM instance {self.name!r}: the engine failed this request {ATTEMPTS} times: {error}"))
         else:
-            _settle(job, JudgeUnavailable(f"GenRM instance {self.name!r}: engines failed ({error})"))
+            _settle(job, JudgeUnavailable(f"GenRM instance {self.name!r}: {ATTEMPTS} attempts failed ({error})"))
+
+    def _redispatch(self, job: Job) -> None:
+        if not job.future.done():  # its caller may have left during the backoff
+            self._dispatch(job)
 
     async def _call(self, i: int, batch: list) -> None:
         """One ``generate_rendered`` call to engine ``i``; settles each job's future.
 
         - The engine's process is gone (or it reports EngineFailed): it leaves dispatch and
-          each job goes once more to another engine; a call timeout retries likewise
-          without removing the engine.
+          each job is retried (:meth:`_retry`); a call timeout retries likewise without
+          removing the engine.
         - The engine refused a request (ValueError, TypeError: its sampling, its length):
-          that request's error (the gateway's 400).
-        - Any other error of a request (a failed step): JudgeEngineError (502).
+          that request's error (the gateway's 400), never retried.
+        - Any other error of a request (a failed step): retried, then JudgeEngineError (502).
         """
         slot = self.slots[i]
         try:
@@ -177,7 +201,7 @@ class EnginePool:
             if not isinstance(e, CallTimeout):
                 self.engine_down(i, f"its process is gone ({e})")
             for job in batch:
-                self._retry_elsewhere(i, job, e)
+                self._retry(i, job, e)
             return
         except ActorError as e:  # the engine raised for the whole call: each request's error
             results = [e.exception] * len(batch)
@@ -202,7 +226,7 @@ class EnginePool:
             return
         if isinstance(result, EngineFailed):
             self.engine_down(i, str(result))
-            self._retry_elsewhere(i, job, result)
+            self._retry(i, job, result)
         elif isinstance(result, GenerateResult):
             self.metrics.inc(self.name, "tokens_in", result.prompt_tokens)
             self.metrics.inc(self.name, "tokens_out", len(result.token_ids))
@@ -215,9 +239,7 @@ class EnginePool:
             job.future.set_exception(ValueError(f"the judge engine refused the request: {result}"))
         else:
             self.metrics.inc(self.name, "errors_engine")
-            job.future.set_exception(
-                JudgeEngineError(f"GenRM instance {self.name!r}: the engine failed this request: {result}")
-            )
+            self._retry(i, job, result if isinstance(result, EngineStepError) else EngineStepError(str(result)))
 
 
 def _settle(job: Job, error: BaseException) -> None:

@@ -22,11 +22,12 @@ class JudgeAsleep(RuntimeError):
 
 @relay.register(name="reward.JudgeUnavailable")
 class JudgeUnavailable(RuntimeError):
-    """The instance has no working engine, or the request failed on two engines in transport
-    (HTTP 503)."""
+    """The instance has no working engine, or every attempt of the request failed in
+    transport (HTTP 503)."""
 
 
 @relay.register(name="reward.JudgeEngineError")
 class JudgeEngineError(RuntimeError):
-    """The engine failed this request (a failed step, not the request's fault: the engine
-    recovered). HTTP 502; not retried automatically."""
+    """Engines failed this request in every attempt (failed steps, not the request's fault:
+    the engines recovered). HTTP 502; the service already tried it ``ATTEMPTS`` times
+    (reward/dispatch.py)."""

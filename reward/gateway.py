@@ -231,8 +231,12 @@ class Gateway:
         out = {"status": "healthy" if healthy else "unhealthy", "service": "genrm"}
         if len(inst) > 1:
             out["instances"] = inst  # each asleep one has "sleeping": true
-        elif any(v.get("sleeping") for v in inst.values()):
-            out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
+        else:
+            (only,) = inst.values()
+            if only.get("sleeping"):
+                out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
+            if only.get("degraded"):  # serving on fewer engines while a dead one is rebuilt
+                out.update(degraded=True, engines_working=only["engines_working"], engines=only["engines"])
         if not healthy:
             out["error"] = "; ".join(
                 f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy"

@@ -330,10 +330,21 @@ class JudgeService(Actor):
         self._resolve(route_key).awake = awake
 
     @endpoint(concurrent=True)
+    async def replace_engine(self, route_key: str | None, index: int, engine) -> None:
+        """A new engine (an ``EngineActor`` mesh, initialized) takes the place of the
+        instance's engine ``index``, whose process died; it serves at once."""
+        pool = self._resolve(route_key).pool
+        if not 0 <= index < len(pool.slots):
+            raise ValueError(f"engine index {index} is out of range: the instance has {len(pool.slots)} engines")
+        pool.replace(index, engine)
+
+    @endpoint(concurrent=True)
     async def health(self) -> dict:
         """Per instance: ``status`` healthy when every engine is, ``error`` naming what is
-        down, ``"sleeping": true`` while asleep, ``"available": false`` when no engine works
-        (the gateway answers that with 503). An engine reporting unhealthy leaves dispatch."""
+        down, ``"degraded": true`` with ``engines_working`` / ``engines`` while some engine
+        is down and another still serves, ``"sleeping": true`` while asleep,
+        ``"available": false`` when no engine works (the gateway answers that with 503). An
+        engine reporting unhealthy leaves dispatch."""
         out = {}
         for name, inst in self.instances.items():
             pool = inst.pool
@@ -355,6 +366,8 @@ class JudgeService(Actor):
                 entry["error"] = f"{len(bad)} of {len(pool.slots)} engines down: {bad[0]}"
             if not pool.working:
                 entry["available"] = False
+            elif len(pool.working) < len(pool.slots):
+                entry.update(degraded=True, engines_working=len(pool.working), engines=len(pool.slots))
             if not inst.awake:
                 entry["sleeping"] = True
             out[name] = entry

@@ -58,7 +58,9 @@ _COUNTERS = (
     ("errors_engine", "requests an engine failed"),
     ("refused", "requests an engine refused"),
     ("cancelled", "requests whose callers gave up"),
+    ("retries", "requests tried again after a failure not their own"),
     ("engines_down", "engines that left dispatch"),
+    ("engines_replaced", "new engines that took a dead one's place"),
     ("verdicts", "verdicts reported by reward code"),
     ("parse_failures", "verdicts reward code could not read"),
 )

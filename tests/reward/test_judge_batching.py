@@ -210,20 +210,45 @@ def test_client_coalesces_calls_but_each_caller_gets_its_result_or_error(judge_m
     run(main(), 120)
 
 
-def test_a_failing_engine_call_fails_only_its_own_requests(judge_model):
+def test_requests_an_engine_fails_are_retried_on_another_engine_after_a_backoff(judge_model):
+    """An engine whose calls fail (not the requests' fault): each of its requests is tried
+    again, RETRY_BACKOFF later, on the engine it has not failed on; every request is answered."""
+    from reward.dispatch import RETRY_BACKOFF
+
     async def main():
         judge, (good, bad) = await start([False, True], model=judge_model)
+        t0 = asyncio.get_running_loop().time()
         got = await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(20)]).result(60)
+        took = asyncio.get_running_loop().time() - t0
         bad_sizes = await bad.call_sizes.call_one().result(10)
         good_sizes = await good.call_sizes.call_one().result(10)
-        assert sum(bad_sizes) > 0 and sum(good_sizes) > 0  # least-loaded: both engines got some
-        failed = [g for g in got if isinstance(g, Exception)]
-        assert len(failed) == sum(bad_sizes)
-        # not the requests' fault: a 5xx-class error (JudgeEngineError), not a refusal (ValueError)
-        assert all(isinstance(g, JudgeEngineError) and "this engine is broken" in str(g) for g in failed)
-        assert all(g == str(i) for i, g in enumerate(got) if not isinstance(g, Exception))
+        snapshot = await judge.metrics_snapshot.call_one().result(10)
+        return got, took, bad_sizes, good_sizes, snapshot["__default__"]
 
-    run(main(), 120)
+    got, took, bad_sizes, good_sizes, counts = run(main(), 120)
+    assert sum(bad_sizes) > 0  # least-loaded: the broken engine got some
+    assert got == [str(i) for i in range(20)]
+    assert sum(good_sizes) == 20  # the good engine answered all, those that failed on the broken one included
+    assert counts["retries"] == sum(bad_sizes) and counts["errors_engine"] == sum(bad_sizes)
+    assert took >= RETRY_BACKOFF
+
+
+def test_a_request_every_engine_fails_gets_a_5xx_error_after_its_attempts(judge_model):
+    """Only broken engines: each request is tried ATTEMPTS times (backoff 0.3 s, then 0.6 s),
+    then fails with JudgeEngineError (502), naming the engine's error."""
+    from reward.dispatch import ATTEMPTS, RETRY_BACKOFF
+
+    async def main():
+        judge, (bad,) = await start([True], model=judge_model)
+        t0 = asyncio.get_running_loop().time()
+        got = await judge.generate_batch.call_one([[MSG, {"seed": i}, None] for i in range(3)]).result(60)
+        took = asyncio.get_running_loop().time() - t0
+        return got, took, await bad.call_sizes.call_one().result(10)
+
+    got, took, sizes = run(main(), 120)
+    assert all(isinstance(g, JudgeEngineError) and "this engine is broken" in str(g) for g in got), got
+    assert sum(sizes) == 3 * ATTEMPTS
+    assert took >= RETRY_BACKOFF * sum(range(1, ATTEMPTS))
 
 
 def test_rendering_gives_the_ids_of_apply_chat_template(judge_model):
