@@ -45,6 +45,9 @@ class NodeAgent(Actor):
         self.device = device
         self.procs = None
         self.specs: list[BundleSpec] = []
+        self.replacements: list = []  # process meshes of workers started again (respawn_worker)
+        self.spec_of: dict[str, BundleSpec] = {}  # a worker process's id -> its bundle
+        self.env: dict = {}
         self.controller = None
         self.done = asyncio.Event()
         self.exit_code = 0  # the job's, from the controller's shutdown: this node's process exits with it
@@ -68,32 +71,48 @@ class NodeAgent(Actor):
             raise RuntimeError(f"node {self.node}: workers were already spawned")
         self.controller = controller
         self.specs = specs
+        self.env = env
         if not specs:
             return []
-
-        def worker_env(point) -> dict:
-            spec = specs[point.coords["gpus"]]
-            e = dict(env)
-            e["RELAY_BUNDLE"] = str(spec.bundle)
-            e["RELAY_NODE"] = str(self.node)
-            if env.get("RELAY_JOB_RUN_DIR"):  # library warnings and native logs go here, not to the console
-                e["RELAY_LOG_FILE"] = worker_log(env["RELAY_JOB_RUN_DIR"], self.node, spec.bundle)
-            if self.device == "cuda":
-                e["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
-            else:
-                e["CUDA_VISIBLE_DEVICES"] = ""  # virtual bundle: never touch a GPU
-            return e
-
         self.procs = relay.this_host().spawn_procs(
-            per_host={"gpus": len(specs)}, env=worker_env, name=f"node{self.node}"
+            per_host={"gpus": len(specs)}, env=lambda point: self._worker_env(specs[point.coords["gpus"]]),
+            name=f"node{self.node}"
         )
         await self.procs.ready(timeout=120)
+        self.spec_of.update((p.proc_id, s) for s, p in zip(specs, self.procs.procs))
         return [WorkerInfo(s.bundle, self.node, p, s.roles) for s, p in zip(specs, self.procs.procs)]
 
+    def _worker_env(self, spec: BundleSpec) -> dict:
+        e = dict(self.env)
+        e["RELAY_BUNDLE"] = str(spec.bundle)
+        e["RELAY_NODE"] = str(self.node)
+        if self.env.get("RELAY_JOB_RUN_DIR"):  # library warnings and native logs go here, not to the console
+            e["RELAY_LOG_FILE"] = worker_log(self.env["RELAY_JOB_RUN_DIR"], self.node, spec.bundle)
+        if self.device == "cuda":
+            e["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+        else:
+            e["CUDA_VISIBLE_DEVICES"] = ""  # virtual bundle: never touch a GPU
+        return e
+
+    @endpoint
+    async def respawn_worker(self, bundle: int) -> WorkerInfo:
+        """Start bundle ``bundle``'s worker again (its process died); returns the new one's
+        WorkerInfo once it said hello. It is supervised like the first."""
+        spec = next((s for s in self.specs if s.bundle == bundle), None)
+        if spec is None:
+            raise ValueError(f"node {self.node} has no bundle {bundle}")
+        procs = relay.this_host().spawn_procs(per_host={"gpus": 1}, env=lambda point: self._worker_env(spec),
+                                              name=f"node{self.node}-b{bundle}")
+        self.replacements.append(procs)
+        await procs.ready(timeout=120)
+        self.spec_of[procs.procs[0].proc_id] = spec
+        return WorkerInfo(spec.bundle, self.node, procs.procs[0], spec.roles)
+
     async def __supervise__(self, failure: MeshFailure) -> bool:
-        """A worker died: tell the controller (it stops the job), and count it handled here."""
+        """A worker died: tell the controller (it stops the job or, with fault tolerance,
+        has it started again), and count it handled here."""
         if self.controller is not None:
-            spec = self.specs[failure.rank] if 0 <= failure.rank < len(self.specs) else None
+            spec = self.spec_of.get(failure.proc_id)
             try:
                 await self.controller.worker_failed.call_one(self.node, spec.bundle if spec else -1, failure).result(
                     timeout=10
@@ -106,6 +125,9 @@ class NodeAgent(Actor):
     async def shutdown(self, timeout: float = 10.0, exit_code: int = 0) -> None:
         """Stop this node's workers; the agent process then exits with the job's ``exit_code``."""
         self.exit_code = exit_code
+        for procs in self.replacements:
+            await procs.stop(timeout=timeout)
+        self.replacements = []
         if self.procs is not None:
             await self.procs.stop(timeout=timeout)
             self.procs = None

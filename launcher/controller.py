@@ -180,7 +180,11 @@ async def run_controller(
             from .rl.loop import GRPOLoop
             from .sft import SFTJob
 
-            job = (SFTJob if mode == "sft" else GRPOLoop)(cfg, plan, workers, out)
+            if mode == "sft":
+                job = SFTJob(cfg, plan, workers, out)
+            else:
+                job = GRPOLoop(cfg, plan, workers, out,
+                               respawn=lambda node, bundle: agents[node].respawn_worker.call_one(bundle).result(180))
             jobs.append(job)
             await job.start()
             await job.run()
@@ -193,6 +197,9 @@ async def run_controller(
     checkpointing = False
     while True:
         done, _ = await asyncio.wait({task, waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done and jobs and _taken_over(jobs[0], waiter.result()):  # --use-fault-tolerance
+            waiter = asyncio.ensure_future(failures.get())
+            continue
         # SIGTERM / SIGUSR1 while GRPO trains (slurm's warning before preemption or the time
         # limit): finish the step in progress, write a checkpoint, then stop. Repeats are
         # expected (slurm signals the launcher and torchrun, which forwards it again) and
@@ -263,6 +270,13 @@ async def run_controller(
     if code == 0:
         print("shut down cleanly", file=out, flush=True)
     return code
+
+
+def _taken_over(job, item: tuple) -> bool:
+    """The job rebuilds what this failure took (a dead engine-only worker, with fault tolerance)."""
+    kind, node, bundle, failure = item
+    recover = getattr(job, "recover_worker", None)
+    return kind == "worker" and recover is not None and recover(node, bundle, failure)
 
 
 def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef], run_dir: str) -> str:

@@ -7,24 +7,55 @@ import asyncio
 import json
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import relay
-from relay import ProcMesh
+from relay import ProcMesh, SupervisionError
 
 from ..allocator import Plan
 from . import timeouts
 
+#: what a call to an engine whose process is gone raises
+GONE = (SupervisionError, ConnectionError)
 
-@dataclass
+
+@dataclass(eq=False)
 class Engine:
     """An ``EngineActor`` of one role: ``rollout`` (instance "") or ``genrm`` (instance: the
-    judge's name). ``outstanding`` counts the generations sent to it and not yet answered."""
+    judge's name), the ``index``-th engine of its plan claim, on ``bundle`` (the first of its
+    slice). ``outstanding`` counts the generations sent to it and not yet answered.
+
+    With ``fault_tolerant`` (``--use-fault-tolerance``) an engine whose process is gone is
+    marked ``down`` and left out of every call until :meth:`replaced` (launcher/rl/recovery.py
+    builds its successor); without it, its failure fails the call as before."""
 
     role: str
     instance: str
     mesh: relay.ActorMesh
+    index: int = 0
+    bundle: int = -1
+    fault_tolerant: bool = False
     outstanding: int = 0
+    down: str | None = None
+    back: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def mark_down(self, reason: str) -> bool:
+        """Leave every call from now on; False when it already had."""
+        if self.down is not None:
+            return False
+        self.down = reason
+        self.back.clear()
+        return True
+
+    def replaced(self, mesh: relay.ActorMesh) -> None:
+        """Its successor (initialized, with current weights) takes its place."""
+        self.mesh = mesh
+        self.down = None
+        self.back.set()
+
+
+def live(engines: list[Engine]) -> list[Engine]:
+    return [e for e in engines if e.down is None]
 
 
 def engine_options(cfg, claim, weights_mode: str) -> dict:
@@ -40,25 +71,31 @@ def engine_options(cfg, claim, weights_mode: str) -> dict:
 def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tuple[str, ...],
                   colocate: bool) -> tuple[list[Engine], list[Awaitable]]:
     """Spawn every engine of these roles in the plan, each on the first bundle of its slice;
-    returns the engines (in plan order) and their initialization awaitables. A colocated
-    rollout engine discards its weights when it sleeps (the trainer pushes them again);
-    every other engine keeps a CPU backup."""
-    from engines.actor import EngineActor
-
+    returns the engines (in plan order) and their initialization awaitables."""
     engines, pending = [], []
     for claim in plan.claims:
         if claim.role not in roles:
             continue
-        rollout = claim.role == "rollout"
         for i, bundles in enumerate(plan.engines_of(claim)):
-            proc = ProcMesh.attach(procs_of(bundles[:1]), name=f"{claim.label()}-e{i}")
-            path = cfg.hf_checkpoint if rollout else cfg.genrm[claim.instance].model_path
-            weights_mode = "discard" if (rollout and colocate) else "backup"
-            name = f"engine-{claim.role}-{claim.instance or 'policy'}-{i}".replace("_", "")
-            mesh = proc.spawn(name, EngineActor, path, cfg.engine, **engine_options(cfg, claim, weights_mode))
-            engines.append(Engine(claim.role, claim.instance, mesh))
-            pending.append(mesh.initialized(timeouts.MODEL_LOAD))
+            engine = Engine(claim.role, claim.instance, None, i, bundles[0].index, cfg.fault_tolerant)
+            engine.mesh = spawn_engine(cfg, claim, engine, procs_of(bundles[:1]), colocate)
+            engines.append(engine)
+            pending.append(engine.mesh.initialized(timeouts.MODEL_LOAD))
     return engines, pending
+
+
+def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool) -> relay.ActorMesh:
+    """``engine``'s ``EngineActor`` on ``procs`` (its slice's first worker); await its
+    ``initialized``. A colocated rollout engine discards its weights when it sleeps (the
+    trainer pushes them again); every other engine keeps a CPU backup."""
+    from engines.actor import EngineActor
+
+    rollout = claim.role == "rollout"
+    proc = ProcMesh.attach(procs, name=f"{claim.label()}-e{engine.index}")
+    path = cfg.hf_checkpoint if rollout else cfg.genrm[claim.instance].model_path
+    weights_mode = "discard" if (rollout and colocate) else "backup"
+    name = f"engine-{claim.role}-{claim.instance or 'policy'}-{engine.index}".replace("_", "")
+    return proc.spawn(name, EngineActor, path, cfg.engine, **engine_options(cfg, claim, weights_mode))
 
 
 def of_role(engines: list[Engine], role: str) -> list[Engine]:
@@ -66,8 +103,21 @@ def of_role(engines: list[Engine], role: str) -> list[Engine]:
 
 
 async def call_engines(engines: list[Engine], method: str, *args, timeout: float = timeouts.ENGINE_CALL) -> list:
-    """``method(*args)`` on every engine at once; their results in order."""
-    return await asyncio.gather(*(getattr(e.mesh, method).call_one(*args).result(timeout) for e in engines))
+    """``method(*args)`` on every engine not down, at once; the results of those that
+    answered, in order. A fault-tolerant engine found gone is marked down and left out; any
+    other error is raised."""
+    called = live(engines)
+    results = await asyncio.gather(*(getattr(e.mesh, method).call_one(*args).result(timeout) for e in called),
+                                   return_exceptions=True)
+    out = []
+    for engine, result in zip(called, results):
+        if isinstance(result, GONE) and engine.fault_tolerant:
+            engine.mark_down(f"its process is gone ({result})")
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            out.append(result)
+    return out
 
 
 async def engine_bytes(engines: list[Engine]) -> int:

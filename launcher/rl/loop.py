@@ -20,7 +20,8 @@ With dedicated pools the sleeping and waking are no-ops. Fully-async
 (:meth:`GRPOLoop.run_fully_async`): a producer keeps generating and scoring groups while
 the trainer trains; a group whose weights lag the trainer by more than ``--max-staleness``
 versions is dropped. A step whose rewards failed is not trained on: the job stops with the
-error. Around the steps (:meth:`GRPOLoop.run`): evaluation before training, every
+error. With ``--use-fault-tolerance``, engines whose worker dies are rebuilt while the
+step goes on (launcher/rl/recovery.py). Around the steps (:meth:`GRPOLoop.run`): evaluation before training, every
 ``--eval-interval`` steps and after the last; checkpoints every ``--save-interval`` steps;
 a stop request (SIGTERM) checkpoints after the step in progress.
 """
@@ -38,8 +39,9 @@ from ..metrics import MetricsLog
 from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
 from .checkpoints import Checkpoints, StoppedWithCheckpoint
-from .engine_pool import engine_bytes, of_role, write_event_log
+from .engine_pool import Engine, call_engines, engine_bytes, live, of_role, write_event_log
 from .judge import judge_deltas
+from .recovery import EngineRecovery
 from .rollout import group_seed, sampling_options
 from .sample import Sample, chunks, flatten, is_correct, rollout_metrics
 from .scoring import Scorer, advantages, check_judged, reward_metrics
@@ -53,7 +55,9 @@ class GRPOLoop:
     """GRPO training with rollout engines, a judge and a Megatron trainer (see the module
     docstring). ``run()`` returns the last step's metrics record."""
 
-    def __init__(self, cfg: JobConfig, plan: Plan, workers: list[WorkerInfo], out):
+    def __init__(self, cfg: JobConfig, plan: Plan, workers: list[WorkerInfo], out, respawn=None):
+        """``respawn(node, bundle)``: start a bundle's worker again (the node agent's
+        ``respawn_worker``); without it, no engine is rebuilt."""
         if not cfg.hf_checkpoint:
             raise ValueError("training needs a policy: set --hf-checkpoint (an HF checkpoint directory)")
         if not cfg.prompt_data:
@@ -78,6 +82,9 @@ class GRPOLoop:
         self.start_step = 0
         self._training = False  # run() has begun: a stop request is answered with a checkpoint
         self._stop_requested = False
+        self.respawn = respawn
+        self.recovery: EngineRecovery | None = None
+        self._weights_lock = asyncio.Lock()  # held from training until the new weights are synced
 
     # ------------------------------------------------------------------ start and close
 
@@ -92,6 +99,9 @@ class GRPOLoop:
         self.trainer, self.reference = self.roles.trainer, self.roles.reference
         self.rollout, self.judge = self.roles.rollout, self.roles.judge
         self.scorer = Scorer(cfg, self.roles.reward_fn, self.roles.post_process, self.timer)
+        if self.respawn is not None:
+            self.recovery = EngineRecovery(cfg, self.plan, self.roles.engines, self.judge, self.respawn,
+                                           self._push_to_successor, self.out)
         if self.version:
             await self._push_weights()
         print(f"started {len(self.rollout.engines)} rollout engine(s), {len(self.judge.engines)} judge engine(s) and a "
@@ -106,10 +116,17 @@ class GRPOLoop:
         if state is not None:
             self.start_step, self.version = state["next_step"], state["weight_version"]
 
+    def recover_worker(self, node: int, bundle: int, failure) -> bool:
+        """The controller's question when a worker died: True when its engines are being
+        rebuilt and the job goes on (``--use-fault-tolerance``, an engine-only worker)."""
+        return self.recovery is not None and self.recovery.worker_died(node, bundle, failure)
+
     async def close(self, graceful: bool = True) -> None:
         """Write the engines' sleep/wake/sync logs to ``RUN_DIR/engine_events.jsonl``, stop
         the judge service (and its gateway); with ``graceful``, also leave torch.distributed
         cleanly. Works after a failed start too."""
+        if self.recovery is not None:
+            await self.recovery.close()
         engines = self.roles.engines
         wait = timeouts.EVENT_LOG if graceful else timeouts.EVENT_LOG_AFTER_FAILURE
         try:
@@ -150,6 +167,8 @@ class GRPOLoop:
                 for step in range(self.start_step, cfg.num_rollout):
                     last = await self.train_step(step)
                     await self._after_step(step, last, log)
+            if self.recovery is not None and (self.recovery.tasks or self.recovery.rebuilt):
+                log.write(await self._recovery_record())
         finally:
             log.close()
         return last
@@ -168,18 +187,19 @@ class GRPOLoop:
         check_judged(samples, f"step {step}")
         judge_after = await self.judge.counts()
         step_advantages = advantages(samples, cfg.n_samples_per_prompt)
-        with timer.phase("swap"):
-            await self._free_gpus_for_training(memory)
-        with timer.phase("train"):
-            train_stats = await self.trainer.train_rl(samples, step_advantages, cfg.global_batch_size, self.reference,
-                                                      self.colocate)
-        await self._record_gpu_use("training", memory)
-        if self.colocate:
-            memory["mem/trainer"] = await self.trainer.allocated_bytes()
-        with timer.phase("swap"):
-            await self._give_gpus_back_to_rollout()
-        with timer.phase("sync"):
-            synced = await self._sync_weights()
+        async with self._weights_lock:  # an engine rebuilt meanwhile gets the new weights, not these
+            with timer.phase("swap"):
+                await self._free_gpus_for_training(memory)
+            with timer.phase("train"):
+                train_stats = await self.trainer.train_rl(samples, step_advantages, cfg.global_batch_size,
+                                                          self.reference, self.colocate)
+            await self._record_gpu_use("training", memory)
+            if self.colocate:
+                memory["mem/trainer"] = await self.trainer.allocated_bytes()
+            with timer.phase("swap"):
+                await self._give_gpus_back_to_rollout()
+            with timer.phase("sync"):
+                synced = await self._sync_weights()
         with timer.phase("swap"):
             await self._resume_generation()
         timer.end_step()
@@ -189,6 +209,17 @@ class GRPOLoop:
         record.update(synced)
         record.update(await self.rollout.probe(self.rows[0]))
         return record
+
+    async def _recovery_record(self) -> dict:
+        """After the last step of a run that rebuilt engines: once the rebuilds under way are
+        done, every rollout engine's weight version and greedy probe (a rebuilt engine
+        answers as a surviving one does)."""
+        await self.recovery.settle(timeouts.ENGINE_REBUILD)
+        return {"kind": "recovery", "step": self.cfg.num_rollout, "weight_version": self.version,
+                "engines/rebuilt": self.recovery.rebuilt,
+                "engines/down": [e.down for e in self.roles.engines if e.down is not None],
+                "sync/engine_versions": await self.rollout.weight_versions(),
+                **await self.rollout.probe(self.rows[0])}
 
     async def _after_step(self, step: int, record: dict, log: MetricsLog) -> None:
         """Log the step; checkpoint (every ``--save-interval`` steps, or on a stop request,
@@ -273,9 +304,27 @@ class GRPOLoop:
         return {"sync/engine_versions": versions}
 
     async def _push_weights(self) -> None:
-        """The trainer's weights, under ``self.version``, into every rollout engine."""
-        meshes = [e.mesh for e in self.rollout.engines]
-        await self.trainer.push_weights(meshes, self.version, self.cfg.update_weight_buffer_size)
+        """The trainer's weights, under ``self.version``, into every rollout engine (those
+        being rebuilt get them with :meth:`_push_to_successor`)."""
+        while True:
+            engines = live(self.rollout.engines)
+            try:
+                await self.trainer.push_weights([e.mesh for e in engines], self.version,
+                                                self.cfg.update_weight_buffer_size)
+                return
+            except Exception:
+                if not self.cfg.fault_tolerant:
+                    raise
+                await call_engines(engines, "stats", timeout=timeouts.CONTROL)  # marks the dead ones down
+                if all(e.down is None for e in engines):
+                    raise
+
+    async def _push_to_successor(self, engine: Engine, mesh) -> None:
+        """A rebuilt rollout engine gets the trainer's current weights and version, then
+        takes ``engine``'s place; no weight sync runs in between."""
+        async with self._weights_lock:
+            await self.trainer.push_weights([mesh], self.version, self.cfg.update_weight_buffer_size)
+            engine.replaced(mesh)
 
     async def _resume_generation(self) -> None:
         """Colocated: the rollout engines wake their KV cache; the judge wakes (in Defer-swap
@@ -324,11 +373,13 @@ class GRPOLoop:
                 with timer.phase("rollout"):
                     batch, stale = await self._take_fresh_groups(producer)
                 samples = flatten(batch)
-                with timer.phase("train"):
-                    train_stats = await self.trainer.train_rl(samples, advantages(samples, cfg.n_samples_per_prompt),
-                                                              cfg.global_batch_size, self.reference, self.colocate)
-                with timer.phase("sync"):
-                    synced = await self._sync_weights()
+                async with self._weights_lock:
+                    with timer.phase("train"):
+                        train_stats = await self.trainer.train_rl(
+                            samples, advantages(samples, cfg.n_samples_per_prompt), cfg.global_batch_size,
+                            self.reference, self.colocate)
+                    with timer.phase("sync"):
+                        synced = await self._sync_weights()
                 in_flight_max = producer.release(len(batch))
                 judge_now = await self.judge.counts()
                 timer.end_step()

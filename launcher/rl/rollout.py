@@ -9,7 +9,7 @@ import random
 
 from ..data import Row, prompt_ids
 from . import timeouts
-from .engine_pool import Engine, call_engines, engine_bytes
+from .engine_pool import GONE, Engine, call_engines, engine_bytes, live
 from .sample import Sample
 
 #: what an engine frees when it sleeps and restores when it wakes
@@ -58,17 +58,43 @@ class RolloutPool:
     async def generate_group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int,
                              dataset: str = "train") -> list[Sample]:
         """``size`` samples of ``row``'s prompt, sample j with seed ``seed + j``, on the
-        least-loaded engine."""
-        engine = min(self.engines, key=lambda e: e.outstanding)
-        engine.outstanding += size
+        least-loaded engine. With fault tolerance, a group whose engine died is generated
+        again (same seeds) on another engine, or on the dead one's successor when none is
+        left (waiting at most ``timeouts.ENGINE_REBUILD``)."""
         ids = self.prompt_ids(row)
-        try:
-            calls = [engine.mesh.generate.call_one(ids, {**sampling, "seed": seed + j}).result(timeouts.GENERATE)
-                     for j in range(size)]
-            results = await asyncio.gather(*calls)
-        finally:
-            engine.outstanding -= size
-        return [Sample.generated(row, dataset, group_index, ids, result) for result in results]
+        while True:
+            engine = await self._least_loaded()
+            engine.outstanding += size
+            try:
+                calls = [engine.mesh.generate.call_one(ids, {**sampling, "seed": seed + j}).result(timeouts.GENERATE)
+                         for j in range(size)]
+                results = await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                engine.outstanding -= size
+            gone = next((r for r in results if isinstance(r, GONE)), None)
+            if gone is not None and engine.fault_tolerant:
+                engine.mark_down(f"its process is gone ({gone})")
+                continue
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return [Sample.generated(row, dataset, group_index, ids, result) for result in results]
+
+    async def _least_loaded(self) -> Engine:
+        serving = live(self.engines)
+        if not serving:  # every engine died: wait for the first successor
+            waits = [asyncio.ensure_future(e.back.wait()) for e in self.engines]
+            try:
+                done, _ = await asyncio.wait(waits, timeout=timeouts.ENGINE_REBUILD,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if not done:
+                raise RuntimeError(f"no rollout engine came back within {timeouts.ENGINE_REBUILD} s: "
+                                   + "; ".join(str(e.down) for e in self.engines))
+            serving = live(self.engines)
+        return min(serving, key=lambda e: e.outstanding)
 
     async def sleep(self) -> None:
         """Free weights and KV cache (in-flight generations are aborted)."""
@@ -88,11 +114,21 @@ class RolloutPool:
         return [s["weight_version"] for s in await call_engines(self.engines, "stats")]
 
     async def probe(self, row: Row) -> dict:
-        """Greedy one-token answers of every engine to ``row``'s prompt: their log-probs
-        change when the weights do (and agree across engines)."""
+        """Greedy one-token answers of every engine to ``row``'s prompt (token, log-prob,
+        weight version): the log-probs change when the weights do and agree across engines."""
         ids = self.prompt_ids(row)
         greedy = {"temperature": 0.0, "max_new_tokens": 1}
-        results = await asyncio.gather(*(e.mesh.generate.call_one(ids, greedy).result(timeouts.PROBE)
-                                         for e in self.engines))
+        engines = live(self.engines)
+        answers = await asyncio.gather(*(e.mesh.generate.call_one(ids, greedy).result(timeouts.PROBE)
+                                         for e in engines), return_exceptions=True)
+        results = []
+        for engine, answer in zip(engines, answers):
+            if isinstance(answer, GONE) and engine.fault_tolerant:
+                engine.mark_down(f"its process is gone ({answer})")
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                results.append(answer)
         return {"sync/probe_logprobs": [r.logprobs[0] for r in results],
+                "sync/probe_tokens": [r.token_ids[0] for r in results],
                 "sync/probe_versions": [r.weight_version for r in results]}

@@ -2,18 +2,23 @@
 
 A reward that raises stops the step with an error naming the reward (``--custom-rm-path``
 or ``--rm-type``) and the sample; a batch whose every reward is a judge failure is not
-trained on. Advantages are GRPO's group-normalized rewards unless a post-process hook gave
-them.
+trained on; with ``--use-fault-tolerance`` no sample whose judge call failed is trained on:
+it is scored again until the judge answers (its engines are being rebuilt). Advantages are
+GRPO's group-normalized rewards unless a post-process hook gave them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable
 
+from . import timeouts
 from .sample import Sample, describe, is_correct
 from .timing import PhaseTimer
+
+JUDGE_AGAIN_AFTER = 1.0  # seconds before the first new try of samples the judge failed (then doubling)
 
 
 class Scorer:
@@ -47,6 +52,22 @@ class Scorer:
 
     async def score_all(self, samples: list[Sample]) -> None:
         await asyncio.gather(*(self.score(s) for s in samples))
+        if self.cfg.fault_tolerant:
+            await self._judge_again(samples)
+
+    async def _judge_again(self, samples: list[Sample]) -> None:
+        """Score again, 1 s then up to 15 s apart, the samples whose judge call failed
+        (``format_error == "judge_error"``) until none is left; after
+        ``timeouts.ENGINE_REBUILD`` seconds the step fails instead."""
+        deadline = time.monotonic() + timeouts.ENGINE_REBUILD
+        delay = JUDGE_AGAIN_AFTER
+        while failed := [s for s in samples if judge_failed(s)]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the judge failed {len(failed)} samples for {timeouts.ENGINE_REBUILD} s "
+                                   f"(first: {describe(failed[0])}); not training on a batch that is not fully judged")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 15.0)
+            await asyncio.gather(*(self.score(s) for s in failed))
 
     async def score_batch(self, samples: list[Sample], group_size: int) -> None:
         """The whole batch at once (Defer-swap): the post-process hook when configured,
@@ -75,10 +96,14 @@ class Scorer:
             sample.reward, sample.advantage = float(reward), float(advantage)
 
 
+def judge_failed(sample: Sample) -> bool:
+    """The sample's reward is the built-in judge reward's failure value (reward/dapo_genrm.py)."""
+    return isinstance(sample.reward_info, dict) and sample.reward_info.get("format_error") == "judge_error"
+
+
 def check_judged(samples: list[Sample], what: str) -> None:
     """A batch whose every reward is a judge failure is not trained on: stop with why."""
-    infos = [s.reward_info for s in samples]
-    if infos and all(isinstance(i, dict) and i.get("format_error") == "judge_error" for i in infos):
+    if samples and all(judge_failed(s) for s in samples):
         raise RuntimeError(f"{what}: the judge failed on all {len(samples)} samples (after retries); not training on "
                            "this batch. Check the judge engines' health (GET /genrm/health) and the job log")
 

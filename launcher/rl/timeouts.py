@@ -19,6 +19,8 @@ CONTROL = 60
 #: the engines' event logs at close; after a failure an engine may be on a dead node
 EVENT_LOG = 30
 EVENT_LOG_AFTER_FAILURE = 3
+#: with fault tolerance: a dead engine's successor starts and has the current weights
+ENGINE_REBUILD = 900
 #: one sample's generation
 GENERATE = 1800
 #: the one-token probe after a weight sync

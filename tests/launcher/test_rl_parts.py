@@ -323,3 +323,94 @@ def test_only_complete_checkpoints_count_and_pruning_keeps_the_newest(tmp_path):
     ckpts.prune(keep=2)
     assert [os.path.basename(p) for p in ckpts.complete()] == ["step_000001", "step_000002"]
     assert not os.path.exists(ckpts.path(0)) and os.path.exists(ckpts.path(3))  # incomplete ones are left alone
+
+
+# ---------------------------------------------------------------------------- fault tolerance
+
+
+def test_with_fault_tolerance_samples_the_judge_failed_are_scored_again_until_judged(monkeypatch):
+    """A batch is trained only when fully judged: a sample whose judge call failed is scored
+    again (backoff) until the judge answers; without fault tolerance it keeps its failure."""
+    import launcher.rl.scoring as scoring
+
+    monkeypatch.setattr(scoring, "JUDGE_AGAIN_AFTER", 0.01)
+    calls: dict[int, int] = {}
+
+    async def reward(sample):  # the judge is down for each sample's first two calls
+        calls[sample.index] = calls.get(sample.index, 0) + 1
+        if calls[sample.index] <= 2:
+            return {"score": 0.0, "format_error": "judge_error"}
+        return {"score": 1.0, "judge_response": "1"}
+
+    for fault_tolerant, expected in ((True, [1.0, 1.0]), (False, [0.0, 0.0])):
+        calls.clear()
+        cfg = load_config(None, {"reward_key": "score", "use_fault_tolerance": fault_tolerant})
+        samples = [make_sample(index=i) for i in (1, 2)]
+        asyncio.run(Scorer(cfg, reward, None, PhaseTimer()).score_all(samples))
+        assert [s.reward for s in samples] == expected
+        assert calls == ({1: 3, 2: 3} if fault_tolerant else {1: 1, 2: 1})
+
+
+class _Call:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    async def result(self, timeout):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+def _engine(outcome, fault_tolerant: bool, bundle: int = 1):
+    from launcher.rl.engine_pool import Engine
+
+    mesh = SimpleNamespace(stats=SimpleNamespace(call_one=lambda: _Call(outcome)))
+    return Engine("rollout", "", mesh, 0, bundle, fault_tolerant)
+
+
+def test_calls_to_engines_leave_out_a_dead_one_only_with_fault_tolerance():
+    from launcher.rl.engine_pool import call_engines
+    from relay import MeshFailure, SupervisionError
+
+    dead = SupervisionError(MeshFailure("m", "p", 0, "signal", "was killed by signal SIGKILL"))
+    alive, gone = _engine({"weight_version": 3}, True), _engine(dead, True)
+    assert asyncio.run(call_engines([alive, gone], "stats")) == [{"weight_version": 3}]
+    assert gone.down is not None and "its process is gone" in gone.down and not gone.back.is_set()
+    assert asyncio.run(call_engines([alive, gone], "stats")) == [{"weight_version": 3}]  # no longer called
+    gone.replaced(SimpleNamespace(stats=SimpleNamespace(call_one=lambda: _Call({"weight_version": 3}))))
+    assert gone.down is None and gone.back.is_set()
+    with pytest.raises(SupervisionError):
+        asyncio.run(call_engines([_engine(dead, False)], "stats"))
+    with pytest.raises(ValueError):  # an engine's own error is never taken for a death
+        asyncio.run(call_engines([_engine(ValueError("bad"), True)], "stats"))
+
+
+def test_only_a_dead_engine_only_worker_is_rebuilt_and_only_with_fault_tolerance():
+    """Tiny dedicated layout: the trainer on bundle 0, rollout on 1-2, the judge on 3."""
+    from launcher.allocator import make_plan
+    from launcher.rl.recovery import EngineRecovery
+    from relay import MeshFailure
+
+    started: list[tuple[int, int]] = []
+
+    async def respawn(node, bundle):
+        started.append((node, bundle))
+        await asyncio.Event().wait()  # never comes back: close() cancels it
+
+    async def main(fault_tolerant: bool, bundle: int) -> tuple[bool, list]:
+        cfg = load_config("tiny-cpu-async", {"fully_async": False, "use_fault_tolerance": fault_tolerant,
+                                             "resource": {"actor": [1, 1], "rollout": [1, 2], "genrm": [1, 1]}})
+        plan = make_plan(cfg)
+        engines = [_engine({}, fault_tolerant, b) for b in (1, 2, 3)]
+        recovery = EngineRecovery(cfg, plan, engines, None, respawn, None, out=open(os.devnull, "w"))
+        taken = recovery.worker_died(0, bundle, MeshFailure("m", "p", 0, "signal", "was killed by signal SIGKILL"))
+        await asyncio.sleep(0)
+        await recovery.close()
+        return taken, [e.down is not None for e in engines]
+
+    assert asyncio.run(main(True, 2)) == (True, [False, True, False])
+    assert asyncio.run(main(True, 3)) == (True, [False, False, True])
+    assert started == [(0, 2), (0, 3)]
+    assert asyncio.run(main(True, 0)) == (False, [False, False, False])  # the trainer's: the job restarts
+    assert asyncio.run(main(False, 2)) == (False, [False, False, False])
+    assert started == [(0, 2), (0, 3)]
