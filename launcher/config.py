@@ -18,10 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin
 
 from .config_rules import (
+    FLAG_ALIASES,
+    NO_EFFECT_FLAGS,
+    REFUSED_FLAGS,
     ConfigError,
     GenRMInstance,
     check_resource,
     check_sampling,
+    notice_no_effect,
     resolve_genrm_instances,
 )
 
@@ -182,7 +186,10 @@ class JobConfig:
     )
     # ---- data and model
     prompt_data: str | None = _opt(None, help="training prompts (JSONL)")
-    eval_prompt_data: str | None = _opt(None, help="evaluation prompts (JSONL)")
+    eval_prompt_data: str | None = _opt(
+        None, help="evaluation prompts (JSONL); the original's two-value form --eval-prompt-data NAME FILE works too"
+    )
+    eval_prompt_name: str = _opt("eval", help="the evaluation set's name (the original's --eval-prompt-data NAME FILE)")
     eval_interval: int | None = _opt(
         None,
         help="evaluate every N steps (0 or unset: no periodic evaluation; with --eval-prompt-data the job still "
@@ -202,6 +209,8 @@ class JobConfig:
     chat_template_kwargs: dict = _opt(
         {}, help='JSON passed to the policy\'s chat template, e.g. {"enable_thinking": false}'
     )
+    input_key: str = _opt("prompt", help="the prompt's key in --prompt-data / --eval-prompt-data rows")
+    label_key: str = _opt("label", help="the reference answer's key in the data rows")
     hf_checkpoint: str | None = _opt(None, help="policy checkpoint directory (HF format)")
     save_interval: int | None = _opt(None, help="save a checkpoint every N steps", minimum=1)
     keep_checkpoints: int = _opt(
@@ -363,6 +372,12 @@ def build_config(values: dict[str, Any]) -> JobConfig:
     clean: dict[str, Any] = {}
     for key, value in values.items():
         name = key.lstrip("-").replace("-", "_")
+        name = FLAG_ALIASES.get(name, name)
+        if name in REFUSED_FLAGS:
+            raise ConfigError(REFUSED_FLAGS[name])
+        if name in NO_EFFECT_FLAGS:
+            notice_no_effect(name)
+            continue
         if name not in FIELDS:
             raise ConfigError(f"unknown config key {key!r}{_closest(name)}")
         clean[name] = _coerce(name, value)
@@ -389,7 +404,10 @@ def build_config(values: dict[str, Any]) -> JobConfig:
 
 
 def parse_overrides(argv: list[str]) -> dict[str, Any]:
-    """``--flag value`` / ``--flag=value`` / bare ``--bool-flag`` pairs -> {field: raw value}."""
+    """``--flag value`` / ``--flag=value`` / bare ``--bool-flag`` pairs -> {field: raw value}.
+    The original system's flags are taken too: its names for ours (``FLAG_ALIASES``), the
+    ones without effect here (kept for :func:`build_config`'s notice), ``--eval-prompt-data
+    NAME FILE``."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(argv):
@@ -397,11 +415,18 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: flags look like --name value")
         key, eq, val = arg[2:].partition("=")
-        name = key.replace("-", "_")
-        if name not in FIELDS:
+        name = FLAG_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+        if name in REFUSED_FLAGS:
+            raise ConfigError(REFUSED_FLAGS[name])
+        if name == "eval_prompt_data" and not eq and _two_values(argv, i):
+            out["eval_prompt_name"], out[name] = argv[i + 1], argv[i + 2]  # the original's NAME FILE form
+            i += 3
+            continue
+        if name not in FIELDS and name not in NO_EFFECT_FLAGS:
             raise ConfigError(f"unknown flag --{key}{_closest(name)}")
-        f = FIELDS[name]
-        is_bool = f.type in (bool, "bool")
+        is_bool = name in NO_EFFECT_FLAGS and not NO_EFFECT_FLAGS[name][0]
+        if name in FIELDS:
+            is_bool = FIELDS[name].type in (bool, "bool")
         if eq:
             out[name] = val
             i += 1
@@ -414,6 +439,11 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
             out[name] = argv[i + 1]
             i += 2
     return out
+
+
+def _two_values(argv: list[str], i: int) -> bool:
+    """``argv[i]`` is followed by two values (not flags): the original's ``--eval-prompt-data NAME FILE``."""
+    return i + 2 < len(argv) and not argv[i + 1].startswith("--") and not argv[i + 2].startswith("--")
 
 
 def load_config(path: str | None, overrides: list[str] | dict | None = None) -> JobConfig:

@@ -25,6 +25,36 @@ NO_EFFECT_ROLES = {
 }
 RESERVED_INSTANCE = DEFAULT_ROUTE  # the instance of the legacy single-judge flags
 
+#: The original's flags under another name here.
+FLAG_ALIASES = {"num_gpus_per_node": "gpus_per_node"}
+#: The original's flags that change nothing here: accepted (a value when ``takes_value``,
+#: else an optional true/false), with a notice once per process saying why.
+NO_EFFECT_FLAGS: dict[str, tuple[bool, str]] = {
+    "hybrid": (False, "the layout follows --resource, --colocate and --fully-async"),
+    "offload_train": (False, "colocated layouts always offload the trainer while engines run"),
+    "offload_rollout": (False, "colocated layouts always put the engines to sleep while the trainer trains"),
+    "log_passrate": (False, "evaluation always logs eval/accuracy and eval/pass@k"),
+    "reward_num_workers": (True, "rewards run as coroutines of the controller, bounded by --reward-max-concurrency"),
+    "micro_batch_size": (True, "the trainer packs micro-batches by tokens: --micro-batch-tokens"),
+    "save": (True, "checkpoints go to RUN_DIR/checkpoints: set --run-dir"),
+    "sglang_config": (True, "the built-in engine takes no SGLang server YAML; SGLang engines take --sglang-* flags"),
+    "train_memory_margin_bytes": (True, "engines size their KV cache from the memory left after the trainer offloads"),
+    "selective_offload": (False, "the trainer offloads its whole state (weights, gradients, optimizer)"),
+}
+#: The original's flags for features not built here: refused, saying what to use instead.
+REFUSED_FLAGS = {
+    "inference_defer_roles": "--inference-defer-roles (the framework defer variant) is not built here; defer the "
+    "judge with --rm-type dummy --defer-reward-to-post-process --custom-reward-post-process-path HOOK (Defer-swap)",
+}
+_noticed_flags: set = set()
+
+
+def notice_no_effect(name: str) -> None:
+    """Say once per process that the original's flag ``--name`` has no effect here, and why."""
+    if name not in _noticed_flags:
+        _noticed_flags.add(name)
+        log.warning("--%s has no effect here: %s", name.replace("_", "-"), NO_EFFECT_FLAGS[name][1])
+
 
 class ConfigError(ValueError):
     """A configuration the user must change; the message says what."""
@@ -88,9 +118,8 @@ def resolve_genrm_instances(cfg: JobConfig) -> dict[str, GenRMInstance]:
                 {**GENRM_SAMPLING_DEFAULTS, **cfg.genrm_sampling_config, **spec.get("sampling_config", {})},
             )
     elif cfg.genrm_model_path:
-        num = cfg.genrm_num_gpus if cfg.genrm_num_gpus is not None else cfg.role_gpus("genrm")
-        if num <= 0:
-            raise ConfigError("--genrm-model-path needs GPUs: give --genrm-num-gpus or a 'genrm' entry in --resource")
+        # the original's default: --resource's genrm entry, else --genrm-num-gpus, else 1
+        num = cfg.genrm_num_gpus if cfg.genrm_num_gpus is not None else (cfg.role_gpus("genrm") or 1)
         instances[RESERVED_INSTANCE] = GenRMInstance(
             RESERVED_INSTANCE,
             cfg.genrm_model_path,

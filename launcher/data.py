@@ -29,7 +29,11 @@ class Row:
     metadata: dict = field(default_factory=dict)
 
 
-def load_rows(path: str, what: str = "--prompt-data", need_response: bool = False) -> list[Row]:
+def load_rows(path: str, what: str = "--prompt-data", need_response: bool = False, input_key: str = "prompt",
+              label_key: str = "label") -> list[Row]:
+    """The rows of a JSONL file: each an object with the prompt under ``input_key`` (text or
+    chat messages), the reference answer under ``label_key`` (optional), a ``response`` (for
+    SFT), and anything else as metadata. Raises DataError saying which line is wrong."""
     rows: list[Row] = []
     try:
         f = open(path)
@@ -43,18 +47,21 @@ def load_rows(path: str, what: str = "--prompt-data", need_response: bool = Fals
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{what}: {path}:{n} is not JSON: {e}") from None
-            if not isinstance(obj, dict) or "prompt" not in obj:
-                raise DataError(f"{what}: {path}:{n} needs an object with a 'prompt' (text or chat messages)")
-            prompt = obj.pop("prompt")
+            if not isinstance(obj, dict) or input_key not in obj:
+                hint = "" if input_key != "prompt" else " (another key: --input-key KEY)"
+                raise DataError(
+                    f"{what}: {path}:{n} needs an object with a {input_key!r} (text or chat messages){hint}")
+            prompt = obj.pop(input_key)
             ok = isinstance(prompt, str) or (
                 isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
             )
             if not ok:
-                raise DataError(f"{what}: {path}:{n}: 'prompt' must be text or a list of {{role, content}} messages")
+                raise DataError(
+                    f"{what}: {path}:{n}: {input_key!r} must be text or a list of {{role, content}} messages")
             response = obj.pop("response", None)
             if need_response and not isinstance(response, str):
                 raise DataError(f"{what}: {path}:{n} needs a 'response' (the target text) for relay sft")
-            label = obj.pop("label", "")
+            label = obj.pop(label_key, "")
             rows.append(Row(len(rows), prompt, str(label), response, obj))
     if not rows:
         raise DataError(f"{what}: {path!r} has no rows")

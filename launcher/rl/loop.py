@@ -71,9 +71,10 @@ class GRPOLoop:
         self.mode = plan.mode
         self.colocate = plan.mode.startswith("colocate")
         self.defer = plan.mode == "colocate-defer"
-        self.rows = load_rows(cfg.prompt_data)
+        self.rows = load_rows(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)
         self.order = PromptOrder(self.rows, cfg.seed)
-        self.eval_rows = load_rows(cfg.eval_prompt_data, "--eval-prompt-data") if cfg.eval_prompt_data else None
+        self.eval_rows = (load_rows(cfg.eval_prompt_data, "--eval-prompt-data", input_key=cfg.input_key,
+                                    label_key=cfg.label_key) if cfg.eval_prompt_data else None)
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.checkpoints = Checkpoints(self.run_dir)
         self.timer = PhaseTimer(span_names=("reward",))
@@ -159,7 +160,7 @@ class GRPOLoop:
             if self.eval_rows and not cfg.skip_eval_before_train and self.start_step == 0:
                 record = await self.evaluate(0)
                 log.write(record)
-                print(f"eval before training: accuracy {record['eval/accuracy']:.3f} "
+                print(f"{cfg.eval_prompt_name} before training: accuracy {record['eval/accuracy']:.3f} "
                       f"(exact {record['eval/exact_accuracy']:.3f})", file=self.out, flush=True)
             if cfg.fully_async:
                 last = await self.run_fully_async(log)
@@ -238,7 +239,7 @@ class GRPOLoop:
         if self.eval_rows and (periodic_eval or last):
             ev = await self.evaluate(step + 1)
             log.write(ev)
-            print(f"eval after step {step + 1}: accuracy {ev['eval/accuracy']:.3f} "
+            print(f"{cfg.eval_prompt_name} after step {step + 1}: accuracy {ev['eval/accuracy']:.3f} "
                   f"(exact {ev['eval/exact_accuracy']:.3f}, pass@{ev['eval/k']} {ev['eval/pass@k']:.3f})",
                   file=self.out, flush=True)
 

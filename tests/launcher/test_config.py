@@ -187,3 +187,54 @@ def test_sampling_values_no_engine_can_run_fail_at_load_time(flags, message):
     with pytest.raises(ConfigError) as e:
         load_config("tiny-cpu-split", flags)
     assert message in str(e.value)
+
+
+# ---------------------------------------------------------------------------- the original's flags
+
+
+def test_the_original_systems_flags_are_accepted_with_their_meaning_or_a_notice(caplog, tmp_path):
+    """Flags from the original's launch lines parse: its names for ours, its two-value
+    --eval-prompt-data, its data keys; the ones that change nothing here say so once, why."""
+    import logging
+
+    from launcher.config_rules import NO_EFFECT_FLAGS, _noticed_flags
+
+    _noticed_flags.clear()
+    argv = ["--num-gpus-per-node", "4", "--hybrid", "--offload-train", "--offload-rollout", "false", "--log-passrate",
+            "--reward-num-workers", "16", "--input-key", "problem", "--label-key", "answer", "--micro-batch-size", "1",
+            "--save", "/ckpt", "--sglang-config", "sglang.yaml", "--train-memory-margin-bytes", "1073741824",
+            "--selective-offload", "--eval-prompt-data", "aime", "aime.jsonl", "--use-fault-tolerance",
+            "--max-global-restart", "2", "--use-kl-loss", "--kl-loss-type", "low_var_kl", "--use-tis"]
+    with caplog.at_level(logging.WARNING, logger="relay.config"):
+        cfg = load_config(None, argv)
+        load_config(None, argv)  # once per process
+    assert (cfg.gpus_per_node, cfg.input_key, cfg.label_key) == (4, "problem", "answer")
+    assert (cfg.eval_prompt_name, cfg.eval_prompt_data) == ("aime", "aime.jsonl")
+    assert cfg.fault_tolerant and cfg.max_global_restart == 2
+    notices = [r.getMessage() for r in caplog.records]
+    assert len(notices) == len(NO_EFFECT_FLAGS) and all("has no effect here: " in n for n in notices), notices
+    assert "--save has no effect here: checkpoints go to RUN_DIR/checkpoints: set --run-dir" in notices
+    with pytest.raises(ConfigError, match="--inference-defer-roles .* is not built here; defer the judge with "
+                                          "--rm-type dummy --defer-reward-to-post-process"):
+        load_config(None, ["--inference-defer-roles", "genrm"])
+    with pytest.raises(ConfigError, match="unknown flag --no-such-flag"):
+        load_config(None, ["--no-such-flag", "1"])
+
+
+def test_the_legacy_judge_gets_one_gpu_by_default_as_in_the_original():
+    cfg = load_config(None, ["--genrm-model-path", "/j", "--resource", '{"actor": [1, 4], "rollout": [1, 3]}'])
+    assert cfg.genrm["__default__"].num_gpus == 1
+    cfg = load_config(None, ["--genrm-model-path", "/j", "--resource",
+                             '{"actor": [1, 4], "rollout": [1, 2], "genrm": [1, 2]}'])
+    assert cfg.genrm["__default__"].num_gpus == 2
+
+
+def test_data_rows_are_read_under_the_input_and_label_keys(tmp_path):
+    from launcher.data import DataError, load_rows
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"problem": "1+1?", "answer": "2", "source": "x"}\n')
+    (row,) = load_rows(str(p), input_key="problem", label_key="answer")
+    assert (row.prompt, row.label, row.metadata) == ("1+1?", "2", {"source": "x"})
+    with pytest.raises(DataError, match=r"needs an object with a 'prompt' .*\(another key: --input-key KEY\)"):
+        load_rows(str(p))
