@@ -49,12 +49,22 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from launcher.job import main as job_main
+    from launcher.supervisor import GENERATION_ENV, supervise
 
     argv = (
         (["--config", args.config] if args.config else [])
         + (["--hold", str(args.hold)] if args.hold else [])
         + args.overrides
     )
+    if GENERATION_ENV not in os.environ:  # not already the supervised job itself
+        from launcher.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except ConfigError:
+            cfg = None  # the job reports it
+        if cfg is not None and cfg.fault_tolerant:
+            return supervise(argv, cfg.run_dir, cfg.max_global_restart)
     return job_main(argv, prog="relay train", single_node=True)
 
 

@@ -1,0 +1,161 @@
+"""--use-fault-tolerance: the restart policy of the one-node supervisor (pure), and real
+launches on localhost that only place the job (no training; the e2e restarts that resume
+training are in tests/e2e/test_restart.py): the supervisor restarts a killed controller at
+most --max-global-restart times, signals stop it without a restart, and torchrun must be
+launched with --max-restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from launcher.exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
+from launcher.supervisor import after_exit, describe_exit, shell_code
+from tests.helpers import reap
+from tests.launcher.test_launch import ROOT, TORCHRUN, free_port, procs_with_env, read_until, wait_for
+
+RELAY = os.path.join(os.path.dirname(sys.executable), "relay")
+CKPT = "/runs/x/checkpoints"
+
+
+# ---------------------------------------------------------------------------- the policy (pure)
+
+
+@pytest.mark.unit
+def test_exits_are_described_as_codes_or_signals():
+    assert describe_exit(1) == "exit 1"
+    assert describe_exit(-9) == "signal SIGKILL"
+    assert shell_code(-9) == 137 and shell_code(3) == 3
+
+
+@pytest.mark.unit
+def test_failures_restart_until_the_budget_is_spent_then_stop_with_a_clear_message():
+    verdicts = [after_exit(-9, done, 2, signalled=False, checkpoints=CKPT) for done in range(3)]
+    assert [v.restart for v in verdicts] == [True, True, False]
+    assert verdicts[0].message == (
+        f"relay: the job failed (signal SIGKILL); restart 1 of 2 from the last checkpoint in {CKPT}"
+    )
+    assert verdicts[1].message.startswith("relay: the job failed (signal SIGKILL); restart 2 of 2 ")
+    assert "after 2 restart(s)" in verdicts[2].message and "--max-global-restart (2)" in verdicts[2].message
+    assert not after_exit(1, 0, 0, signalled=False, checkpoints=CKPT).restart  # --max-global-restart 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("code", [0, 2, 130, 143, EXIT_CHECKPOINTED_ON_SIGNAL])
+def test_success_stops_and_bad_command_lines_are_not_restarted(code):
+    v = after_exit(code, 0, 3, signalled=False, checkpoints=CKPT)
+    assert not v.restart and v.message is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("code", [1, -9, -15])
+def test_a_stop_the_user_asked_for_is_never_restarted(code):
+    assert not after_exit(code, 0, 3, signalled=True, checkpoints=CKPT).restart
+
+
+# ---------------------------------------------------------------------------- real launches
+
+
+def relay_train(run_dir, *args) -> subprocess.Popen:
+    return subprocess.Popen(
+        [RELAY, "train", "--config", "tiny-cpu-split", "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def controller_of(supervisor: int, generation: int) -> int:
+    """The job process (the controller) of this generation: the supervisor's child."""
+    pids = [p for p in procs_with_env("RELAY_JOB_GENERATION", str(generation)) if parent(p) == supervisor]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_controller_killed_more_often_than_max_global_restart_stops_the_job_with_a_clear_message(tmp_path):
+    p = relay_train(tmp_path / "run", "--hold", "120", "--use-fault-tolerance", "--max-global-restart", "1")
+    try:
+        out = read_until(p, "holding the job", 90)
+        first = controller_of(p.pid, 1)
+        workers = procs_with_env("RELAY_BUNDLE")
+        assert len(workers) == 4
+        os.kill(first, signal.SIGKILL)
+        out += read_until(p, "holding the job", 90)  # the second generation is up
+        assert not set(workers) & set(procs_with_env("RELAY_BUNDLE"))  # the first one's workers are gone
+        second = controller_of(p.pid, 2)
+        os.kill(second, signal.SIGKILL)
+        rest, err = p.communicate(timeout=30)
+    finally:
+        reap([p])
+    assert p.returncode == 128 + signal.SIGKILL, err
+    checkpoints = os.path.join(str(tmp_path / "run"), "checkpoints")
+    assert (
+        f"relay: the job failed (signal SIGKILL); restart 1 of 1 from the last checkpoint in {checkpoints}\n" in err
+    ), err
+    assert (
+        "relay: the job failed (signal SIGKILL) after 1 restart(s), the most --max-global-restart (1) allows; "
+        "giving up." in err
+    ), err
+    assert err.count("relay: the job failed") == 2
+    assert "relay: restart 1 of 1: resuming from the newest complete checkpoint" in out + rest
+    wait_for(lambda: not procs_with_env("RELAY_BUNDLE"), 10, "workers to exit")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_the_supervisor_stops_the_job_without_a_restart(tmp_path, sig, code):
+    p = relay_train(tmp_path / "run", "--hold", "120", "--use-health-check")
+    try:
+        read_until(p, "holding the job", 90)
+        controller = controller_of(p.pid, 1)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        reap([p])
+    assert p.returncode == code, err
+    assert f"stopped by {signal.Signals(sig).name}" in err  # the controller's own stop, forwarded to it
+    assert "restart" not in err and not procs_with_env("RELAY_JOB_GENERATION", "2")
+    assert not os.path.exists(f"/proc/{controller}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_without_the_flag_relay_train_runs_the_job_in_its_own_process(tmp_path):
+    p = relay_train(tmp_path / "run", "--hold", "120")
+    try:
+        read_until(p, "holding the job", 90)
+        assert not procs_with_env("RELAY_JOB_GENERATION")
+        workers = procs_with_env("RELAY_BUNDLE")
+        assert len(workers) == 4 and {parent(w) for w in workers} == {p.pid}  # the relay process's own
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    finally:
+        reap([p])
+    assert p.returncode == 143
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_torchrun_without_enough_max_restarts_is_refused_naming_the_flag(tmp_path):
+    cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "ft-check", "-m", "launcher"]
+    cmd += ["--config", "tiny-cpu-split", "--run-dir", str(tmp_path / "run"), "--use-fault-tolerance"]
+    p = subprocess.run(cmd + ["--max-global-restart", "2"], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert p.returncode != 0 and "placed a probe actor" not in p.stdout
+    assert (
+        "--use-fault-tolerance restarts a torchrun job through torchrun, which was started with --max-restarts 0: "
+        "add --max-restarts 2 (at least --max-global-restart) to the torchrun command line on every node" in p.stderr
+    ), p.stderr[-3000:]
