@@ -16,7 +16,15 @@ import pytest
 from launcher.exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from launcher.supervisor import after_exit, describe_exit, shell_code
 from tests.helpers import reap
-from tests.launcher.test_launch import ROOT, TORCHRUN, free_port, procs_with_env, read_until, wait_for
+from tests.launcher.test_launch import (
+    ROOT,
+    TORCHRUN,
+    _listening,
+    free_port,
+    procs_with_env,
+    read_until,
+    wait_for,
+)
 
 RELAY = os.path.join(os.path.dirname(sys.executable), "relay")
 CKPT = "/runs/x/checkpoints"
@@ -73,6 +81,26 @@ def relay_train(run_dir, *args) -> subprocess.Popen:
 def parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def torchrun_with_restarts(port: int, run_id: str, max_restarts: int, *args: str) -> subprocess.Popen:
+    """One of 2 "nodes" on 127.0.0.1: ``torchrun --max-restarts N ... -m launcher ARGS``."""
+    cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", str(max_restarts)]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
+    return subprocess.Popen(
+        [*cmd, "-m", "launcher", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def launcher_procs(key: str, value: str) -> list[int]:
+    """This test's processes running the launcher itself (not torchrun, not a worker) with env KEY=VALUE."""
+    out = []
+    for pid in procs_with_env(key, value):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+        if b"launcher" in cmd or b"launcher.cli" in cmd:
+            out.append(pid)
+    return out
 
 
 def controller_of(supervisor: int, generation: int) -> int:
@@ -159,3 +187,33 @@ def test_torchrun_without_enough_max_restarts_is_refused_naming_the_flag(tmp_pat
         "--use-fault-tolerance restarts a torchrun job through torchrun, which was started with --max-restarts 0: "
         "add --max-restarts 2 (at least --max-global-restart) to the torchrun command line on every node" in p.stderr
     ), p.stderr[-3000:]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_torchrun_restarts_both_nodes_after_an_agent_is_killed_and_the_new_run_ignores_the_old_keys(tmp_path):
+    """Both nodes' processes start again (torchrun --max-restarts), count generation 2 in the
+    store and meet under generation-2 keys: had the new agent or controller read the first
+    run's values (the dead controller's address, the old secret), the second run would not
+    be placed."""
+    port = free_port()
+    args = ["--config", "tiny-cpu-split", "--gpus-per-node", "2", "--hold", "20", "--run-dir", str(tmp_path / "run")]
+    args += ["--use-fault-tolerance", "--max-global-restart", "1"]
+    nodes = [torchrun_with_restarts(port, "ft-restart", 1, *args)]
+    wait_for(lambda: _listening(port), 30, "the rendezvous store")
+    nodes.append(torchrun_with_restarts(port, "ft-restart", 1, *args))
+    try:
+        wait_for(lambda: len(procs_with_env("RELAY_BUNDLE")) == 4, 90, "4 workers")
+        first = set(procs_with_env("RELAY_BUNDLE"))
+        agent = wait_for(lambda: launcher_procs("GROUP_RANK", "1"), 10, "the rank-1 agent")[0]
+        os.kill(agent, signal.SIGKILL)
+        outs = [n.communicate(timeout=180) for n in nodes]
+    finally:
+        reap(nodes)
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-3000:] for o in outs]
+    both = "".join(o for o, _ in outs)  # torchrun may give rank 0 to the other node in the second run
+    assert both.count("\nlayout: ") + both.startswith("layout: ") == 2, [o[-3000:] for o in outs]  # 2 controllers
+    assert both.count("relay: restart 1 of 1: resuming from the newest complete checkpoint") == 1
+    second = next(o for o, _ in outs if "restart 1 of 1" in o).split("relay: restart 1 of 1")[1]
+    assert "placed a probe actor on every bundle" in second and second.count("shut down cleanly") == 1
+    assert not first & set(procs_with_env("RELAY_BUNDLE"))
