@@ -118,6 +118,7 @@ def _sbatch(args: argparse.Namespace) -> int:
             port=args.port,
             log_dir=args.log_dir,
             signal_grace=args.signal_grace,
+            max_restarts=cfg.max_global_restart if cfg.fault_tolerant else 0,  # torchrun restarts the job
         )
     except (ConfigError, ValueError) as e:
         print(f"relay sbatch: {e}", file=sys.stderr)

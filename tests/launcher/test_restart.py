@@ -6,6 +6,7 @@ launched with --max-restarts."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -217,3 +218,40 @@ def test_torchrun_restarts_both_nodes_after_an_agent_is_killed_and_the_new_run_i
     second = next(o for o, _ in outs if "restart 1 of 1" in o).split("relay: restart 1 of 1")[1]
     assert "placed a probe actor on every bundle" in second and second.count("shut down cleanly") == 1
     assert not first & set(procs_with_env("RELAY_BUNDLE"))
+
+
+@pytest.mark.integration
+def test_relay_sbatch_launches_torchrun_with_max_restarts_when_the_job_is_fault_tolerant(tmp_path):
+    from tests.launcher.test_sbatch import render
+
+    def torchrun_line(*flags: str) -> str:
+        p = render(tmp_path, "--config", "tiny-cpu-split", "--nodes", "2", "--gpus-per-node", "2", *flags)
+        assert p.returncode == 0, p.stderr
+        return next(line for line in p.stdout.splitlines() if line.startswith("torchrun "))
+
+    assert "--max-restarts" not in torchrun_line()
+    line = torchrun_line("--use-fault-tolerance", "--max-global-restart", "2")
+    assert line.startswith("torchrun --nnodes 2 --nproc-per-node 1 --max-restarts 2 --rdzv-backend c10d"), line
+    assert " --max-restarts 3 " in torchrun_line("--use-health-check")  # the default --max-global-restart
+
+
+@pytest.mark.unit
+def test_a_restarted_controller_resumes_and_refuses_to_start_past_the_limit(monkeypatch, tmp_path, capsys):
+    """The controller's side of a restart, for torchrun and the supervisor alike: generation
+    N > 1 forces --resume; past --max-global-restart it stops, and tells this run's agents."""
+    from launcher.config import load_config
+    from launcher.controller import JobFailed, _restarted
+    from launcher.rendezvous import Rendezvous
+
+    cfg = load_config("tiny-cpu-split", ["--use-fault-tolerance", "--max-global-restart", "1"])
+    for generation, resumed in (("1", False), ("2", True)):
+        monkeypatch.setenv("RELAY_JOB_GENERATION", generation)
+        assert _restarted(cfg, Rendezvous(), str(tmp_path), sys.stdout).resume is resumed
+    assert "relay: restart 1 of 1: resuming from the newest complete checkpoint" in capsys.readouterr().out
+    monkeypatch.setenv("RELAY_JOB_GENERATION", "3")
+    rdzv = Rendezvous()
+    with pytest.raises(JobFailed, match=r"the job failed 2 time\(s\), and --max-global-restart 1 allows 1 restart"):
+        _restarted(cfg, rdzv, str(tmp_path), sys.stdout)
+    assert "not restarting it again" in asyncio.run(rdzv.get("secret", 1))["stop"]  # what its agents read
+    plain = load_config("tiny-cpu-split", [])  # without fault tolerance a later generation changes nothing
+    assert _restarted(plain, rdzv, str(tmp_path), sys.stdout) is plain
