@@ -64,7 +64,7 @@ def _train(args: argparse.Namespace) -> int:
         except ConfigError:
             cfg = None  # the job reports it
         if cfg is not None and cfg.fault_tolerant:
-            return supervise(argv, cfg.run_dir, cfg.max_global_restart)
+            return supervise(argv, cfg.run_dir, cfg.max_global_restart, resume=cfg.resume)
     return job_main(argv, prog="relay train", single_node=True)
 
 

@@ -38,6 +38,7 @@ from .exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
 from .rl.checkpoints import CHECKPOINT_DIR, StoppedWithCheckpoint
+from .supervisor import earlier_checkpoints
 
 
 @dataclass
@@ -270,19 +271,25 @@ async def run_controller(
 def _restarted(cfg: JobConfig, rdzv: Rendezvous, run_dir: str, out) -> JobConfig:
     """With fault tolerance, a run after the first (``rdzv.generation`` > 1: torchrun or the
     one-node supervisor restarted the job after a failure) resumes from the newest complete
-    checkpoint; past ``--max-global-restart`` restarts it stops, and so do its agents."""
-    restarts = rdzv.generation - 1
-    if not cfg.fault_tolerant or restarts == 0:
+    checkpoint. It refuses to run (and so do its agents, and later runs: ``rdzv.refuse``)
+    past ``--max-global-restart`` restarts, or when a first run without ``--resume`` finds an
+    earlier run's checkpoints, which its restarts would resume from."""
+    if not cfg.fault_tolerant:
         return cfg
-    if restarts > cfg.max_global_restart:
+    restarts = rdzv.generation - 1
+    message = rdzv.refused() or (earlier_checkpoints(run_dir, cfg.resume) if restarts == 0 else None)
+    if restarts > cfg.max_global_restart and not message:
         message = (
             f"the job failed {restarts} time(s), and --max-global-restart {cfg.max_global_restart} allows "
             f"{cfg.max_global_restart} restart(s); not restarting it again. Continue it with --resume (from the last "
             f"checkpoint in {os.path.join(run_dir, CHECKPOINT_DIR)}) in a new job, or allow more restarts with "
             f"--max-global-restart"
         )
-        rdzv.set("secret", {"stop": message})  # this run's agents stop too, instead of waiting for a controller
+    if message:
+        rdzv.refuse(message)
         raise JobFailed(message)
+    if restarts == 0:
+        return cfg
     print(
         f"relay: restart {restarts} of {cfg.max_global_restart}: resuming from the newest complete checkpoint in "
         f"{os.path.join(run_dir, CHECKPOINT_DIR)}",

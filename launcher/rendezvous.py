@@ -149,6 +149,19 @@ class Rendezvous:
         self._store.wait([self._key(key)], datetime.timedelta(seconds=timeout))
         return json.loads(self._store.get(self._key(key)).decode())
 
+    def refuse(self, message: str) -> None:
+        """The controller will not run the job: this run's agents read ``message`` instead of
+        the secret and stop, and so does every later run that torchrun starts (see ``refused``)."""
+        self.set("secret", {"stop": message})
+        if self._store is not None:
+            self._store.set("relay/refused", message)
+
+    def refused(self) -> str | None:
+        """Why an earlier run of this job refused to run it, if one did (torchrun only)."""
+        if self._store is None or not self._store.check(["relay/refused"]):
+            return None
+        return self._store.get("relay/refused").decode()
+
     def _key(self, key: str) -> str:
         return f"relay/g{self.generation}/{key}"
 

@@ -78,11 +78,32 @@ def after_exit(returncode: int, restarts_done: int, max_restarts: int, signalled
     )
 
 
-def supervise(argv: list[str], run_dir: str, max_restarts: int) -> int:
+def earlier_checkpoints(run_dir: str, resume: bool) -> str | None:
+    """A fault-tolerant job that does not ``--resume`` must start in a run directory without
+    complete checkpoints: its restarts resume from the newest one, which must be its own.
+    The error when an earlier run's are there, else None."""
+    from .rl.checkpoints import Checkpoints
+
+    latest = None if resume else Checkpoints(os.path.abspath(run_dir)).latest()
+    if latest is None:
+        return None
+    return (
+        f"--use-fault-tolerance: {os.path.dirname(latest)} already holds checkpoints of an earlier run (newest: "
+        f"{os.path.basename(latest)}), and a restart would resume from them: pass --resume to continue that run, or "
+        f"choose a new --run-dir"
+    )
+
+
+def supervise(argv: list[str], run_dir: str, max_restarts: int, resume: bool = False) -> int:
     """Run ``relay train ARGV`` as a child until it succeeds, is stopped, or has failed
-    ``max_restarts + 1`` times; returns the exit code for this process."""
+    ``max_restarts + 1`` times; returns the exit code for this process (2 without starting
+    it when the run directory holds an earlier run's checkpoints and ``resume`` is off)."""
     from .rl.checkpoints import CHECKPOINT_DIR
 
+    problem = earlier_checkpoints(run_dir, resume)
+    if problem:
+        print(f"relay train: {problem}", file=sys.stderr, flush=True)
+        return 2
     checkpoints = os.path.join(os.path.abspath(run_dir), CHECKPOINT_DIR)
     cmd = [sys.executable, "-m", "launcher.cli", "train", *argv]
     child: subprocess.Popen | None = None

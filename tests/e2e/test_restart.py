@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from launcher.exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from tests.e2e.test_grpo_modes import ROOT, records, train_cmd
 from tests.e2e.test_multinode import TORCHRUN, _is_agent, free_port
 from tests.helpers import reap, tagged_pids
@@ -80,8 +81,8 @@ def relay_train(data: dict, run_dir: str, log_dir, *extra: str) -> subprocess.Po
     """``relay train`` (the console script) of the e2e Split job; its output to files."""
     cmd = [RELAY, *train_cmd("tiny-cpu-split", data, run_dir, *extra)[3:]]  # from "train" on
     env = dict(os.environ, RELAY_CACHE=data["cache"])
-    out, err = open(log_dir / "stdout.txt", "w"), open(log_dir / "stderr.txt", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, env=env)
+    with open(log_dir / "stdout.txt", "w") as out, open(log_dir / "stderr.txt", "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, env=env)
 
 
 def outputs(log_dir) -> tuple[str, str]:
@@ -138,6 +139,24 @@ def test_a_killed_trainer_worker_restarts_from_the_last_checkpoint_with_the_same
     assert err.count("relay: the job failed") == 1, err[-3000:]
 
 
+def test_sigterm_to_relay_train_checkpoints_and_stops_without_a_restart(data, tmp_path):
+    """Slurm's preemption warning under the supervisor: forwarded to the job, which finishes
+    the step, writes a checkpoint and exits 75; not a failure, so no restart."""
+    run_dir = str(tmp_path / "run")
+    p = relay_train(data, run_dir, tmp_path, *FT, "--num-rollout", "50")
+    try:
+        wait_for_checkpoint(run_dir, 0, [p])
+        p.send_signal(signal.SIGTERM)
+        p.wait(120)
+    finally:
+        reap([p])
+    out, err = outputs(tmp_path)
+    assert p.returncode == EXIT_CHECKPOINTED_ON_SIGNAL, err[-3000:]
+    assert "relay: SIGTERM: writing a checkpoint after the step in progress" in err
+    assert "the job failed" not in err and "relay: restart" not in out
+    assert len(records(run_dir)) < 50
+
+
 def torchrun_two_nodes(data: dict, run_dir: str, rdzv_id: str, *extra: str) -> list[subprocess.Popen]:
     """As tests/e2e/test_multinode.py starts the e2e job on 2 "nodes" (127.0.0.2, 127.0.0.3;
     the first hosts the store and gets rank 0), with torchrun --max-restarts 3."""
@@ -148,8 +167,8 @@ def torchrun_two_nodes(data: dict, run_dir: str, rdzv_id: str, *extra: str) -> l
         env = dict(os.environ, RELAY_CACHE=data["cache"], RELAY_HOST=host)
         cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
         cmd += ["--rdzv-endpoint", f"127.0.0.2:{port}", "--rdzv-id", rdzv_id, "-m", "launcher", *args]
-        out, err = open(f"{run_dir}-{host}.out", "w"), open(f"{run_dir}-{host}.err", "w")
-        nodes.append(subprocess.Popen([*cmd, "--gpus-per-node", "2"], cwd=ROOT, stdout=out, stderr=err, env=env))
+        with open(f"{run_dir}-{host}.out", "w") as out, open(f"{run_dir}-{host}.err", "w") as err:
+            nodes.append(subprocess.Popen([*cmd, "--gpus-per-node", "2"], cwd=ROOT, stdout=out, stderr=err, env=env))
         deadline = time.monotonic() + 60
         while len(nodes) == 1 and time.monotonic() < deadline and nodes[0].poll() is None:
             with socket.socket() as probe:

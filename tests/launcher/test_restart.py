@@ -255,3 +255,79 @@ def test_a_restarted_controller_resumes_and_refuses_to_start_past_the_limit(monk
     assert "not restarting it again" in asyncio.run(rdzv.get("secret", 1))["stop"]  # what its agents read
     plain = load_config("tiny-cpu-split", [])  # without fault tolerance a later generation changes nothing
     assert _restarted(plain, rdzv, str(tmp_path), sys.stdout) is plain
+
+
+def earlier_run(run_dir) -> str:
+    """A complete checkpoint of an earlier run in ``run_dir``."""
+    step = run_dir / "checkpoints" / "step_000007"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text('{"next_step": 8, "weight_version": 8}')
+    return str(step)
+
+
+@pytest.mark.unit
+def test_a_first_run_refuses_an_earlier_runs_checkpoints_that_its_restarts_would_resume_from(monkeypatch, tmp_path):
+    from launcher.config import load_config
+    from launcher.controller import JobFailed, _restarted
+    from launcher.rendezvous import Rendezvous
+
+    earlier_run(tmp_path)
+    monkeypatch.setenv("RELAY_JOB_GENERATION", "1")
+    cfg = load_config("tiny-cpu-split", ["--use-fault-tolerance"])
+    with pytest.raises(JobFailed, match=r"already holds checkpoints of an earlier run \(newest: step_000007\)"):
+        _restarted(cfg, Rendezvous(), str(tmp_path), sys.stdout)
+    resumed = load_config("tiny-cpu-split", ["--use-fault-tolerance", "--resume"])
+    assert _restarted(resumed, Rendezvous(), str(tmp_path), sys.stdout) is resumed
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_relay_train_with_fault_tolerance_refuses_a_run_dir_with_an_earlier_runs_checkpoints(tmp_path):
+    checkpoints = os.path.dirname(earlier_run(tmp_path / "run"))
+    p = relay_train(tmp_path / "run", "--use-fault-tolerance")
+    out, err = p.communicate(timeout=50)
+    assert p.returncode == 2 and "layout:" not in out
+    assert (
+        f"relay train: --use-fault-tolerance: {checkpoints} already holds checkpoints of an earlier run (newest: "
+        "step_000007), and a restart would resume from them: pass --resume to continue that run, or choose a new "
+        "--run-dir\n" in err
+    ), err
+    p = relay_train(tmp_path / "run", "--use-fault-tolerance", "--resume")  # placement only: nothing to resume
+    out, err = p.communicate(timeout=50)
+    assert p.returncode == 0 and "shut down cleanly" in out, err
+
+
+@pytest.mark.unit
+def test_rendezvous_generations_in_torchruns_store_count_starts_and_never_see_an_earlier_runs_keys(monkeypatch):
+    """What each process does on torchrun's agent store (a real TCPStore, kept across restarts)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from launcher.rendezvous import Rendezvous
+
+    port = free_port()
+    server = TCPStore(
+        "127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
+    )
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    for k, v in {**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(k, v)
+
+    def start(rank: int) -> Rendezvous:
+        monkeypatch.setenv("RANK", str(rank))
+        return Rendezvous(timeout=1)
+
+    first = [start(0), start(1)]
+    assert [r.generation for r in first] == [1, 1]
+    first[0].set("controller", {"addr": "old"})
+    assert asyncio.run(first[1].get("controller"))["addr"] == "old"
+    second = [start(1), start(0)]  # torchrun may hand out the ranks in another order: each counts its own starts
+    assert [r.generation for r in second] == [2, 2]
+    with pytest.raises(TimeoutError, match="'controller' was not published"):
+        asyncio.run(second[0].get("controller"))  # the first run's value is not this run's
+    assert second[1].refused() is None
+    second[1].refuse("no more")
+    assert asyncio.run(second[0].get("secret")) == {"stop": "no more"}
+    assert [start(0).refused(), start(1).refused()] == ["no more", "no more"]  # and every later run refuses
+    del server
