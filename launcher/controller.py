@@ -14,7 +14,8 @@ everything cleanly; so do SIGTERM and SIGUSR1, except while GRPO trains, when th
 finishes the step in progress and writes a checkpoint (exit code ``EXIT_CHECKPOINTED_ON_SIGNAL`` on
 every node; slurm's preemption warning). Every node's process exits with the job's code. No
 process outlives the job: workers exit with their agent, agents exit when the controller
-stops acknowledging their heartbeats.
+stops acknowledging their heartbeats. With ``--use-fault-tolerance``, torchrun (or ``relay
+train``'s supervisor) starts a failed job again and the controller resumes it (``_restarted``).
 """
 
 from __future__ import annotations
