@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="run a job on this machine (one node) without typing torchrun",
         description="Start the controller and this node's agent and workers, report the placement, then run "
-        "GRPO when the config has --prompt-data (otherwise only place the job and stop).",
+        "GRPO when the config has --prompt-data (otherwise only place the job and stop). With --use-fault-tolerance, "
+        "the job runs as a child of this command, which restarts it from its last checkpoint after a failure, at most "
+        "--max-global-restart times (docs/failures.md).",
     )
     tr.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")
