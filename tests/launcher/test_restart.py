@@ -192,11 +192,12 @@ def test_torchrun_without_enough_max_restarts_is_refused_naming_the_flag(tmp_pat
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-def test_torchrun_restarts_both_nodes_after_an_agent_is_killed_and_the_new_run_ignores_the_old_keys(tmp_path):
-    """Both nodes' processes start again (torchrun --max-restarts), count generation 2 in the
-    store and meet under generation-2 keys: had the new agent or controller read the first
-    run's values (the dead controller's address, the old secret), the second run would not
-    be placed."""
+@pytest.mark.parametrize("victim", ["1", "0"], ids=["agent", "controller"])
+def test_torchrun_restarts_both_nodes_after_a_kill_and_the_new_run_ignores_the_old_keys(tmp_path, victim):
+    """Node 1's agent or the controller (rank 0) is killed: the peer exits non-zero, both
+    nodes' processes start again (torchrun --max-restarts), count generation 2 in the store
+    and meet under generation-2 keys: had the new agent or controller read the first run's
+    values (the dead controller's address, the old secret), the second run would not be placed."""
     port = free_port()
     args = ["--config", "tiny-cpu-split", "--gpus-per-node", "2", "--hold", "20", "--run-dir", str(tmp_path / "run")]
     args += ["--use-fault-tolerance", "--max-global-restart", "1"]
@@ -206,8 +207,8 @@ def test_torchrun_restarts_both_nodes_after_an_agent_is_killed_and_the_new_run_i
     try:
         wait_for(lambda: len(procs_with_env("RELAY_BUNDLE")) == 4, 90, "4 workers")
         first = set(procs_with_env("RELAY_BUNDLE"))
-        agent = wait_for(lambda: launcher_procs("GROUP_RANK", "1"), 10, "the rank-1 agent")[0]
-        os.kill(agent, signal.SIGKILL)
+        target = wait_for(lambda: launcher_procs("GROUP_RANK", victim), 10, f"the rank-{victim} process")[0]
+        os.kill(target, signal.SIGKILL)
         outs = [n.communicate(timeout=180) for n in nodes]
     finally:
         reap(nodes)
