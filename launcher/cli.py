@@ -49,12 +49,22 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from launcher.job import main as job_main
+    from launcher.supervisor import GENERATION_ENV, supervise
 
     argv = (
         (["--config", args.config] if args.config else [])
         + (["--hold", str(args.hold)] if args.hold else [])
         + args.overrides
     )
+    if GENERATION_ENV not in os.environ:  # not already the supervised job itself
+        from launcher.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except ConfigError:
+            cfg = None  # the job reports it
+        if cfg is not None and cfg.fault_tolerant:
+            return supervise(argv, cfg.run_dir, cfg.max_global_restart, resume=cfg.resume)
     return job_main(argv, prog="relay train", single_node=True)
 
 
@@ -108,6 +118,7 @@ def _sbatch(args: argparse.Namespace) -> int:
             port=args.port,
             log_dir=args.log_dir,
             signal_grace=args.signal_grace,
+            max_restarts=cfg.max_global_restart if cfg.fault_tolerant else 0,  # torchrun restarts the job
         )
     except (ConfigError, ValueError) as e:
         print(f"relay sbatch: {e}", file=sys.stderr)
@@ -245,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="run a job on this machine (one node) without typing torchrun",
         description="Start the controller and this node's agent and workers, report the placement, then run "
-        "GRPO when the config has --prompt-data (otherwise only place the job and stop).",
+        "GRPO when the config has --prompt-data (otherwise only place the job and stop). With --use-fault-tolerance, "
+        "the job runs as a child of this command, which restarts it from its last checkpoint after a failure, at most "
+        "--max-global-restart times (docs/failures.md).",
     )
     tr.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")

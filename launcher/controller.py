@@ -14,12 +14,14 @@ everything cleanly; so do SIGTERM and SIGUSR1, except while GRPO trains, when th
 finishes the step in progress and writes a checkpoint (exit code ``EXIT_CHECKPOINTED_ON_SIGNAL`` on
 every node; slurm's preemption warning). Every node's process exits with the job's code. No
 process outlives the job: workers exit with their agent, agents exit when the controller
-stops acknowledging their heartbeats.
+stops acknowledging their heartbeats. With ``--use-fault-tolerance``, torchrun (or ``relay
+train``'s supervisor) starts a failed job again and the controller resumes it (``_restarted``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import signal
@@ -36,7 +38,8 @@ from .config import JobConfig
 from .exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
-from .rl.checkpoints import StoppedWithCheckpoint
+from .rl.checkpoints import CHECKPOINT_DIR, StoppedWithCheckpoint
+from .supervisor import earlier_checkpoints
 
 
 @dataclass
@@ -100,6 +103,7 @@ async def run_controller(
         )
     rdzv = Rendezvous()
     run_dir = os.path.abspath(cfg.run_dir)
+    cfg = _restarted(cfg, rdzv, run_dir, out)
     _prepare_process_env(0)
     os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
     os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
@@ -279,6 +283,37 @@ def _taken_over(job, item: tuple) -> bool:
     return kind == "worker" and recover is not None and recover(node, bundle, failure)
 
 
+def _restarted(cfg: JobConfig, rdzv: Rendezvous, run_dir: str, out) -> JobConfig:
+    """With fault tolerance, a run after the first (``rdzv.generation`` > 1: torchrun or the
+    one-node supervisor restarted the job after a failure) resumes from the newest complete
+    checkpoint. It refuses to run (and so do its agents, and later runs: ``rdzv.refuse``)
+    past ``--max-global-restart`` restarts, or when a first run without ``--resume`` finds an
+    earlier run's checkpoints, which its restarts would resume from."""
+    if not cfg.fault_tolerant:
+        return cfg
+    restarts = rdzv.generation - 1
+    message = rdzv.refused() or (earlier_checkpoints(run_dir, cfg.resume) if restarts == 0 else None)
+    if restarts > cfg.max_global_restart and not message:
+        message = (
+            f"the job failed {restarts} time(s), and --max-global-restart {cfg.max_global_restart} allows "
+            f"{cfg.max_global_restart} restart(s); not restarting it again. Continue it with --resume (from the last "
+            f"checkpoint in {os.path.join(run_dir, CHECKPOINT_DIR)}) in a new job, or allow more restarts with "
+            f"--max-global-restart"
+        )
+    if message:
+        rdzv.refuse(message)
+        raise JobFailed(message)
+    if restarts == 0:
+        return cfg
+    print(
+        f"relay: restart {restarts} of {cfg.max_global_restart}: resuming from the newest complete checkpoint in "
+        f"{os.path.join(run_dir, CHECKPOINT_DIR)}",
+        file=out,
+        flush=True,
+    )
+    return dataclasses.replace(cfg, resume=True)
+
+
 def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef], run_dir: str) -> str:
     kind, node, bundle, failure = item
     roles = _roles_by_bundle(plan)
@@ -331,6 +366,9 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
     """Rank > 0: host this node's agent until the controller says stop (or disappears)."""
     rdzv = Rendezvous()
     creds = await rdzv.get("secret")
+    if "stop" in creds:  # the controller of this run refused to start (see _restarted)
+        print(f"relay: node {rank}: {creds['stop']}", file=sys.stderr, flush=True)
+        return 1
     os.environ["RELAY_JOB_SECRET"] = creds["secret"]
     os.environ["RELAY_JOB_ID"] = creds["job_id"]
     os.environ["RELAY_PARENT_TIMEOUT"] = f"{relay.settings().agent_timeout:g}"  # for this agent and its workers

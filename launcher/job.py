@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 
 from .allocator import PlanError
@@ -41,6 +42,21 @@ def install_uvloop() -> None:
         pass
 
 
+def torchrun_restart_problem(max_global_restart: int) -> str | None:
+    """Under torchrun with fault tolerance, torchrun restarts the job (``--max-restarts``):
+    what is wrong with how it was launched, or None. Outside torchrun, None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    have = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if have >= max_global_restart:
+        return None
+    return (
+        f"--use-fault-tolerance restarts a torchrun job through torchrun, which was started with --max-restarts "
+        f"{have}: add --max-restarts {max_global_restart} (at least --max-global-restart) to the torchrun command "
+        f"line on every node"
+    )
+
+
 def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = False) -> int:
     args, rest = _parser(prog).parse_known_args(argv)
     try:
@@ -54,6 +70,11 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
             use_network_interface(cfg.network_interface)
         except ConfigError as e:
             print(f"{prog}: {e}", file=sys.stderr)
+            return 2
+    if cfg.fault_tolerant and not single_node:
+        problem = torchrun_restart_problem(cfg.max_global_restart)
+        if problem:
+            print(f"{prog}: {problem}", file=sys.stderr)
             return 2
     rank = Rank(0, 1) if single_node else (torchrun_rank() or Rank(0, 1))
     if cfg.nnodes is None:

@@ -1,8 +1,17 @@
 """Where the processes of a job find each other: torchrun's rendezvous store (its agent's
 TCPStore, at MASTER_ADDR:MASTER_PORT), or an in-process dict for a one-node ``relay train``.
 
-Keys (all under ``relay/``): ``secret`` and ``job_id`` (from rank 0), ``controller`` (the
-controller's inbox and heartbeat addresses), ``agent/<rank>`` (each agent's inbox).
+Keys (all under ``relay/g<generation>/``): ``secret`` and ``job_id`` (from rank 0),
+``controller`` (the controller's inbox and heartbeat addresses), ``agent/<rank>`` (each
+agent's inbox).
+
+Generations: torchrun (``--max-restarts``) restarts every node's process after any node's
+failure, but its agent store keeps the keys of the previous run, and its restart counts differ
+between nodes (a node restarted for a peer's failure does not count it). So each process
+counts its own starts in the store (``relay/starts/<rank>``): every global restart starts every
+node exactly once, so all the processes of one run agree on the count, and a new run's keys
+never meet an old run's values. One node (``relay train``): the generation is
+``RELAY_JOB_GENERATION``, set by the fault-tolerance supervisor (``launcher/supervisor.py``), else 1.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import socket
 from dataclasses import dataclass
 
 from .config import ConfigError
+from .supervisor import GENERATION_ENV
 
 
 @dataclass
@@ -99,10 +109,14 @@ def use_network_interface(name: str) -> str:
 
 
 class Rendezvous:
+    """The key-value store of one run of the job; ``generation`` is 1 for the first run and
+    one more for each restart (see the module docstring)."""
+
     def __init__(self, timeout: float = 300.0):
         self.timeout = timeout
         self._local: dict[str, str] | None = None
         self._store = None
+        self.generation = int(os.environ.get(GENERATION_ENV, "1"))
         if "MASTER_PORT" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from torch.distributed import TCPStore
 
@@ -116,6 +130,7 @@ class Rendezvous:
                 timeout=datetime.timedelta(seconds=timeout),
                 wait_for_workers=False,
             )
+            self.generation = int(self._store.add(f"relay/starts/{rank}", 1))
         else:
             self._local = {}
 
@@ -124,15 +139,31 @@ class Rendezvous:
         if self._local is not None:
             self._local[key] = data
         else:
-            self._store.set(f"relay/{key}", data)
+            self._store.set(self._key(key), data)
 
     def _get(self, key: str, timeout: float) -> dict:
         if self._local is not None:
             if key not in self._local:
                 raise TimeoutError(f"rendezvous: no value for {key!r}")
             return json.loads(self._local[key])
-        self._store.wait([f"relay/{key}"], datetime.timedelta(seconds=timeout))
-        return json.loads(self._store.get(f"relay/{key}").decode())
+        self._store.wait([self._key(key)], datetime.timedelta(seconds=timeout))
+        return json.loads(self._store.get(self._key(key)).decode())
+
+    def refuse(self, message: str) -> None:
+        """The controller will not run the job: this run's agents read ``message`` instead of
+        the secret and stop, and so does every later run that torchrun starts (see ``refused``)."""
+        self.set("secret", {"stop": message})
+        if self._store is not None:
+            self._store.set("relay/refused", message)
+
+    def refused(self) -> str | None:
+        """Why an earlier run of this job refused to run it, if one did (torchrun only)."""
+        if self._store is None or not self._store.check(["relay/refused"]):
+            return None
+        return self._store.get("relay/refused").decode()
+
+    def _key(self, key: str) -> str:
+        return f"relay/g{self.generation}/{key}"
 
     async def get(self, key: str, timeout: float | None = None) -> dict:
         """Wait (without blocking the event loop) for another process to publish ``key``."""

@@ -40,7 +40,7 @@ echo "relay: node $SLURM_NODEID ($(hostname)) of job $SLURM_JOB_ID," \
 # slurm sends SIGTERM to every process of the step: torchrun and the launcher get it directly
 # (re-sending it would cut torchrun's wait for the checkpoint short); this shell only waits.
 trap 'echo "relay: node $SLURM_NODEID got SIGTERM; waiting for torchrun"' TERM
-torchrun --nnodes {nnodes} --nproc-per-node 1 --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" \
+torchrun --nnodes {nnodes} --nproc-per-node 1{max_restarts} --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" \
     --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" -m launcher "$@" ${{resume[@]+"${{resume[@]}}"}} &
 pid=$!
 while wait "$pid"; rc=$?; [ "$rc" -gt 128 ] && kill -0 "$pid" 2>/dev/null; do :; done
@@ -75,10 +75,12 @@ def render_sbatch(
     port: int | None = None,
     log_dir: str = "logs",
     signal_grace: int = 300,
+    max_restarts: int = 0,
 ) -> str:
     """The script's text. ``overrides`` are the launcher's config flags, passed on verbatim
-    after ``--config CONFIG --nnodes NODES --gpus-per-node GPUS``. Raises ValueError for
-    arguments slurm cannot take (the message names the option)."""
+    after ``--config CONFIG --nnodes NODES --gpus-per-node GPUS``; ``max_restarts`` > 0 is
+    torchrun's ``--max-restarts`` (``--use-fault-tolerance``: the job's --max-global-restart).
+    Raises ValueError for arguments slurm cannot take (the message names the option)."""
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
     if gpus_per_node < 1:
@@ -143,7 +145,11 @@ def render_sbatch(
         'rm -f "$RELAY_LOG_PREFIX"-node*.exit',
         "",
         "read -r -d '' NODE_BODY <<'NODE' || true",
-        NODE_BODY.format(nnodes=nodes, exit_env=EXIT_CODE_FILE_ENV).rstrip("\n"),
+        NODE_BODY.format(
+            nnodes=nodes,
+            exit_env=EXIT_CODE_FILE_ENV,
+            max_restarts=f" --max-restarts {max_restarts}" if max_restarts else "",
+        ).rstrip("\n"),
         "NODE",
         "",
         "# The batch shell outlives SIGTERM (preemption sends it here too) until every node is done.",
