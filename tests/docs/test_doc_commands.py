@@ -63,7 +63,7 @@ EXPECTED: dict[str, str] = {
     "relay train --config tiny-cpu-split --network-interface lo": "shut down cleanly",
     "relay sbatch --config qwen35-35b-a3b-16gpu-genrm-397b-split --nodes 2 --partition gpu \\\n"
     "    --time 24:00:00 --network-interface ib0 -o job.sbatch": "wrote job.sbatch",
-    # docs/failures.md (restarts; written as docs/failures-restart.md)
+    # docs/failures.md
     "relay train --config tiny-cpu-split --use-fault-tolerance --max-global-restart 2": "shut down cleanly",
     "torchrun --nnodes 2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\\n"
     "    -m launcher --config qwen35-35b-a3b-16gpu-genrm-397b-split --use-fault-tolerance --save-interval 10   # needs a GPU: 2 nodes x 8 GPUs; HEAD = the first node": "placed a probe actor on every bundle",
