@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="print the GPU-bundle plan of a config (exit 2 with the error if the layout is invalid)",
         description="Print the plan: bundle -> node/GPU -> roles and judge instances, phases, memory "
-        "fractions. Any config key can be overridden with its seed flag, e.g. --resource '{...}' --colocate.",
+        "fractions. Any config key can be overridden with its flag, e.g. --resource '{...}' --colocate.",
     )
     pl.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     pl.add_argument("--sft", action="store_true", help="the placement of relay sft (the actor's GPUs only)")

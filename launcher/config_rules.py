@@ -40,9 +40,15 @@ NO_EFFECT_FLAGS: dict[str, tuple[bool, str]] = {
     "sglang_config": (True, "the built-in engine takes no SGLang server YAML; SGLang engines take --sglang-* flags"),
     "train_memory_margin_bytes": (True, "engines size their KV cache from the memory left after the trainer offloads"),
     "selective_offload": (False, "the trainer offloads its whole state (weights, gradients, optimizer)"),
+    "manual_offload": (False, "the trainer offloads its whole state (weights, gradients, optimizer)"),
+    "megatron_to_hf_mode": (True, "the trainer converts its weights to the engines' HF layout itself"),
 }
 #: The original's flags for features not built here: refused, saying what to use instead.
 REFUSED_FLAGS = {
+    "reward_runtime": "--reward-runtime (the original's diffusion-reward scorer, not the LLM judge) is not built "
+    "here; score with --rm-type or --custom-rm-path",
+    "reward_endpoint": "--reward-endpoint (the original's remote diffusion-reward scorer) is not built here; a "
+    "--custom-rm-path function can call any endpoint",
     "inference_defer_roles": "--inference-defer-roles (the framework defer variant) is not built here; defer the "
     "judge with --rm-type dummy --defer-reward-to-post-process --custom-reward-post-process-path HOOK (Defer-swap)",
 }

@@ -203,7 +203,8 @@ def test_the_original_systems_flags_are_accepted_with_their_meaning_or_a_notice(
     argv = ["--num-gpus-per-node", "4", "--hybrid", "--offload-train", "--offload-rollout", "false", "--log-passrate",
             "--reward-num-workers", "16", "--input-key", "problem", "--label-key", "answer", "--micro-batch-size", "1",
             "--save", "/ckpt", "--sglang-config", "sglang.yaml", "--train-memory-margin-bytes", "1073741824",
-            "--selective-offload", "--eval-prompt-data", "aime", "aime.jsonl", "--use-fault-tolerance",
+            "--selective-offload", "--manual-offload", "--megatron-to-hf-mode", "bridge", "--eval-prompt-data", "aime",
+            "aime.jsonl", "--use-fault-tolerance",
             "--max-global-restart", "2", "--use-kl-loss", "--kl-loss-type", "low_var_kl", "--use-tis"]
     with caplog.at_level(logging.WARNING, logger="relay.config"):
         cfg = load_config(None, argv)
@@ -217,6 +218,8 @@ def test_the_original_systems_flags_are_accepted_with_their_meaning_or_a_notice(
     with pytest.raises(ConfigError, match="--inference-defer-roles .* is not built here; defer the judge with "
                                           "--rm-type dummy --defer-reward-to-post-process"):
         load_config(None, ["--inference-defer-roles", "genrm"])
+    with pytest.raises(ConfigError, match="--reward-runtime .* is not built here"):
+        load_config(None, ["--reward-runtime", "remote"])
     with pytest.raises(ConfigError, match="unknown flag --no-such-flag"):
         load_config(None, ["--no-such-flag", "1"])
 

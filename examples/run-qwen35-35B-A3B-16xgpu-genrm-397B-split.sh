@@ -1,0 +1,22 @@
+#!/bin/bash
+# Qwen3.5-35B-A3B policy + a 397B FP8 GenRM on 16 GPUs (2 nodes x 8), colocate Split: 8 + 8
+# disjoint shards, inline reward. Run it on every node (torchrun in place of the Ray job;
+# HEAD = the first node's address, NODE_RANK = this node's rank), or use `relay sbatch`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source examples/run-common.sh
+
+GENRM_ARGS=(
+   --genrm-model-path ${MODEL_DIR}/Qwen3.5-397B-A17B-FP8/
+   --genrm-num-gpus-per-engine 8
+   --genrm-engine-config '{"max_context_len": 10240}'
+   --genrm-sampling-config '{"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 1024}'
+)
+
+${RELAY_LAUNCH:-torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint ${HEAD:?set HEAD to the first node}:29500 -m launcher} \
+   --hf-checkpoint ${MODEL_DIR}/Qwen3.5-35B-A3B \
+   --resource '{"actor": [1, 16], "rollout": [1, 8], "genrm": [1, 8]}' \
+   --colocate \
+   --num-gpus-per-node 8 \
+   --rollout-num-gpus-per-engine 8 \
+   "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${GENRM_ARGS[@]}" "$@"
