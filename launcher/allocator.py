@@ -236,20 +236,17 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
     if mode == "shared" and not deferred:
         for inst in genrm.values():
             judge_mf = inst.mem_fraction_static
-            if judge_mf is None:
-                raise PlanError(
-                    f"Shared co-resident layout: GenRM instance {inst.name!r} needs engine_config.mem_fraction_static "
-                    f"(rollout uses --sglang-mem-fraction-static {cfg.sglang_mem_fraction_static}; the two must sum "
-                    f"below 1.0, e.g. 0.5 + 0.3)"
-                )
+            given = "mem_fraction_static"
+            if judge_mf is None:  # the original's default: the rollout's fraction
+                judge_mf, given = cfg.sglang_mem_fraction_static, "no mem_fraction_static: the rollout's, by default"
             total = cfg.sglang_mem_fraction_static + judge_mf
             if total >= 1.0:
                 raise PlanError(
                     f"Shared co-resident layout: rollout (--sglang-mem-fraction-static "
                     f"{cfg.sglang_mem_fraction_static}) and judge "
-                    f"{inst.name!r} (mem_fraction_static {judge_mf}) reserve {total:.2f} of each GPU; they must sum "
-                    f"below 1.0 "
-                    "(<= 0.9 leaves room for activations), or use defer-swap"
+                    f"{inst.name!r} ({given} {judge_mf}) reserve {total:.2f} of each GPU; they must sum "
+                    f"below 1.0 (<= 0.9 leaves room for activations): set the judge's "
+                    "engine_config.mem_fraction_static (e.g. 0.5 + 0.3), or use defer-swap"
                 )
             if total > 0.9:
                 warnings.append(

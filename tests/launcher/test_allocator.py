@@ -40,7 +40,11 @@ def test_shared_coresident_and_memory_fractions():
     assert any("> 0.9" in w for w in p.warnings)
     with pytest.raises(PlanError, match="must sum below 1.0"):
         plan(**kw, sglang_mem_fraction_static=0.7, genrm_engine_config={"mem_fraction_static": 0.3})
-    with pytest.raises(PlanError, match="needs engine_config.mem_fraction_static"):
+    # no judge fraction: the rollout's, as in the original (0.4 + 0.4 fits; the default 0.5 + 0.5 does not)
+    p = plan(**kw, sglang_mem_fraction_static=0.4)
+    assert p.mode == "colocate-shared" and not p.warnings
+    with pytest.raises(PlanError, match=r"no mem_fraction_static: the rollout's, by default 0.5\) reserve 1.00 .* set "
+                                        r"the judge's engine_config.mem_fraction_static"):
         plan(**kw)
 
 
