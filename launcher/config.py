@@ -238,7 +238,8 @@ class JobConfig:
         None, help="relay sft: optimizer steps (default: one pass over --prompt-data)", minimum=1
     )
     save_hf: str | None = _opt(
-        None, help="relay sft: write the trained model here as an HF checkpoint (default: RUN_DIR/hf)"
+        None, help="write HF checkpoints here: relay sft the trained model (default: RUN_DIR/hf); relay train "
+        "DIR/step_NNNNNN at each checkpoint (--save-interval) and after the last step"
     )
     run_dir: str = _opt("runs/latest", help="where metrics, plots and checkpoints go")
     seed: int = _opt(1234, help="random seed")

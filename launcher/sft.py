@@ -13,13 +13,13 @@ HF checkpoint to ``--save-hf`` (default RUN_DIR/hf).
 from __future__ import annotations
 
 import os
-import shutil
 
 from .agent import WorkerInfo
 from .allocator import Plan
 from .config import JobConfig
 from .data import PromptOrder, Row, load_rows, prompt_ids
 from .metrics import MetricsLog
+from .rl.checkpoints import write_hf_checkpoint
 from .rl.timing import PhaseTimer
 from .rl.trainer_group import TrainerGroup, attach_claim
 
@@ -103,23 +103,8 @@ class SFTJob:
         return rec
 
     async def save(self) -> None:
-        """The trained weights as an HF checkpoint (rank 0's gathered export), written to a
-        temporary directory and renamed into place."""
-        from safetensors.torch import save_file
-
-        buckets = await self.trainer.export_hf()
-        tensors = {k: v.contiguous() for b in buckets for k, v in b.items()}
-        tmp = self.save_to + f".tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for name in os.listdir(self.cfg.hf_checkpoint):  # config, tokenizer, chat template: all but the weights
-            src = os.path.join(self.cfg.hf_checkpoint, name)
-            if os.path.isfile(src) and not name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
-                shutil.copy(src, tmp)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        if os.path.exists(self.save_to):
-            shutil.rmtree(self.save_to)
-        os.replace(tmp, self.save_to)
+        """The trained weights as an HF checkpoint (launcher/rl/checkpoints.py)."""
+        await write_hf_checkpoint(self.trainer, self.cfg.hf_checkpoint, self.save_to)
 
     async def close(self, graceful: bool = True) -> None:
         if graceful:

@@ -84,3 +84,27 @@ class Checkpoints:
         for path in self.complete()[:-keep]:
             os.remove(os.path.join(path, STATE_FILE))  # incomplete first, so a crash mid-delete is never resumed from
             shutil.rmtree(path, ignore_errors=True)
+
+
+async def write_hf_checkpoint(trainer, source: str, dest: str) -> str:
+    """The trainer's current weights as an HF checkpoint in ``dest``: rank 0's gathered
+    export (``model.safetensors``) beside ``source``'s config, tokenizer and chat template,
+    written to a temporary directory and renamed into place. Returns ``dest``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    buckets = await trainer.export_hf()
+    tensors = {k: v.contiguous() for b in buckets for k, v in b.items()}
+    tmp = dest + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in os.listdir(source):  # config, tokenizer, chat template: all but the weights
+        src = os.path.join(source, name)
+        if os.path.isfile(src) and not name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+            shutil.copy(src, tmp)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    if os.path.exists(dest):
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return dest

@@ -38,7 +38,7 @@ from ..data import PromptOrder, Row, load_rows
 from ..metrics import MetricsLog
 from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
-from .checkpoints import Checkpoints, StoppedWithCheckpoint
+from .checkpoints import Checkpoints, StoppedWithCheckpoint, write_hf_checkpoint
 from .engine_pool import Engine, call_engines, engine_bytes, live, of_role, write_event_log
 from .judge import judge_deltas
 from .recovery import EngineRecovery
@@ -233,6 +233,10 @@ class GRPOLoop:
         periodic_save = bool(cfg.save_interval) and (step + 1) % cfg.save_interval == 0
         if periodic_save or self._stop_requested:
             await self.checkpoints.save(self.trainer, step, self.version, self.colocate, cfg.keep_checkpoints)
+        if cfg.save_hf and (periodic_save or self._stop_requested or last):
+            path = await write_hf_checkpoint(self.trainer, cfg.hf_checkpoint,
+                                             os.path.join(os.path.abspath(cfg.save_hf), f"step_{step:06d}"))
+            print(f"wrote the HF checkpoint of step {step} to {path}", file=self.out, flush=True)
         if self._stop_requested and not last:
             raise StoppedWithCheckpoint(self.checkpoints.path(step), step + 1)
         periodic_eval = bool(cfg.eval_interval) and (step + 1) % cfg.eval_interval == 0
