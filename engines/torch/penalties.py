@@ -3,8 +3,9 @@
 Per request (only one that asks for a penalty) the engine keeps, on the logits' device, the
 count of each vocabulary token in its output and a mask of the tokens of its prompt
 (:class:`PenaltyState`, on the :class:`.sequence.Sequence`: it survives preemption). Each
-step catches the counts up with the tokens appended since (one per step), then changes the
-penalized rows of the batch at once, out of place:
+step stacks the penalized rows' counts, adds the tokens appended since the last step in one
+scatter (writing them back in one multi-tensor copy), then changes the penalized rows of the
+batch at once, out of place:
 
 - ``frequency_penalty``: ``logit -= penalty * count`` (output tokens);
 - ``presence_penalty``: ``logit -= penalty`` for every output token seen at least once;
@@ -35,12 +36,26 @@ class PenaltyState:
         self.in_prompt[ids] = True
         self.counted = 0  # output tokens already in ``counts``
 
-    def catch_up(self, output: list) -> None:
-        """Count the output tokens appended since the last step (one, normally)."""
-        for t in output[self.counted :]:
-            if 0 <= t < self.counts.numel():
-                self.counts[t] += 1
-        self.counted = len(output)
+
+def _counts(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    """The rows' output-token counts [b, V], caught up with the tokens appended since the
+    last step (one scatter for the batch) and written back to each request's state (one
+    multi-tensor copy)."""
+    for s in seqs:
+        if s.penalty is None:
+            s.penalty = PenaltyState(s.prompt, vocab, device)
+    counts = torch.stack([s.penalty.counts for s in seqs])
+    rows, toks = [], []
+    for j, s in enumerate(seqs):
+        new = [t for t in s.output[s.penalty.counted :] if 0 <= t < vocab]  # one, normally
+        rows += [j] * len(new)
+        toks += new
+        s.penalty.counted = len(s.output)
+    if toks:
+        ones = torch.ones(len(toks), dtype=counts.dtype, device=device)
+        counts.index_put_((torch.tensor(rows, device=device), torch.tensor(toks, device=device)), ones, accumulate=True)
+        torch._foreach_copy_([s.penalty.counts for s in seqs], list(counts.unbind(0)))
+    return counts
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos: set) -> torch.Tensor:
@@ -59,13 +74,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos: set) -> tor
         or seqs[i].sampling.presence_penalty != 0.0
     ]
     if additive:
-        for i in additive:
-            s = seqs[i]
-            if s.penalty is None:
-                s.penalty = PenaltyState(s.prompt, vocab, dev)
-            s.penalty.catch_up(s.output)
         idx = torch.tensor(additive, device=dev)
-        counts = torch.stack([seqs[i].penalty.counts for i in additive]).to(logits.dtype)  # [b, V]
+        counts = _counts([seqs[i] for i in additive], vocab, dev).to(logits.dtype)  # [b, V]
         seen_out = counts > 0
 
         def column(name: str) -> torch.Tensor:
