@@ -2,12 +2,17 @@
 
 Log-probabilities (one definition, used by engines and the trainer): the log-probability of
 each chosen token under ``softmax(logits / T)`` where ``T`` is the request's temperature
-(``T = 1`` for greedy, temperature 0), *before* top-k / top-p truncation.
+(``T = 1`` for greedy, temperature 0), *before* top-k / top-p / min-p truncation. With
+penalties (``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``,
+``min_new_tokens``) the logits are the penalized ones the token was drawn from, as SGLang
+reports them; without them (the defaults) they are the model's own.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +29,7 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_STOPS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 128  # samples per request (as OpenAI's n); fanned out by generate_n
 
 
 def short_repr(value, limit: int = 40) -> str:
@@ -57,6 +63,22 @@ class SamplingParams:
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    # SGLang's further keys, with its meaning and defaults (docs/engines.md); the defaults
+    # change nothing.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before sampling (a penalty or min_new_tokens)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.min_new_tokens > 0)
 
     def validate(self) -> SamplingParams:
         """Check every field's exact type and range, so that no value reaching an engine can
@@ -105,7 +127,36 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be true or false, got {short_repr(self.ignore_eos)}")
         if self.seed is not None and not 0 <= _integer("seed", self.seed, "an integer >= 0, or null") <= MAX_INT64:
             raise ValueError(f"seed must be an integer in [0, {MAX_INT64}] or null, got {short_repr(self.seed)}")
+        self._validate_sglang_keys()
         return self
+
+    def _validate_sglang_keys(self) -> None:
+        """The ranges SGLang's ``SamplingParams.verify`` accepts (repetition_penalty > 0: it
+        divides by it), with exact types."""
+        self.min_p = _number("min_p", self.min_p, "a number in [0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {short_repr(self.min_p)}")
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, "a number in (0, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2] (1: off), got {short_repr(self.repetition_penalty)}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = _number(name, getattr(self, name), "a number in [-2, 2]")
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0: off), got {short_repr(v)}")
+            setattr(self, name, v)
+        m = _integer("min_new_tokens", self.min_new_tokens, "an integer >= 0")
+        if not 0 <= m <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {short_repr(m)}"
+            )
+        for name in ("skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {short_repr(getattr(self, name))}")
+        n = _integer("n", self.n, f"an integer in [1, {MAX_N}]")
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {short_repr(n)}")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -120,6 +171,42 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameters {sorted(unknown)}")
         return cls(**d).validate()
+
+
+def checked_sampling(sampling) -> SamplingParams:
+    """The validated parameters of one engine request (``Engine.generate``): a dict or
+    SamplingParams, with ``n == 1``. An engine returns one GenerateResult per request, so
+    ``n > 1`` is refused here; the layer that answers the user fans out (:func:`generate_n`)."""
+    sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+    sp.validate()
+    if sp.n != 1:
+        raise ValueError(
+            f"n must be 1 for one engine request, got {sp.n}: an engine returns one sample per request; "
+            "send n requests (engines.interface.generate_n / fan_out)"
+        )
+    return sp
+
+
+def fan_out(sampling: SamplingParams | dict | None) -> list[SamplingParams]:
+    """The ``n`` one-sample requests of a request for ``n`` samples: copies with ``n = 1``,
+    the j-th seeded with ``seed + j`` (mod 2^63) when the request has a seed, so the samples
+    differ and each is reproducible; unseeded ones stay unseeded (independent draws)."""
+    sp = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+    sp.validate()
+    seed = sp.seed
+    return [
+        dataclasses.replace(sp, n=1, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+                            seed=None if seed is None else (seed + j) % (MAX_INT64 + 1))
+        for j in range(sp.n)
+    ]
+
+
+async def generate_n(engine, prompt, sampling=None, chat_template_kwargs: dict | None = None) -> list:
+    """``sampling.n`` samples of ``prompt`` from ``engine`` (its :func:`fan_out` requests, sent
+    together: the torch engine prefills a prompt admitted with identical ones once and shares
+    its KV). One GenerateResult per sample, in order; the first failure is raised."""
+    return list(await asyncio.gather(*(engine.generate(prompt, sp, chat_template_kwargs)
+                                        for sp in fan_out(sampling))))
 
 
 @relay.register(name="engines.EngineStepError")

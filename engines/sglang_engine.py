@@ -30,9 +30,13 @@ from .interface import (
     EngineFailed,
     EngineStepError,
     GenerateResult,
-    SamplingParams,
     check_tags,
+    checked_sampling,
 )
+
+#: SamplingParams keys that SGLang's /generate takes under the same name and meaning.
+SGLANG_PASSTHROUGH = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_new_tokens",
+                      "skip_special_tokens", "no_stop_trim")
 
 
 def _free_port() -> int:
@@ -166,17 +170,16 @@ class SGLangEngine(Engine):
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
         if self._asleep:
             raise RuntimeError(f"{self.name}: asleep ({sorted(self._asleep)}); wake it before generating")
-        request_sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
-        request_sampling.validate()
+        request_sampling = checked_sampling(sampling)  # n > 1 is fanned out above (interface.generate_n)
         params = {
             "temperature": request_sampling.temperature,
             "top_p": request_sampling.top_p,
             "top_k": request_sampling.top_k,
             "max_new_tokens": request_sampling.max_new_tokens,  # always sent: the server's default is 128
             "ignore_eos": request_sampling.ignore_eos,
-            "no_stop_trim": False,
-            "skip_special_tokens": True,
         }
+        for key in SGLANG_PASSTHROUGH:  # SGLang's own keys, sent as they are (SGLang's defaults are ours)
+            params[key] = getattr(request_sampling, key)
         if request_sampling.stop:
             params["stop"] = list(request_sampling.stop)
         if request_sampling.stop_token_ids:

@@ -29,8 +29,8 @@ from ..interface import (
     EngineFailed,
     EngineStepError,
     GenerateResult,
-    SamplingParams,
     check_tags,
+    checked_sampling,
 )
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -118,8 +118,7 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------------ requests (asyncio side)
 
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
-        request_sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
-        request_sampling.validate()
+        request_sampling = checked_sampling(sampling)
         ids = encode_prompt(self.tokenizer, self.cfg.vocab_size, prompt, chat_template_kwargs)
         need = len(ids) + request_sampling.max_new_tokens
         capacity = self.blocks.num_blocks * self.block_size
@@ -184,7 +183,7 @@ class TorchEngine(Engine):
             return
         text = seq.text_before_stop
         if text is None:
-            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.output, skip_special_tokens=seq.sampling.skip_special_tokens)
         self._requests_done += 1
         seq.future.set_result(GenerateResult(list(seq.output), text, list(seq.logprobs), seq.finish_reason,
                                              len(seq.prompt), self.weight_version))

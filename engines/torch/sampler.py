@@ -7,6 +7,7 @@ import torch
 
 from ..interface import SamplingParams
 from ..kernels import seeded_gumbel_argmax, seeded_uniform, triton_usable
+from .penalties import apply_penalties, min_p_mask
 from .sequence import Sequence
 
 
@@ -18,7 +19,9 @@ class Sampler:
     def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         """Sample one token per row on the device, with one host transfer for the batch.
         Seeded rows use Gumbel-max over :func:`seeded_uniform` noise (batched); rows that
-        truncate (top-k / top-p) are handled row by row."""
+        truncate by top-k / top-p are handled row by row (min_p alone is batched: a mask).
+        Penalties change the rows that ask for them first (:mod:`.penalties`)."""
+        logits = apply_penalties(logits, seqs, self.eos)
         if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
             tok, logp = logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1)
         else:
@@ -33,18 +36,21 @@ class Sampler:
         temps = torch.tensor([s.sampling.temperature or 1.0 for s in seqs], device=dev, dtype=logits.dtype)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         tok = logits.argmax(dim=-1)  # greedy rows; every other row is drawn below
+        drop = min_p_mask(logp, seqs)  # min_p: tokens no row may draw
+        draw_logp = logp if drop is None else logp.masked_fill(drop, float("-inf"))
+        draw_logits = logits if drop is None else logits.masked_fill(drop, float("-inf"))
         untruncated = [i for i, s in enumerate(seqs)
                        if s.sampling.temperature > 0 and s.sampling.top_k < 0 and s.sampling.top_p >= 1.0]
         plain = [i for i in untruncated if seqs[i].generator is None]
         seeded = [i for i in untruncated if seqs[i].generator is not None]
         if plain:
             idx = torch.tensor(plain, device=dev)
-            tok[idx] = torch.multinomial(logp[idx].exp(), 1)[:, 0]
+            tok[idx] = torch.multinomial(draw_logp[idx].exp(), 1)[:, 0]
         if seeded:  # Gumbel-max with noise from (seed, position): batched and batch-independent
             idx = torch.tensor(seeded, device=dev)
             seeds = torch.tensor([seqs[i].sampling.seed for i in seeded], device=dev, dtype=torch.int64)
             pos = torch.tensor([len(seqs[i].output) for i in seeded], device=dev, dtype=torch.int64)
-            rows, row_temps = logits[idx], temps[idx]
+            rows, row_temps = draw_logits[idx], temps[idx]
             if triton_usable(dev):  # one fused pass over the vocabulary per row
                 tok[idx] = seeded_gumbel_argmax(rows, row_temps, seeds, pos)
             else:
@@ -58,7 +64,8 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
-        """One row: greedy, or drawn after top-k / top-p truncation (with ``gen`` if seeded)."""
+        """One row: greedy, or drawn after top-k / top-p / min-p truncation (with ``gen`` if
+        seeded; min_p keeps tokens at least ``min_p`` times as likely as the most likely)."""
         if sampling.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             tok = int(torch.argmax(logits))
@@ -74,29 +81,35 @@ class Sampler:
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[idx[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))
+        if sampling.min_p > 0:  # the most likely token survives top-k / top-p: its probability is the max
+            probs = torch.where(probs >= probs.max() * sampling.min_p, probs, torch.zeros_like(probs))
         tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
         return tok, float(logp[tok])
 
     def is_finished(self, seq: Sequence, tok: int) -> bool:
         """Whether ``tok`` (just appended) ends ``seq``: eos (unless ignored), a stop token
         id, a stop string, or the length limit. Sets its finish reason (and, for a stop
-        string, the text before the string's first occurrence)."""
+        string or token, the text: as SGLang, the stop string and all after it, or the stop
+        token, are left out of it unless ``no_stop_trim``)."""
         sampling = seq.sampling
+        skip = sampling.skip_special_tokens
         if (not sampling.ignore_eos and tok in self.eos) or tok in sampling.stop_token_ids:
             seq.finish_reason = "stop"
+            if not sampling.no_stop_trim:
+                seq.text_before_stop = self.tokenizer.decode(seq.output[:-1], skip_special_tokens=skip)
             return True
         if sampling.stop:
             # A stop string completed by this token lies within the last few tokens (a token
             # is at least one byte; a character at most 4): decode only that tail each step,
             # and the whole output once one matches (to cut at its first occurrence).
             window = 4 * max(len(s) for s in sampling.stop) + 4
-            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=True)
+            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=skip)
             if any(s and s in tail for s in sampling.stop):
-                text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+                text = self.tokenizer.decode(seq.output, skip_special_tokens=skip)
                 hits = [text.find(s) for s in sampling.stop if s and s in text]
                 if hits:
                     seq.finish_reason = "stop"
-                    seq.text_before_stop = text[: min(hits)]
+                    seq.text_before_stop = text if sampling.no_stop_trim else text[: min(hits)]
                     return True
         if len(seq.output) >= sampling.max_new_tokens:
             seq.finish_reason = "length"

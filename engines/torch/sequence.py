@@ -27,7 +27,8 @@ class Sequence:
     table_row: int = -1  # this request's row in the host block table while it holds blocks
     cached_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    text_before_stop: str | None = None  # set when a stop string ended the request
+    text_before_stop: str | None = None  # the text, set when a stop (trimmed off it) ended the request
+    penalty: object | None = None  # a PenaltyState (engines/torch/penalties.py) when penalties are asked
 
     @property
     def tokens(self) -> list:

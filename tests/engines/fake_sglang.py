@@ -10,6 +10,8 @@ the adapter must cope with (docs/engines.md, "The SGLang adapter"):
   (500, like SGLang's assertion) unless the server is fully idle.
 - After releasing ``weights`` without ``--enable-weights-cpu-backup`` the weights are gone
   until ``/update_weights_from_*``; generating while released is an error.
+- ``/generate`` refuses (400) sampling keys SGLang's ``SamplingParams`` does not take, as
+  SGLang does (its constructor raises); the last request's ``sampling_params`` are kept.
 - ``GET /server_info`` reports the parsed arguments and a log of control calls, so tests
   can check the adapter's mapping and ordering.
 """
@@ -42,6 +44,15 @@ def parse(argv=None):
     return args
 
 
+#: The keyword arguments of SGLang's SamplingParams (python/sglang/srt/sampling/sampling_params.py).
+SGLANG_SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+}
+
+
 class FakeServer:
     def __init__(self, args):
         self.args = args
@@ -51,6 +62,7 @@ class FakeServer:
         self.weights_valid = True
         self.weight_version = "default"
         self.log: list = []
+        self.last_sampling_params: dict | None = None
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -58,6 +70,13 @@ class FakeServer:
             return web.json_response({"error": {"message": "memory released"}}, status=500)
         ids = body.get("input_ids") or [ord(c) % 100 for c in body.get("text", "")]
         sp = body.get("sampling_params") or {}
+        unknown = sorted(set(sp) - SGLANG_SAMPLING_KEYS)
+        if unknown:
+            return web.json_response(
+                {"error": {"message": f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r}"}},
+                status=400,
+            )
+        self.last_sampling_params = sp
         max_new = sp.get("max_new_tokens", 128)  # SGLang's default
         limit = self.args.context_length
         if limit and len(ids) + max_new > limit:  # SGLang refuses it as the request's error
@@ -177,7 +196,13 @@ class FakeServer:
     async def server_info(self, request):
         a = vars(self.args).copy()
         return web.json_response(
-            {"args": a, "log": self.log, "released": sorted(self.released), "weight_version": self.weight_version}
+            {
+                "args": a,
+                "log": self.log,
+                "released": sorted(self.released),
+                "weight_version": self.weight_version,
+                "last_sampling_params": self.last_sampling_params,
+            }
         )
 
     def app(self) -> web.Application:

@@ -122,3 +122,40 @@ def test_cuda_graph_decode_equals_eager_decode(model_06b):
     assert none == [] and held == [8]
     assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
     assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
+
+
+def test_sampling_keys_under_cuda_graphs(tmp_path):
+    """Penalties and min_p apply to the logits of a CUDA-graph decode as to an eager one
+    (graphs capture the forward only), and the defaults' rows beside penalized rows are
+    unchanged; min_p 1 through the Triton seeded path equals greedy."""
+    path = make_model("qwen3", "tiny", str(tmp_path / "tiny"), seed=1)
+    prompts = [[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 9, 17, 30)]
+    greedy = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+    seeded = {"temperature": 0.8, "seed": 7, "max_new_tokens": 32, "ignore_eos": True}
+    penalized = [
+        {**greedy, "repetition_penalty": 1.5, "frequency_penalty": 1.0},
+        {**seeded, "seed": 9, "min_p": 0.2, "presence_penalty": 0.5},
+        {**greedy, "min_new_tokens": 6, "stop_token_ids": [22]},
+    ]
+    min_p_one = {"temperature": 1.3, "min_p": 1.0, "seed": 4, "max_new_tokens": 32, "ignore_eos": True}
+
+    async def main(graph):
+        eng = TorchEngine(path, device="cuda", kv_cache_tokens=8192, cuda_graph=graph)
+        plain = await asyncio.gather(*(eng.generate(p, sp) for p in prompts for sp in (greedy, seeded)))
+        mixed = await asyncio.gather(
+            *(eng.generate(p, sp) for p in prompts for sp in (greedy, seeded, min_p_one, *penalized))
+        )
+        graphs = (await eng.stats())["cuda_graphs"]
+        await eng.close()
+        return plain, mixed, graphs
+
+    g_plain, g_mixed, graphs = run(main(True))
+    e_plain, e_mixed, no_graphs = run(main(False))
+    assert graphs and not no_graphs
+    for plain, mixed in ((g_plain, g_mixed), (e_plain, e_mixed)):
+        beside = [r for i, r in enumerate(mixed) if i % 6 < 2]
+        assert [r.token_ids for r in plain] == [r.token_ids for r in beside]
+        assert [r.logprobs for r in plain] == [r.logprobs for r in beside]
+        assert [r.token_ids for r in mixed[2::6]] == [r.token_ids for r in mixed[0::6]]  # min_p 1 == greedy
+        assert all(22 not in r.token_ids[:6] for r in mixed[5::6])
+    assert [r.token_ids for r in g_mixed] == [r.token_ids for r in e_mixed]

@@ -224,3 +224,45 @@ def test_failures_are_typed_and_a_cancelled_caller_is_aborted_in_the_server():
     assert ["abort", "sglang-2", False] in out["log"]  # the second request's rid
     assert type(out["released"]) is EngineStepError and "500" in str(out["released"])
     assert type(out["dead"]) is EngineFailed and "exited" in str(out["dead"])
+
+
+def test_sglang_sampling_keys_are_passed_through_unchanged_and_n_is_fanned_out():
+    """SGLang's own keys reach /generate under their names and values (the fake refuses keys
+    SGLang's SamplingParams does not take); n > 1 is not one request: generate_n sends n."""
+    from engines.interface import generate_n
+
+    keys = {
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "frequency_penalty": -0.5,
+        "presence_penalty": 0.25,
+        "min_new_tokens": 2,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+
+    async def main():
+        eng = SGLangEngine("/m")
+        await eng.start()
+        await eng.generate([1, 2, 3], {"temperature": 0.7, "max_new_tokens": 4, **keys})
+        sent = (await server_info(eng))["last_sampling_params"]
+        await eng.generate([1, 2, 3], {"max_new_tokens": 4})
+        defaults = (await server_info(eng))["last_sampling_params"]
+        with pytest.raises(ValueError, match="n must be 1 for one engine request"):
+            await eng.generate([1, 2, 3], {"max_new_tokens": 4, "n": 2})
+        many = await generate_n(eng, [1, 2, 3], {"max_new_tokens": 4, "n": 3, "seed": 5})
+        last = (await server_info(eng))["last_sampling_params"]
+        async with eng._session.post(
+            f"{eng.url}/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "bogus": 1}}
+        ) as r:
+            refused = (r.status, await r.text())
+        await eng.close()
+        return sent, defaults, many, last, refused
+
+    sent, defaults, many, last, refused = run(main())
+    assert refused[0] == 400 and "bogus" in refused[1]
+    assert {k: sent[k] for k in keys} == keys and sent["temperature"] == 0.7 and "n" not in sent
+    assert defaults["skip_special_tokens"] is True and defaults["no_stop_trim"] is False
+    assert defaults["repetition_penalty"] == 1.0 and defaults["min_new_tokens"] == 0 and defaults["min_p"] == 0.0
+    assert len(many) == 3 and all(len(r.token_ids) == 4 for r in many)
+    assert last["sampling_seed"] in (5, 6, 7)

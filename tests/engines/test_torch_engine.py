@@ -559,6 +559,14 @@ def test_any_json_value_for_any_field_is_accepted_safely_or_refused_with_a_value
             "stop_token_ids",
             "ignore_eos",
             "seed",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "min_new_tokens",
+            "skip_special_tokens",
+            "no_stop_trim",
+            "n",
         ]
     )
 
@@ -575,5 +583,12 @@ def test_any_json_value_for_any_field_is_accepted_safely_or_refused_with_a_value
             type(s) is str and s for s in sp.stop
         )
         assert sp.seed is None or (type(sp.seed) is int and 0 <= sp.seed < 2**63)
+        floats = (sp.min_p, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty)
+        assert all(type(v) is float for v in floats)
+        assert 0 <= sp.min_p <= 1 and 0 < sp.repetition_penalty <= 2
+        assert -2 <= sp.frequency_penalty <= 2 and -2 <= sp.presence_penalty <= 2
+        assert type(sp.min_new_tokens) is int and 0 <= sp.min_new_tokens <= sp.max_new_tokens
+        assert type(sp.skip_special_tokens) is bool and type(sp.no_stop_trim) is bool
+        assert type(sp.n) is int and 1 <= sp.n <= 128
 
     check()
