@@ -169,7 +169,7 @@ class GRPOLoop:
                     last = await self.train_step(step)
                     await self._after_step(step, last, log)
             if self.recovery is not None and (self.recovery.tasks or self.recovery.rebuilt):
-                log.write(await self._recovery_record())
+                log.write(await self.recovery.record(self.rollout, cfg.num_rollout, self.version, self.rows[0]))
         finally:
             log.close()
         return last
@@ -210,17 +210,6 @@ class GRPOLoop:
         record.update(synced)
         record.update(await self.rollout.probe(self.rows[0]))
         return record
-
-    async def _recovery_record(self) -> dict:
-        """After the last step of a run that rebuilt engines: once the rebuilds under way are
-        done, every rollout engine's weight version and greedy probe (a rebuilt engine
-        answers as a surviving one does)."""
-        await self.recovery.settle(timeouts.ENGINE_REBUILD)
-        return {"kind": "recovery", "step": self.cfg.num_rollout, "weight_version": self.version,
-                "engines/rebuilt": self.recovery.rebuilt,
-                "engines/down": [e.down for e in self.roles.engines if e.down is not None],
-                "sync/engine_versions": await self.rollout.weight_versions(),
-                **await self.rollout.probe(self.rows[0])}
 
     async def _after_step(self, step: int, record: dict, log: MetricsLog) -> None:
         """Log the step; checkpoint (every ``--save-interval`` steps, or on a stop request,

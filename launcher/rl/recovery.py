@@ -102,6 +102,15 @@ class EngineRecovery:
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout)
 
+    async def record(self, rollout, step: int, version: int, probe_row) -> dict:
+        """After the last step of a run that rebuilt engines: once the rebuilds under way are
+        done (at most ``timeouts.ENGINE_REBUILD``), every rollout engine's weight version and
+        greedy probe (a rebuilt engine answers as a surviving one does)."""
+        await self.settle(timeouts.ENGINE_REBUILD)
+        return {"kind": "recovery", "step": step, "weight_version": version, "engines/rebuilt": self.rebuilt,
+                "engines/down": [e.down for e in self.engines if e.down is not None],
+                "sync/engine_versions": await rollout.weight_versions(), **await rollout.probe(probe_row)}
+
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
