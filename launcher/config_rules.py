@@ -223,6 +223,8 @@ def check_sampling(cfg: JobConfig) -> None:
             raise ConfigError(f"{flags}: {e}") from None
     for inst in cfg.genrm.values():  # normalizes the judge instances too: errors surface at load time
         try:
+            if inst.sampling_config.get("n", 1) != 1:
+                raise ValueError("n must be 1: the judge answers each request with one verdict")
             SamplingParams.from_dict(inst.sampling_config)
         except ValueError as e:
             raise ConfigError(f"GenRM instance {inst.name!r}: sampling_config (--genrm-sampling-config): {e}") from None
