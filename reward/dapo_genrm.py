@@ -8,7 +8,7 @@ Two variants (``--genrm-reward-variant``):
   after the last ``Answer:`` (else the last 300 characters), a strict verdict (only a
   reply that is exactly "1" after stripping scores 1) and ``{"score", "acc", "pred"}`` with
   ``pred`` the judge's stripped reply.
-- ``boxed``: the original's newer revision (relax.md §1.6): five in-context examples, the
+- ``boxed``: the original's newer revision (as described by the notes on it): five in-context examples, the
   answer is the last brace-balanced ``\\boxed{}`` (else the last ``Answer:`` line), a
   missing or over-long answer scores 0 without asking the judge, and a loose verdict (the
   text after the last ``Judgement:``; 1 when its first 16 characters contain "1").
@@ -52,7 +52,7 @@ Output only the Judgement (1 or 0) and nothing else.
 [Model_answer] : {predict_str}
 Judgement:"""
 
-# The newer revision's prompt: relax.md §1.6 says it has five in-context examples; their
+# The newer revision's prompt: the notes on it say it has five in-context examples; their
 # text is not documented, so these five (ours) show the format and both verdicts.
 _EXAMPLES = (
     ("What is 3 + 4?", "7", "7", 1),
