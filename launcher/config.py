@@ -151,6 +151,13 @@ class JobConfig:
         help="dapo-genrm verdict parsing: strict (only an exact '1' scores) or loose",
         choices=("strict", "loose"),
     )
+    genrm_reward_variant: str = _opt(
+        "documented",
+        help="dapo-genrm: documented (the original's documented reward: text after the last 'Answer:', strict "
+             "verdict) or boxed (its newer revision: last \\boxed{}, answer gating, in-context examples, loose "
+             "verdict)",
+        choices=("documented", "boxed"),
+    )
     # ---- GRPO
     advantage_estimator: str = _opt("grpo", help="advantage estimator", choices=("grpo",))
     use_kl_loss: bool = _opt(False, help="add a KL loss against the reference model")

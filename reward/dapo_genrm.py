@@ -1,16 +1,77 @@
 """``--rm-type dapo-genrm``: an LLM judge decides whether a response's final answer matches
-the reference. The judge is any ``async (messages) -> str`` (in a job: the ZeroMQ judge
-client); a judge failure after its retries scores 0 with ``format_error="judge_error"``
-and never fails the training step."""
+the reference, as the original system's ``relax/engine/rewards/dapo_genrm.py`` does.
+
+Two variants (``--genrm-reward-variant``):
+
+- ``documented`` (default): the implementation the original's GenRM documentation shows
+  ("Reward Configuration"): :data:`DAPO_GENRM_PROMPT_TEMPLATE`, the answer is the text
+  after the last ``Answer:`` (else the last 300 characters), a strict verdict (only a
+  reply that is exactly "1" after stripping scores 1) and ``{"score", "acc", "pred"}`` with
+  ``pred`` the judge's stripped reply.
+- ``boxed``: the original's newer revision (as described by the notes on it): five in-context examples, the
+  answer is the last brace-balanced ``\\boxed{}`` (else the last ``Answer:`` line), a
+  missing or over-long answer scores 0 without asking the judge, and a loose verdict (the
+  text after the last ``Judgement:``; 1 when its first 16 characters contain "1").
+
+Beyond the original, both variants keep this project's contract: the judge is any
+``async (messages) -> str`` (in a job: the ZeroMQ judge client), a judge failure after its
+retries scores 0 with ``format_error="judge_error"`` and never fails the step (with
+``--use-fault-tolerance`` launcher/rl/scoring.py judges such samples again), and the
+result also carries ``judge_response`` (the full reply; ``reward/judged`` counts it) and
+``format_error`` ("" when the verdict was read).
+"""
 
 from __future__ import annotations
 
 import logging
 import re
+import string
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("relay.reward")
 
+# The documented template. Where each line comes from:
+# - "Below are two answers to a question." and the four lines from "[Question]:" to
+#   "Judgement:" (incl. the space in "[Model_answer] :" and no newline after "Judgement:")
+#   are verbatim from the original's GenRM documentation ("Reward Configuration").
+# - The documentation elides the instruction between them ("..."). The lines in between
+#   are our reconstruction: they say what the field names and the documented strict
+#   parse imply (the judge compares [Model_answer] with [Standard Answer] and replies with
+#   a bare 1 or 0), in the manner of the public LLM-as-judge prompts that use this exact
+#   field layout; they are not the original's words.
+DAPO_GENRM_PROMPT_TEMPLATE = """Below are two answers to a question. [Question] is the question, [Standard Answer] is \
+the standard answer to the question, and [Model_answer] is the answer extracted from a model's output to this \
+question. Determine whether these two answers are consistent.
+The answers are consistent when they are essentially the same, even if they are written differently \
+(for example, '1/2' and '0.5', or 'x = 3' and '3').
+If they are consistent, the Judgement is 1; if they are different, the Judgement is 0. \
+Output only the Judgement (1 or 0) and nothing else.
+
+[Question]: {question}
+[Standard Answer]: {ground_truth}
+[Model_answer] : {predict_str}
+Judgement:"""
+
+# The newer revision's prompt: the notes on it say it has five in-context examples; their
+# text is not documented, so these five (ours) show the format and both verdicts.
+_EXAMPLES = (
+    ("What is 3 + 4?", "7", "7", 1),
+    ("Simplify 2/4.", "\\frac{1}{2}", "0.5", 1),
+    ("Solve x^2 = 9 for x > 0.", "3", "x = 3", 1),
+    ("How many sides does a hexagon have?", "6", "8", 0),
+    ("What is the smallest prime number?", "2", "1", 0),
+)
+BOXED_PROMPT_TEMPLATE = (
+    DAPO_GENRM_PROMPT_TEMPLATE.split("\n\n[Question]:")[0]
+    + "\n\n"
+    + "".join(f"[Question]: {q}\n[Standard Answer]: {a}\n[Model_answer] : {m}\nJudgement: {v}\n\n"
+              for q, a, m, v in _EXAMPLES).replace("{", "{{").replace("}", "}}")
+    + "[Question]: {question}\n[Standard Answer]: {ground_truth}\n[Model_answer] : {predict_str}\nJudgement:"
+)
+
+#: the previous default prompt of this project (kept for ``--genrm-prompt-template`` users
+#: who copied it); a template may name the answer {answer} (stripped) or {predict_str}
+#: (exactly as extracted) and the reference {label} or {ground_truth}
 PROMPT = (
     "You are grading a math answer. Decide whether the model's final answer is mathematically "
     "equivalent to the reference answer (ignore formatting, units and the working).\n\n"
@@ -20,80 +81,142 @@ PROMPT = (
     "Reply with a single character: 1 if they match, 0 if they do not."
 )
 
-TAIL_CHARS = 300
+VARIANTS = ("documented", "boxed")
+TAIL_CHARS = 300  # documented: no "Answer:" -> the response's last 300 characters
+MAX_ANSWER_CHARS = 500  # boxed: a longer answer scores 0 without a judge call ("answer_too_long")
+VERDICT_CHARS = 16  # boxed: the verdict is read from this many characters after the last "Judgement:"
 _THINK = re.compile(r"<think>.*?</think>", re.S)
 _BIT = re.compile(r"(?<![\w.])([01])(?![\w.])")
+_FIELDS = {"question", "label", "ground_truth", "answer", "predict_str"}
+
+
+def extract_answer(response: str) -> str:
+    """The documented extraction, exactly: ``response.split("Answer:")[-1]`` when the
+    response has "Answer:", else its last 300 characters (not stripped)."""
+    if "Answer:" in response:
+        return response.split("Answer:")[-1]
+    return response[-TAIL_CHARS:]
 
 
 def final_answer(response: str) -> str:
-    """The text after the last ``Answer:``, else the last 300 characters."""
-    idx = response.rfind("Answer:")
-    if idx >= 0:
-        return response[idx + len("Answer:") :].strip()
-    return response[-TAIL_CHARS:].strip()
+    """:func:`extract_answer`, stripped (for comparisons and custom templates' {answer})."""
+    return extract_answer(response).strip()
 
 
-def judge_messages(question: str, label: str, response: str, template: str | None = None) -> list[dict]:
-    """One user turn: ``template`` (default :data:`PROMPT`) filled with the question, the
-    reference and the response's final answer."""
-    text = (template or PROMPT).format(question=question, label=label, answer=final_answer(response))
+def last_boxed(text: str) -> str | None:
+    """The content of the last brace-balanced ``\\boxed{...}``, or None."""
+    start = text.rfind("\\boxed{")
+    while start >= 0:
+        depth, i = 1, start + len("\\boxed{")
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            return text[start + len("\\boxed{") : i - 1]
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+def boxed_answer(response: str) -> str:
+    """The newer revision's extraction: the last balanced ``\\boxed{}``, else the rest of
+    the line after the last ``Answer:``; "" when there is neither."""
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return boxed.strip()
+    if "Answer:" in response:
+        return response.split("Answer:")[-1].split("\n")[0].strip()
+    return ""
+
+
+def judge_messages(question: str, label: str, response: str, template: str | None = None,
+                   answer: str | None = None) -> list[dict]:
+    """One user turn: ``template`` (default :data:`DAPO_GENRM_PROMPT_TEMPLATE`) filled with
+    the question, the reference and the response's answer (``answer``, else
+    :func:`extract_answer` of ``response``)."""
+    predict_str = extract_answer(response) if answer is None else answer
+    text = (template or DAPO_GENRM_PROMPT_TEMPLATE).format(
+        question=question, ground_truth=label, label=label, predict_str=predict_str, answer=predict_str.strip()
+    )
     return [{"role": "user", "content": text}]
 
 
 def check_template(template: str) -> str:
-    """A judge prompt template may use only {question}, {label} and {answer}, and must use {answer}."""
-    import string
-
+    """A judge prompt template may use {question}, {label} or {ground_truth}, and {answer}
+    or {predict_str} (one of which it must use)."""
     try:
         names = {f[1] for f in string.Formatter().parse(template) if f[1] is not None}
     except ValueError as e:
         raise ValueError(f"--genrm-prompt-template is not a valid format string: {e}") from None
-    bad = names - {"question", "label", "answer"}
-    if bad or "answer" not in names:
+    bad = names - _FIELDS
+    if bad or not names & {"answer", "predict_str"}:
         raise ValueError(
-            f"--genrm-prompt-template may use {{question}}, {{label}}, {{answer}} (and must use {{answer}}); got "
-            f"{sorted(names)}"
+            "--genrm-prompt-template may use {question}, {label} or {ground_truth}, {answer} or {predict_str} (and "
+            f"must use {{answer}} or {{predict_str}}); got {sorted(names)}"
         )
     return template
 
 
 def parse_verdict(text: str, mode: str = "strict") -> int | None:
-    """``strict``: only an exact "1" (after stripping whitespace) is 1, an exact "0" is 0.
-    ``loose``: drop ``<think>...</think>``, then take the last standalone 0 or 1.
-    Returns None when the reply cannot be read (a parse failure)."""
-    if mode not in ("strict", "loose"):
-        raise ValueError("parse mode must be 'strict' or 'loose'")
+    """``strict`` (the documented parse): only an exact "1" (after stripping whitespace) is
+    1, an exact "0" is 0. ``loose``: drop ``<think>...</think>``, then take the last
+    standalone 0 or 1. ``boxed``: the text after the last "Judgement:" (or the whole reply),
+    1 when its first 16 characters contain "1", else 0. None: the reply cannot be read."""
     if mode == "strict":
         t = text.strip()
         return 1 if t == "1" else 0 if t == "0" else None
-    bits = _BIT.findall(_THINK.sub("", text))
-    return int(bits[-1]) if bits else None
+    if mode == "loose":
+        bits = _BIT.findall(_THINK.sub("", text))
+        return int(bits[-1]) if bits else None
+    if mode == "boxed":
+        head = text.split("Judgement:")[-1].strip()[:VERDICT_CHARS]
+        return 1 if "1" in head else 0
+    raise ValueError("parse mode must be 'strict', 'loose' or 'boxed'")
 
 
-async def score(
-    sample: dict,
-    judge: Callable[[list[dict]], Awaitable[str]],
-    parse: str = "strict",
-    report: Callable[[bool], None] | None = None,
-    template: str | None = None,
-) -> dict:
-    """``sample`` has ``response`` and ``label`` (or ``metadata.label``) and the question in
-    ``metadata.question`` (or ``prompt``). Returns {score, acc, pred, judge_response, format_error}."""
+def _question_and_label(sample) -> tuple[str, str]:
+    """``metadata["question"]`` (else the prompt: its last user turn when it is a chat) and
+    ``metadata["label"]`` (else ``label``), as the original reads them."""
     meta = sample.get("metadata") or {}
     question = meta.get("question") or sample.get("prompt") or ""
     if isinstance(question, list):  # chat messages: the last user turn
         question = next((m.get("content", "") for m in reversed(question) if m.get("role") == "user"), "")
-    label = str(meta.get("label", sample.get("label", "")))
-    response = sample.get("response", "")
-    pred = final_answer(response)
+    return str(question), str(meta.get("label", sample.get("label", "")))
+
+
+async def score(
+    sample,
+    judge: Callable[[list[dict]], Awaitable[str]],
+    parse: str = "strict",
+    report: Callable[[bool], None] | None = None,
+    template: str | None = None,
+    variant: str = "documented",
+) -> dict:
+    """Score one sample (a :class:`~launcher.rl.sample.Sample` or a dict with ``response``,
+    ``label`` and ``metadata``/``prompt``). ``documented``: {score, acc, pred (the judge's
+    stripped reply), judge_response, format_error}; ``parse`` is ``strict`` (the original)
+    or ``loose``. ``boxed``: {score, acc, pred (the extracted answer), judge_response,
+    format_error}; the verdict is always read the boxed way."""
+    if variant not in VARIANTS:
+        raise ValueError(f"dapo-genrm variant must be one of {VARIANTS}, got {variant!r}")
+    question, label = _question_and_label(sample)
+    response = sample.get("response", "") or ""
+    answer = None
+    if variant == "boxed":
+        answer = boxed_answer(response)
+        gate = "answer_missing" if not answer else "answer_too_long" if len(answer) > MAX_ANSWER_CHARS else ""
+        if gate:
+            return {"score": 0.0, "acc": 0, "pred": answer, "judge_response": "", "format_error": gate}
+        template = template or BOXED_PROMPT_TEMPLATE
+        parse = "boxed"
     try:
-        reply = await judge(judge_messages(question, label, response, template))
+        reply = await judge(judge_messages(question, label, response, template, answer))
     except Exception as e:  # noqa: BLE001 (the contract: never crash the step)
         log.warning("judge call failed after retries: %s", e)
-        return {"score": 0.0, "acc": False, "pred": pred, "judge_response": "", "format_error": "judge_error"}
+        return {"score": 0.0, "acc": 0, "pred": answer or "", "judge_response": "", "format_error": "judge_error"}
     verdict = parse_verdict(reply, parse)
     if report is not None:
         report(verdict is not None)
+    pred = answer if variant == "boxed" else reply.strip()
     if verdict is None:
-        return {"score": 0.0, "acc": False, "pred": pred, "judge_response": reply, "format_error": "parse_error"}
-    return {"score": float(verdict), "acc": bool(verdict), "pred": pred, "judge_response": reply, "format_error": ""}
+        return {"score": 0.0, "acc": 0, "pred": pred, "judge_response": reply, "format_error": "parse_error"}
+    return {"score": float(verdict), "acc": int(verdict), "pred": pred, "judge_response": reply, "format_error": ""}

@@ -2,7 +2,9 @@
 ``--reward-max-concurrency``, and the defer-swap post-process hook.
 
 A sample is a :class:`launcher.rl.sample.Sample` (or a dict) with at least ``response`` and
-``label`` (and ``prompt``, ``metadata``), read by key. A reward returns a float or a dict;
+``label`` (and ``prompt``, ``metadata``), read as attributes or by key. A custom reward is
+called ``fn(args, sample)``: the original's ``async def f(args, sample, **kwargs)`` and
+``def f(args, sample)`` both work. A reward returns a float or a dict;
 ``--reward-key`` picks the value the trainer uses from a dict (``score`` when not given).
 """
 
@@ -82,6 +84,8 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
         fn = load_callable(cfg.custom_rm_path, "--custom-rm-path")
 
         async def custom(sample: dict):
+            # ``fn(args, sample)``: a function of the original's signature ``(args, sample,
+            # **kwargs)`` and one of ours ``(args, sample)`` alike; sync or async
             out = fn(cfg, sample)
             return await out if inspect.isawaitable(out) else out
 
@@ -103,7 +107,8 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
                 j = client.generate
                 report = lambda ok: client.report_parse(None, ok)  # noqa: E731
             return await dapo_genrm.score(
-                sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None)
+                sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None),
+                variant=getattr(cfg, "genrm_reward_variant", "documented"),
             )
 
         inner = genrm
@@ -133,8 +138,20 @@ def reward_value(result: Any, reward_key: str | None) -> float:
     return float(result)
 
 
-def load_post_process(cfg) -> Callable | None:
-    """The ``--custom-reward-post-process-path`` hook ``(args, samples) -> (raw, normalized)``."""
+def load_post_process(cfg) -> Callable[..., Awaitable[tuple]] | None:
+    """The ``--custom-reward-post-process-path`` hook ``(args, samples) -> (raw, normalized)``,
+    as an async function whether the hook is sync or async. A sync hook (the original calls
+    its hook synchronously) runs in a worker thread, so it may block, or run its own event
+    loop (``asyncio.run``), without stalling the loop that runs the job."""
     if not cfg.custom_reward_post_process_path:
         return None
-    return load_callable(cfg.custom_reward_post_process_path, "--custom-reward-post-process-path")
+    hook = load_callable(cfg.custom_reward_post_process_path, "--custom-reward-post-process-path")
+    if inspect.iscoroutinefunction(hook):
+        return hook
+
+    async def run_hook(args, samples):
+        out = await asyncio.to_thread(hook, args, samples)
+        return await out if inspect.isawaitable(out) else out
+
+    run_hook.hook = hook  # the user's function, for messages and tests
+    return run_hook

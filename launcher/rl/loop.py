@@ -5,7 +5,9 @@ One colocated step (:meth:`GRPOLoop.train_step`; docs/training.md, "One step"; t
 matters because the roles share GPU memory):
 
     record the judge's counters
-    generate groups (each scored as soon as it is done, except in Defer-swap)
+    generate groups (each scored as soon as it is done, except in Defer-swap; then, with
+     --custom-reward-post-process-path, the hook gives the batch's rewards and advantages,
+     as the original runs it on every batch; in the fully-async loop too)
     [Defer-swap: rollout sleeps, judge wakes, the batch is scored, judge sleeps (finally)]
     check that the judge did not fail on the whole batch
     compute advantages
@@ -239,14 +241,14 @@ class GRPOLoop:
     # ------------------------------------------------------------------ the step's parts
 
     async def _generate_batch(self, step: int, score_inline: bool) -> list[Sample]:
-        """``--rollout-batch-size`` groups of the step's rows, in data order."""
+        """``--rollout-batch-size`` groups of the step's rows in data order; scored and post-processed if asked."""
         cfg = self.cfg
         rows = self.order.batch(step, cfg.rollout_batch_size)
         groups = await asyncio.gather(*(
             self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.seed, step, k),
                         step * cfg.rollout_batch_size + k, score_inline)
             for k, row in enumerate(rows)))
-        return flatten(groups)
+        return await self.scorer.post_process_batch(flatten(groups), cfg.n_samples_per_prompt, skip=not score_inline)
 
     async def _group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int, score: bool,
                      dataset: str = "train") -> list[Sample]:
@@ -366,7 +368,7 @@ class GRPOLoop:
                 timer.begin_step(keep_spans=True)  # reward calls since the last record belong to this one
                 with timer.phase("rollout"):
                     batch, stale = await self._take_fresh_groups(producer)
-                samples = flatten(batch)
+                samples = await self.scorer.post_process_batch(flatten(batch), cfg.n_samples_per_prompt)
                 async with self._weights_lock:
                     with timer.phase("train"):
                         train_stats = await self.trainer.train_rl(

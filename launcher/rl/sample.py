@@ -1,7 +1,10 @@
 """A generated sample, and the bookkeeping over lists of them: groups, DP shards, accuracy.
 
 Reward code (``--custom-rm-path`` functions, the post-process hook, the built-in rewards)
-receives :class:`Sample` objects. They read as attributes (``sample.response``) and, as
+receives :class:`Sample` objects with the original system's attributes (``prompt``,
+``response``, ``label``, ``metadata`` with ``question`` and ``label``, ``reward``,
+``status``, ``tokens``, ``response_length``, ``rollout_log_probs``, ``Sample.Status``,
+``get_reward_value(args)``). They read as attributes (``sample.response``) and, as
 the samples of earlier versions were plain dicts, also by key: ``sample["response"]``,
 ``sample.get("metadata") or {}``, ``"reward_info" in sample``, ``dict(sample)``, and
 ``sample["reward_info"] = ...`` from a post-process hook. A key that is not a field is
@@ -27,6 +30,8 @@ class Status(Enum):
     COMPLETED = "completed"  # the engine stopped at an end token or a stop string
     TRUNCATED = "truncated"  # the response reached the length limit
     ABORTED = "aborted"  # generation was cut short (fully-async drain); still scored
+    PENDING = "pending"  # the original's other states, for reward code that compares with them;
+    FAILED = "failed"  # a sample handed to reward code here is never in either
 
     @classmethod
     def from_finish_reason(cls, finish_reason: str) -> Status:
@@ -70,6 +75,28 @@ class Sample:
     reward_info: Any = None
     advantage: float | None = None
     extra: dict = field(default_factory=dict)
+
+    #: ``Sample.Status.TRUNCATED`` etc., as the original nests it
+    Status = Status
+
+    # ---- the original's other attribute names, for reward code written against it
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt's token ids, then the response's."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def rollout_log_probs(self) -> list[float]:
+        return self.rollout_logprobs
+
+    def get_reward_value(self, args=None) -> float | None:
+        """The number the trainer uses (``reward`` is already the ``--reward-key`` value)."""
+        return self.reward
 
     @classmethod
     def generated(cls, row: Row, dataset: str, group_index: int, prompt_ids: list[int], result) -> Sample:

@@ -4,7 +4,9 @@ A reward that raises stops the step with an error naming the reward (``--custom-
 or ``--rm-type``) and the sample; a batch whose every reward is a judge failure is not
 trained on; with ``--use-fault-tolerance`` no sample whose judge call failed is trained on:
 it is scored again until the judge answers (its engines are being rebuilt). Advantages are
-GRPO's group-normalized rewards unless a post-process hook gave them.
+GRPO's group-normalized rewards unless the post-process hook gave them: the hook runs on
+every training batch when configured (as the original's ``post_process_rewards``), after
+the batch was scored, or in Defer-swap instead of scoring it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ JUDGE_AGAIN_AFTER = 1.0  # seconds before the first new try of samples the judge
 
 class Scorer:
     """Scores samples with the configured reward function (each call a ``reward`` span of
-    ``timer``), or a whole batch with the post-process hook when one is configured."""
+    ``timer``), and runs the post-process hook on a batch when one is configured."""
 
     def __init__(self, cfg, reward_fn: Callable, post_process: Callable | None, timer: PhaseTimer):
         self.cfg = cfg
@@ -71,12 +73,23 @@ class Scorer:
 
     async def score_batch(self, samples: list[Sample], group_size: int) -> None:
         """The whole batch at once (Defer-swap): the post-process hook when configured,
-        which sets ``reward`` and ``advantage``, else :meth:`score_all`. The hook sees
-        ``args.n_samples_per_prompt == group_size`` (the eval's k for an eval batch), so it
-        groups the batch as it was generated."""
+        which scores the batch and gives ``reward`` and ``advantage``, else
+        :meth:`score_all`."""
         if self.post_process is None:
             await self.score_all(samples)
             return
+        await self.post_process_batch(samples, group_size)
+
+    async def post_process_batch(self, samples: list[Sample], group_size: int, skip: bool = False) -> list[Sample]:
+        """The ``--custom-reward-post-process-path`` hook on a training batch, in every mode
+        (as the original's ``post_process_rewards``): ``hook(args, samples) -> (raw,
+        normalized)`` sets each sample's ``reward`` and ``advantage``. Outside Defer-swap the
+        samples were scored first (``reward``/``reward_info`` set). The hook sees
+        ``args.n_samples_per_prompt == group_size`` (the eval's k for an eval batch), so it
+        groups the batch as it was generated. Nothing to do without a hook or with ``skip``
+        (the batch is scored later, in Defer-swap). Returns ``samples``."""
+        if self.post_process is None or skip:
+            return samples
         args = self.cfg
         if group_size != self.cfg.n_samples_per_prompt:
             args = dataclasses.replace(self.cfg, n_samples_per_prompt=group_size)
@@ -89,11 +102,13 @@ class Scorer:
                                f"{self.cfg.custom_reward_post_process_path}) failed on a batch of {len(samples)} "
                                f"samples (rows {listed}, first: {describe(samples[0])}): "
                                f"{type(e).__name__}: {e}") from e
+        raw, normalized = list(raw), list(normalized)
         if len(raw) != len(samples) or len(normalized) != len(samples):
             raise ValueError(f"the post-process hook returned {len(raw)}/{len(normalized)} rewards for "
                              f"{len(samples)} samples")
         for sample, reward, advantage in zip(samples, raw, normalized):
             sample.reward, sample.advantage = float(reward), float(advantage)
+        return samples
 
 
 def judge_failed(sample: Sample) -> bool:

@@ -85,6 +85,12 @@ def test_a_sample_reads_as_attributes_and_as_the_dict_reward_code_expects():
     assert s["trajectory"] == ["step"] and s.extra == {"trajectory": ["step"]} and "trajectory" in s
     as_dict = dict(s)
     assert as_dict["label"] == "4" and as_dict["trajectory"] == ["step"] and "extra" not in as_dict
+    # the original's attribute names
+    assert s.tokens == [1, 2, 7, 8, 9] and s.response_length == 3 and s.rollout_log_probs == [-0.1, -0.2, -0.3]
+    assert s.status == Sample.Status.COMPLETED and Sample.Status.TRUNCATED is Status.TRUNCATED
+    s.reward = 0.5
+    assert s.get_reward_value(SimpleNamespace(reward_key="score")) == 0.5
+    assert "tokens" not in dict(s)  # derived names are not keys
 
 
 def test_status_follows_the_engines_finish_reason():
@@ -414,3 +420,37 @@ def test_only_a_dead_engine_only_worker_is_rebuilt_and_only_with_fault_tolerance
     assert asyncio.run(main(True, 0)) == (False, [False, False, False])  # the trainer's: the job restarts
     assert asyncio.run(main(False, 2)) == (False, [False, False, False])
     assert started == [(0, 2), (0, 3)]
+
+
+HOOK_CALLS: list = []
+
+
+def sync_hook(args, samples):
+    """A sync post-process hook (the original calls its hook synchronously)."""
+    HOOK_CALLS.append([s.reward for s in samples])
+    return [s.reward * 10 for s in samples], [0.5, -0.5] * (len(samples) // 2)
+
+
+def test_the_post_process_hook_runs_on_every_training_batch_outside_defer_swap():
+    """As the original's post_process_rewards: with --custom-reward-post-process-path the
+    hook gives the rewards and advantages of each training batch after it was scored inline;
+    in Defer-swap (no inline scoring) the batch is left to the deferred scoring."""
+    from launcher.rl.loop import GRPOLoop
+    from reward.rewards import load_post_process
+
+    cfg = load_config(None, {"n_samples_per_prompt": 2, "rollout_batch_size": 2,
+                             "custom_reward_post_process_path": "tests.launcher.test_rl_parts.sync_hook"})
+
+    async def group(row, size, sampling, seed, group_index, score, dataset="train"):
+        return [make_sample(reward=float(score), index=row, group_index=group_index) for _ in range(size)]
+
+    loop = GRPOLoop.__new__(GRPOLoop)  # only what _generate_batch uses
+    loop.cfg, loop._group = cfg, group
+    loop.order = SimpleNamespace(batch=lambda step, n: list(range(n)))
+    loop.scorer = Scorer(cfg, None, load_post_process(cfg), PhaseTimer())
+    HOOK_CALLS.clear()
+    samples = asyncio.run(loop._generate_batch(0, score_inline=True))
+    assert HOOK_CALLS == [[1.0] * 4]  # one call, on the whole batch, after inline scoring
+    assert [s.reward for s in samples] == [10.0] * 4 and [s.advantage for s in samples] == [0.5, -0.5] * 2
+    deferred = asyncio.run(loop._generate_batch(0, score_inline=False))
+    assert len(HOOK_CALLS) == 1 and all(s.advantage is None for s in deferred)
