@@ -17,9 +17,9 @@ ROLLOUT_ARGS=("${args[@]}" --rm-type dummy --defer-reward-to-post-process
 
 GENRM_ARGS=(
    --genrm-model-path ${MODEL_DIR}/Qwen3.5-397B-A17B-FP8/
-   --genrm-num-gpus-per-engine 16
-   --genrm-engine-config '{"max_context_len": 10240, "mem_fraction_static": 0.85}'
-   --genrm-sampling-config '{"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 1024}'
+   --genrm-num-gpus-per-engine 8
+   --genrm-engine-config '{"max_context_len": 10240, "dp_size": 8, "ep_size": 8, "mem_fraction_static": 0.85}'
+   --genrm-sampling-config '{"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 32, "chat_template_kwargs": {"enable_thinking": false}}'
 )
 
 ${RELAY_LAUNCH:-torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint ${HEAD:?set HEAD to the first node}:29500 -m launcher} \

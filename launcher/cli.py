@@ -203,7 +203,8 @@ def config_flags_help(width: int = 100) -> str:
         text += f" [default: {shown}]"
         kind = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
         lines.append(f"  --{name.replace('_', '-')} {metavars.get(kind, 'VALUE')}")
-        lines.extend(textwrap.wrap(text, width=width, initial_indent=" " * 8, subsequent_indent=" " * 8))
+        lines.extend(textwrap.wrap(text, width=width, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                   break_on_hyphens=False))  # a flag name stays whole
     return "\n".join(lines)
 
 

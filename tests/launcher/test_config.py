@@ -244,5 +244,5 @@ def test_data_rows_are_read_under_the_input_and_label_keys(tmp_path):
 
 
 def test_a_judge_sampling_config_with_several_answers_per_request_is_refused():
-    with pytest.raises(ConfigError, match=r"sampling_config \(--genrm-sampling-config\): n must be 1: the judge answers"):
+    with pytest.raises(ConfigError, match=r"\(--genrm-sampling-config\): n must be 1: the judge answers"):
         load_config(None, ["--genrm-model-path", "/j", "--genrm-sampling-config", '{"n": 2}'])
