@@ -111,12 +111,11 @@ def test_relay_judge_without_a_secret_writes_it_to_a_0600_file_that_clients_use(
 
         # The judge counts what it rejected, in /genrm/metrics.
         url = f"http://127.0.0.1:{port}/genrm/metrics"
-        m = json.loads(
-            subprocess.run(["curl", "-s", f"{url}?format=json"], capture_output=True, text=True, timeout=30).stdout
-        )
+        m = json.loads(subprocess.run(["curl", "-s", url], capture_output=True, text=True, timeout=30).stdout)
         assert m["relay"]["dropped_unauthenticated"] == 2 and m["relay"]["auth_rejections_sent"] == 2
         assert m["relay"]["auth_handshakes"] == 2
-        text = subprocess.run(["curl", "-s", url], capture_output=True, text=True, timeout=30).stdout
+        prometheus = f"http://127.0.0.1:{port}/metrics"
+        text = subprocess.run(["curl", "-s", prometheus], capture_output=True, text=True, timeout=30).stdout
         assert "genrm_relay_dropped_unauthenticated_total 2\n" in text
 
         p.send_signal(signal.SIGINT)
