@@ -236,6 +236,15 @@ def test_client_health_check_and_get_metrics_never_raise(judge_model):
     assert got["health_on_loop"]["status"] == "unhealthy" and "health_check_async" in got["health_on_loop"]["error"]
 
 
+def test_native_payload_bounds():
+    from reward.protocol import MAX_INPUT_IDS, MAX_PROMPT_CHARS
+
+    assert validate_request({"input_ids": [0] * MAX_INPUT_IDS})[0] == [0] * MAX_INPUT_IDS
+    for body in ({"input_ids": [0] * (MAX_INPUT_IDS + 1)}, {"text": "x" * (MAX_PROMPT_CHARS + 1)}):
+        with pytest.raises(ValueError, match="must be a"):
+            validate_request(body)
+
+
 def test_prometheus_is_chosen_only_when_the_accept_header_asks_for_it():
     prometheus = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
     assert wants_prometheus(prometheus) and wants_prometheus("text/plain")
