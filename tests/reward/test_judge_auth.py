@@ -28,7 +28,7 @@ CLIENT = textwrap.dedent(
     from reward.client import get_genrm_client
     async def main():
         client = get_genrm_client(sys.argv[1] if len(sys.argv) > 1 else None)  # else RELAY_GENRM_ADDR
-        assert client.timeout == 600.0
+        assert client.timeout == 1800.0  # the original's default
         try:
             text = await client.generate({MSG!r})
             print(json.dumps({{"response": text}}))
@@ -50,7 +50,7 @@ def _env(**changes) -> dict:
 
 def _client(addr: str, env: dict, shell_prefix: str = "") -> dict:
     """Run the client in a process of its own, bounded by 30 s (its calls' own timeout is
-    600 s: only the handshake can end it this soon). With ``shell_prefix``, bash runs it
+    1800 s: only the handshake can end it this soon). With ``shell_prefix``, bash runs it
     first (e.g. the exports `relay judge` printed) and the client takes its address from
     the environment."""
     if shell_prefix:
