@@ -22,7 +22,16 @@ call timeout); it is never retried.
 
 Calls made in the same event-loop turn (concurrent reward coroutines, ``generate_many``)
 travel to the service as one relay message (:class:`JudgeBatcher`); each call still gets
-its own result, error and timeout.
+its own result, error and timeout. A call's default timeout is 1800 s (as the original's).
+
+``client.health_check()`` and ``client.get_metrics()`` are synchronous, as the original's,
+and never raise: the health shape of ``GET /genrm/health`` or ``{"status": "unhealthy",
+"error": ...}``, the JSON of ``GET /genrm/metrics`` (the judge's part: ``service``, the
+instances' ``model_path``, ``num_gpus``, ``num_engines`` and counters) or ``{}``. They block
+their thread, so from a coroutine on the client's event loop use ``await
+client.health_check_async()`` / ``await client.get_metrics_async()`` (the same answers);
+called on that loop's thread, the synchronous ones cannot wait and say so in ``error`` (or
+return ``{}``).
 """
 
 from __future__ import annotations
@@ -38,11 +47,13 @@ from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRe
 
 from .errors import JudgeAsleep, JudgeEngineError, JudgeUnavailable
 from .judge import JudgeService
-from .protocol import check_request
+from .protocol import check_request, health_body, metrics_body
 
 ENV_ADDR = "RELAY_GENRM_ADDR"
 ENV_ACTOR = "RELAY_GENRM_ACTOR"
 MAX_BATCH = 256  # judge requests per relay message to the service
+CALL_TIMEOUT = 1800.0  # seconds: a judge call's default timeout (the original's)
+STATUS_TIMEOUT = 10.0  # seconds: health_check / get_metrics
 
 
 class JudgeBatcher:
@@ -121,7 +132,12 @@ class JudgeBatcher:
 
 class GenRMClient:
     def __init__(
-        self, address: str, actor: str = "genrm", timeout: float = 600.0, retries: int = 2, auth_timeout: float = 5.0
+        self,
+        address: str,
+        actor: str = "genrm",
+        timeout: float = CALL_TIMEOUT,
+        retries: int = 2,
+        auth_timeout: float = 5.0,
     ):
         self.address = address
         self.timeout = timeout
@@ -164,8 +180,8 @@ class GenRMClient:
     ) -> str:
         # a bad request fails this call alone, here, before it is batched with other calls
         # (an integer past 64 bits, or nesting deeper than msgpack packs, would make the whole
-        # batch's message unsendable)
-        check_request(messages, sampling_params, route_key)
+        # batch's message unsendable); content parts are joined here
+        messages = check_request(messages, sampling_params, route_key)[0]
         SamplingParams.from_dict(sampling_params)
         last: Exception | None = None
         for attempt in range(self.retries + 1):
@@ -184,6 +200,50 @@ class GenRMClient:
                 last = e
             await asyncio.sleep(0.5 * (attempt + 1))
         raise JudgeUnavailable(f"judge at {self.address} failed {self.retries + 1} times: {last}")
+
+    async def health_check_async(self) -> dict:
+        """The judge's health as ``GET /genrm/health`` gives it, or ``{"status": "unhealthy",
+        "service": "genrm", "error": ...}``; never raises."""
+        try:
+            if not self._authenticated:
+                await self._authenticate()
+            return health_body(await self._mesh.health.call_one().result(STATUS_TIMEOUT))
+        except Exception as e:  # noqa: BLE001 - reported, never raised
+            return {"status": "unhealthy", "service": "genrm", "error": f"{type(e).__name__}: {e}"}
+
+    async def get_metrics_async(self) -> dict:
+        """The judge's metrics as ``GET /genrm/metrics`` gives them (without the HTTP
+        gateway's own counters), or ``{}``; never raises."""
+        try:
+            if not self._authenticated:
+                await self._authenticate()
+            return metrics_body(await self._mesh.metrics_snapshot.call_one().result(STATUS_TIMEOUT))
+        except Exception:  # noqa: BLE001 - {} on any failure, as the original
+            return {}
+
+    def health_check(self) -> dict:
+        """Synchronous :meth:`health_check_async` (the original's call); never raises."""
+        try:
+            return self._blocking(self.health_check_async())
+        except Exception as e:  # noqa: BLE001
+            return {"status": "unhealthy", "service": "genrm", "error": f"{type(e).__name__}: {e}"}
+
+    def get_metrics(self) -> dict:
+        """Synchronous :meth:`get_metrics_async` (the original's call); never raises."""
+        try:
+            return self._blocking(self.get_metrics_async())
+        except Exception:  # noqa: BLE001
+            return {}
+
+    def _blocking(self, coro):
+        """Run ``coro`` on the event loop of the client's relay runtime and wait for it."""
+        rt = self._procs._rt
+        if rt.loop.is_running():
+            if rt.in_loop_thread():
+                coro.close()
+                raise RuntimeError("called on the event loop's thread: use 'await client.health_check_async()'")
+            return asyncio.run_coroutine_threadsafe(coro, rt.loop).result(STATUS_TIMEOUT + 10)
+        return rt.loop.run_until_complete(coro)
 
     def report_parse(self, route_key: str | None, ok: bool) -> None:
         """Tell the service whether a verdict could be read (fire and forget; feeds the

@@ -41,10 +41,12 @@ RETRY_BACKOFF = 0.3  # seconds times the attempt number before a request is trie
 class Job:
     """One admitted, rendered request on its way to an engine; ``future`` gets its text or error."""
 
-    prompt: str  # the rendered chat; the engine tokenizes it
+    prompt: str | list  # the rendered chat (the engine tokenizes it), or a native prompt: text or token ids
     sampling: dict  # as the engine takes it
     future: asyncio.Future
     on_text: object  # called with the text before the future is settled (the judgment cache)
+    native: bool = False  # a native payload: the engine takes the prompt as SGLang's /generate would
+    detail: bool = False  # the future gets {text, prompt_tokens, completion_tokens, finish_reason}
     started: float = field(default_factory=time.monotonic)
     tag: str = ""  # names it to its engine, to cancel it there when its caller leaves
     tried: set = field(default_factory=set)  # engines that failed it not by its own fault
@@ -157,7 +159,11 @@ class EnginePool:
                 break
             room -= len(batch)
             slot.in_flight += len(batch)
-            loop.create_task(self._call(i, batch))
+            native = [job for job in batch if job.native]
+            chats = [job for job in batch if not job.native] if native else batch
+            for jobs in (chats, native):
+                if jobs:
+                    loop.create_task(self._call(i, jobs))
 
     def _retry(self, i: int, job: Job, error) -> None:
         """``job`` failed on engine ``i`` not by its own fault: again after a backoff,
@@ -191,9 +197,11 @@ class EnginePool:
         """
         slot = self.slots[i]
         try:
-            results = await slot.mesh.generate_rendered.call_one(
-                [[job.prompt, job.sampling, job.tag] for job in batch]
-            ).result(ENGINE_CALL_TIMEOUT)
+            if batch[0].native:  # native prompts (a batch is all native or all rendered chats): not cancellable
+                call = slot.mesh.generate_batch.call_one([[job.prompt, job.sampling] for job in batch])
+            else:
+                call = slot.mesh.generate_rendered.call_one([[job.prompt, job.sampling, job.tag] for job in batch])
+            results = await call.result(ENGINE_CALL_TIMEOUT)
             if len(results) != len(batch):
                 raise ValueError(f"the engine answered {len(results)} results for {len(batch)} requests")
         except (SupervisionError, CallTimeout, ConnectionError) as e:
@@ -233,7 +241,17 @@ class EnginePool:
             self.metrics.observe(self.name, time.monotonic() - job.started)
             text = result.text.strip()
             job.on_text(text)
-            job.future.set_result(text)
+            if job.detail:
+                job.future.set_result(
+                    {
+                        "text": text,
+                        "prompt_tokens": result.prompt_tokens,
+                        "completion_tokens": len(result.token_ids),
+                        "finish_reason": result.finish_reason,
+                    }
+                )
+            else:
+                job.future.set_result(text)
         elif isinstance(result, (ValueError, TypeError)):
             self.metrics.inc(self.name, "refused")
             job.future.set_exception(ValueError(f"the judge engine refused the request: {result}"))

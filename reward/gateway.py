@@ -1,5 +1,9 @@
-"""The HTTP judge gateway: ``POST /genrm/generate``, ``GET /genrm/health``,
-``GET /genrm/metrics``. Binds 127.0.0.1:8000 by default; an optional bearer token.
+"""The HTTP judge gateway: ``POST /genrm/generate`` (chat messages, or an SGLang-native
+``text`` / ``input_ids`` payload), ``GET /genrm/health``, ``GET /genrm/metrics`` (the
+original's JSON; Prometheus text for ``Accept: text/plain``), ``GET /metrics`` (Prometheus
+text), and the OpenAI-compatible ``GET /genrm/v1/models`` and ``POST
+/genrm/v1/chat/completions`` (:mod:`reward.openai_api`). Binds 127.0.0.1:8000 by default;
+an optional bearer token.
 
 It is served by the judge service's own process and event loop
 (:meth:`reward.judge.JudgeService.serve_http`) on :mod:`reward.httpd`, a strict HTTP/1.1
@@ -38,7 +42,8 @@ from .errors import BadMessages, JudgeAsleep, JudgeEngineError, JudgeUnavailable
 from .http_messages import HttpLimits, Request, Response
 from .httpd import HttpServer
 from .metrics import prometheus_text
-from .protocol import check_request
+from .openai_api import OpenAIRoutes
+from .protocol import check_native, check_request, health_body, metrics_body
 
 log = logging.getLogger("relay.judge.gateway")
 
@@ -52,19 +57,52 @@ RELAY_STATS = (
     "auth_rejections_suppressed",
 )
 LOG_EVERY = 10.0  # seconds between two log lines about the same kind of failure
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NATIVE_FIELDS = ("text", "input_ids")
 
 
-def validate_request(body) -> tuple[list, dict | None, str | None]:
-    """Return (messages, sampling_params, route_key) of a JSON body or raise ValueError with
-    the reason (:class:`~reward.errors.BadMessages` for malformed messages)."""
+def validate_request(body) -> tuple[list | str, dict | None, str | None]:
+    """Return (messages, sampling_params, route_key) of a JSON body, or for an SGLang-native
+    body (no ``messages``, a ``text`` prompt string or ``input_ids``) (prompt text or token
+    ids, sampling_params, route_key); or raise ValueError with the reason
+    (:class:`~reward.errors.BadMessages` for malformed messages)."""
     if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object with 'messages'")
+        raise ValueError("the body must be a JSON object with 'messages' (or a native 'text' or 'input_ids')")
+    if "messages" not in body and any(k in body for k in NATIVE_FIELDS):
+        unknown = set(body) - {*NATIVE_FIELDS, "sampling_params", "route_key"}
+        if unknown:
+            raise ValueError(
+                f"unknown fields {short_repr(sorted(unknown), 80)}; a native payload allows: text or input_ids, "
+                "sampling_params, route_key"
+            )
+        return check_native(body.get("text"), body.get("input_ids"), body.get("sampling_params"), body.get("route_key"))
     unknown = set(body) - {"messages", "sampling_params", "route_key"}
     if unknown:
         raise ValueError(
-            f"unknown fields {short_repr(sorted(unknown), 80)}; allowed: messages, sampling_params, route_key"
+            f"unknown fields {short_repr(sorted(unknown), 80)}; allowed: messages, sampling_params, route_key "
+            "(or a native payload: text or input_ids, sampling_params, route_key)"
         )
     return check_request(body.get("messages"), body.get("sampling_params"), body.get("route_key"))
+
+
+def wants_prometheus(accept: str) -> bool:
+    """Whether an ``Accept`` header asks for Prometheus text (``text/plain`` or OpenMetrics,
+    as Prometheus sends) over JSON."""
+    best: dict[str, float] = {}
+    for item in accept.split(","):
+        media, *params = (x.strip() for x in item.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        media = media.lower()
+        best[media] = max(best.get(media, 0.0), q)
+    text = max(best.get("text/plain", 0.0), best.get("application/openmetrics-text", 0.0))
+    return text > 0 and text >= best.get("application/json", 0.0)
 
 
 def _error(message: str, status: int = 400, headers: dict | None = None) -> Response:
@@ -120,10 +158,15 @@ class Gateway:
         self.server = HttpServer(self.handle, self.limits, on_error=self._internal_error)
         self._log = _Throttled()
         self._names = frozenset(n.lower() for n in ("localhost", socket.gethostname(), socket.getfqdn()))
+        openai = OpenAIRoutes(self)
         self._routes = {
             "/genrm/generate": ("POST", self.generate),
             "/genrm/health": ("GET", self.health),
             "/genrm/metrics": ("GET", self.metrics),
+            "/metrics": ("GET", self.prometheus),
+            "/genrm/v1/models": ("GET", openai.models),
+            "/genrm/v1/chat/completions": ("POST", openai.chat_completions),
+            "/genrm/chat/completions": ("POST", openai.chat_completions),
         }
 
     def _count(self, kind: str) -> None:
@@ -183,43 +226,61 @@ class Gateway:
                 )
         return None
 
-    async def generate(self, request: Request) -> Response:
+    def read_json(self, request: Request) -> tuple[object, Response | None]:
+        """The JSON body of a POST, or the 415/400 answer (the error shape is the caller's:
+        ``make_error(message, status)``)."""
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if content_type != "application/json":
             self._count("unsupported_media_type")
-            return _error("send the body as JSON with 'Content-Type: application/json'", 415)
+            return None, (415, "send the body as JSON with 'Content-Type: application/json'")
         try:
-            body = json.loads(request.body)
-        except (
-            ValueError,
-            RecursionError,
-        ) as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers; nesting too deep
+            return json.loads(request.body), None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, long integers; deep nesting
             self._count("invalid_json")
             reason = "nested too deeply" if isinstance(e, RecursionError) else short_repr(str(e), 160)
-            return _error(f"Invalid request body: not JSON ({reason})")
+            return None, (400, f"Invalid request body: not JSON ({reason})")
+
+    async def outcome(self, submit) -> tuple[object, tuple | None]:
+        """Run ``submit()`` (the service's submit of one request, returning a future) and wait
+        for it: (result, None), or (None, (status, message, headers)) for its error."""
         try:
-            messages, sampling_params, route_key = validate_request(body)
+            return await asyncio.wait_for(submit(), self.timeout), None
+        except JudgeAsleep as e:
+            self._count("asleep")
+            return None, (503, str(e), {"Retry-After": "1"})
+        except BadMessages as e:  # the chat template refused the messages
+            self._count("invalid_request")
+            return None, (422, f"Invalid request body: {e}", None)
+        except (UnknownRouteKey, ValueError, TypeError) as e:
+            self._count("invalid_request")
+            return None, (400, str(e), None)
+        except JudgeUnavailable as e:
+            self._count("unavailable")
+            return None, (503, str(e), {"Retry-After": "5"})
+        except JudgeEngineError as e:
+            self._count("engine")
+            return None, (502, str(e), None)
+        except TimeoutError:
+            self._count("timeout")
+            return None, (503, f"the judge did not answer within {self.timeout:g} s", None)
+
+    async def generate(self, request: Request) -> Response:
+        body, refused = self.read_json(request)
+        if refused is not None:
+            return _error(refused[1], refused[0])
+        try:
+            prompt, sampling_params, route_key = validate_request(body)
         except ValueError as e:
             self._count("invalid_request")
             return _error(f"Invalid request body: {e}", 422 if isinstance(e, BadMessages) else 400)
-        try:
-            answer = self.service.submit(messages, sampling_params, route_key, checked=True)  # checked above
-            text = await asyncio.wait_for(answer, self.timeout)
-        except JudgeAsleep as e:
-            self._count("asleep")
-            return _error(str(e), 503, {"Retry-After": "1"})
-        except (UnknownRouteKey, ValueError, TypeError) as e:
-            self._count("invalid_request")
-            return _error(str(e))
-        except JudgeUnavailable as e:
-            self._count("unavailable")
-            return _error(str(e), 503, {"Retry-After": "5"})
-        except JudgeEngineError as e:
-            self._count("engine")
-            return _error(str(e), 502)
-        except TimeoutError:
-            self._count("timeout")
-            return _error(f"the judge did not answer within {self.timeout:g} s", 503)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages (checked above)
+            text, failed = await self.outcome(
+                lambda: self.service.submit(prompt, sampling_params, route_key, checked=True)
+            )
+        else:  # a native payload: prompt text or token ids
+            text, failed = await self.outcome(lambda: self.service.submit_native(prompt, sampling_params, route_key))
+        if failed is not None:
+            return _error(failed[1], failed[0], failed[2])
         return Response.json({"response": text})
 
     async def health(self, request: Request) -> Response:
@@ -227,35 +288,33 @@ class Gateway:
             inst = await self.service.health()
         except Exception as e:  # noqa: BLE001 - reported, not raised
             return Response.json({"status": "unhealthy", "service": "genrm", "error": short_repr(str(e), 200)}, 503)
-        healthy = all(v["status"] == "healthy" for v in inst.values())
-        out = {"status": "healthy" if healthy else "unhealthy", "service": "genrm"}
-        if len(inst) > 1:
-            out["instances"] = inst  # each asleep one has "sleeping": true
-        else:
-            (only,) = inst.values()
-            if only.get("sleeping"):
-                out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
-            if only.get("degraded"):  # serving on fewer engines while a dead one is rebuilt
-                out.update(degraded=True, engines_working=only["engines_working"], engines=only["engines"])
-        if not healthy:
-            out["error"] = "; ".join(
-                f"{k}: {v.get('error', v['status'])}" for k, v in inst.items() if v["status"] != "healthy"
-            )
         # 503 only when some instance cannot answer at all; asleep is healthy (it wakes)
-        return Response.json(out, 503 if any(v.get("available") is False for v in inst.values()) else 200)
+        return Response.json(health_body(inst), 503 if any(v.get("available") is False for v in inst.values()) else 200)
 
     async def metrics(self, request: Request) -> Response:
+        """The original's JSON (:func:`reward.protocol.metrics_body`) with our counters, the
+        gateway's errors, its HTTP server's and the relay runtime's counters; Prometheus text
+        when the request's ``Accept`` asks for it (or ``?format=prometheus``)."""
+        if request.query.get("format") == "prometheus" or (
+            request.query.get("format") != "json" and wants_prometheus(request.headers.get("accept", ""))
+        ):
+            return await self.prometheus(request)
         snap = await self.service.metrics_snapshot(engines=request.query.get("engines") == "1")
         transport = relay.transport_stats()
-        rstats = {k: transport.get(k, 0) for k in RELAY_STATS}
-        http = dict(self.server.stats)
-        if request.query.get("format") == "json":
-            return Response.json(
-                {"service": "genrm", "instances": snap, "gateway_errors": self.errors, "http": http, "relay": rstats}
-            )
-        return Response(
-            200, prometheus_text(snap, self.errors, rstats, http).encode(), "text/plain; version=0.0.4; charset=utf-8"
+        body = metrics_body(snap)
+        body.update(
+            gateway_errors=self.errors,
+            http=dict(self.server.stats),
+            relay={k: transport.get(k, 0) for k in RELAY_STATS},
         )
+        return Response.json(body)
+
+    async def prometheus(self, request: Request) -> Response:
+        snap = await self.service.metrics_snapshot()
+        transport = relay.transport_stats()
+        rstats = {k: transport.get(k, 0) for k in RELAY_STATS}
+        text = prometheus_text(snap, self.errors, rstats, dict(self.server.stats))
+        return Response(200, text.encode(), PROMETHEUS_TYPE)
 
 
 async def serve(
@@ -266,3 +325,31 @@ async def serve(
     from outside."""
     gateway = Gateway(service, token, limits=limits)
     return gateway.server, await gateway.server.start(host, port)
+
+
+def within_fd_limit(limits):
+    """``limits`` with a connection cap this process's open-file limit can hold (raising the
+    soft limit toward the hard one first), keeping 256 descriptors for everything else: past
+    the limit, accepting fails for every client instead of the cap answering 503."""
+    import dataclasses
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = limits.max_connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want:
+        cap = max(1, soft - 256)
+        log.warning(
+            "judge gateway: the open-file limit (%d) holds %d connections, not %d: capping there",
+            soft,
+            cap,
+            limits.max_connections,
+        )
+        return dataclasses.replace(limits, max_connections=cap)
+    return limits

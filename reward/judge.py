@@ -35,7 +35,7 @@ from engines.interface import RequestCancelled, SamplingParams, short_repr
 from relay import Actor, SupervisionError, endpoint
 
 from .dispatch import EnginePool, Job
-from .errors import JudgeAsleep, UnknownRouteKey
+from .errors import BadMessages, JudgeAsleep, UnknownRouteKey
 from .metrics import ENGINE_STATS, Metrics
 from .protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS, check_request
 from .templates import INLINE_RENDER_CHARS, ChatTemplate, message_chars
@@ -163,22 +163,37 @@ class JudgeService(Actor):
         route_key: str | None = None,
         *,
         checked: bool = False,
+        detail: bool = False,
     ) -> asyncio.Future:
         """In this process (the HTTP gateway): admit one request now (its errors raise here)
         and return the future of its response text. Rendering happens here too, or off the
         event loop for a request with much text (its errors then come with the future).
         Cancelling the future cancels the request, in its engine too. ``checked``: the caller
-        already ran :func:`reward.protocol.check_request` on it (the HTTP gateway)."""
+        already ran :func:`reward.protocol.check_request` on it (the HTTP gateway). ``detail``:
+        the future gets ``{text, prompt_tokens, completion_tokens, finish_reason}`` (not cached)."""
         if not checked:
-            check_request(messages, sampling_params, route_key)
+            messages = check_request(messages, sampling_params, route_key)[0]
         admitted = self._admit(sampling_params, route_key)
         if message_chars([messages]) <= INLINE_RENDER_CHARS:
-            return self._judge(admitted, admitted.instance.template.render([messages], admitted.template_kwargs)[0])
-        return asyncio.ensure_future(self._render_then_judge(admitted, messages))
+            text = _render(admitted, messages)
+            return self._judge(admitted, text, detail=detail)
+        return asyncio.ensure_future(self._render_then_judge(admitted, messages, detail))
 
-    async def _render_then_judge(self, admitted: _Admitted, messages: list) -> str:
-        text = (await asyncio.to_thread(admitted.instance.template.render, [messages], admitted.template_kwargs))[0]
-        return await self._judge(admitted, text)
+    async def _render_then_judge(self, admitted: _Admitted, messages: list, detail: bool) -> str:
+        text = await asyncio.to_thread(_render, admitted, messages)
+        return await self._judge(admitted, text, detail=detail)
+
+    def submit_native(self, prompt, sampling_params: dict | None = None, route_key: str | None = None):
+        """An SGLang-native payload (``prompt``: text, no chat template, or token ids), checked
+        by :func:`reward.protocol.check_native`: the future of its response text. Token ids
+        must be in the instance's vocabulary (ValueError)."""
+        admitted = self._admit(sampling_params, route_key)
+        if isinstance(prompt, list):
+            vocab = len(admitted.instance.template.tokenizer)
+            bad = next((t for t in prompt if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"input_ids: token id {bad} is not in the judge's vocabulary (ids 0 to {vocab - 1})")
+        return self._judge(admitted, prompt, native=True)
 
     @endpoint(concurrent=True)
     async def generate_batch(self, requests: list) -> list:
@@ -198,13 +213,13 @@ class JudgeService(Actor):
                     raise TypeError(
                         "each request must be [messages, sampling_params, route_key] or [..., request id (a string)]"
                     )
-                check_request(*request[:3])
+                messages = check_request(*request[:3])[0]
                 admitted = self._admit(request[1], request[2])
             except Exception as e:  # noqa: BLE001 - this request's error, returned in its place
                 out[j] = e
                 continue
             key = (admitted.instance.name, id(admitted.template_kwargs))
-            groups.setdefault(key, []).append((j, request[0], admitted, request[3] if len(request) == 4 else None))
+            groups.setdefault(key, []).append((j, messages, admitted, request[3] if len(request) == 4 else None))
         futures, where = [], []
         for group in groups.values():
             for (j, _, admitted, request_id), text in zip(group, await self._render_group(group)):
@@ -239,7 +254,7 @@ class JudgeService(Actor):
             texts: list = []
             for messages in conversations:
                 try:
-                    texts.append(template.render([messages], kwargs)[0])
+                    texts.append(_render(admitted, messages))
                 except Exception as e:  # noqa: BLE001
                     texts.append(e)
             return texts
@@ -254,14 +269,16 @@ class JudgeService(Actor):
             if future is not None:
                 future.cancel()
 
-    def _judge(self, admitted: _Admitted, text: str) -> asyncio.Future:
-        """The future of one request's response text: from the judgment cache, or from the
-        instance's engines (:class:`reward.dispatch.EnginePool`)."""
+    def _judge(self, admitted: _Admitted, text, native: bool = False, detail: bool = False) -> asyncio.Future:
+        """The future of one request's response text: from the judgment cache (chat requests
+        only), or from the instance's engines (:class:`reward.dispatch.EnginePool`)."""
         inst = admitted.instance
         future = asyncio.get_running_loop().create_future()
         self.metrics.inc(inst.name, "requests")
         key = None
-        if self.cache_mode == "always" or (self.cache_mode == "deterministic" and admitted.params.temperature == 0):
+        if native or detail:
+            pass  # native prompts and usage counts always go to an engine
+        elif self.cache_mode == "always" or (self.cache_mode == "deterministic" and admitted.params.temperature == 0):
             key = (inst.name, text, admitted.cacheable_key)
             hit = self.cache.get(key)
             if hit is not None:
@@ -269,7 +286,9 @@ class JudgeService(Actor):
                 self.metrics.inc(inst.name, "cache_hits")
                 future.set_result(hit)
                 return future
-        inst.pool.submit(Job(text, admitted.engine_sampling, future, lambda answer: self._remember(key, answer)))
+        inst.pool.submit(
+            Job(text, admitted.engine_sampling, future, lambda answer: self._remember(key, answer), native, detail)
+        )
         return future
 
     def _remember(self, key: tuple | None, text: str) -> None:
@@ -285,14 +304,14 @@ class JudgeService(Actor):
         """Serve the HTTP gateway (:mod:`reward.gateway`) from this process; returns the port
         it listens on (``port=0``: any free port). ``limits``: :class:`reward.httpd.HttpLimits`
         fields (timeouts, connection cap, body size). Once per service."""
-        from .gateway import serve
+        from .gateway import serve, within_fd_limit
         from .httpd import HttpLimits
 
         if self._http is not None:
             raise RuntimeError("the judge's HTTP gateway is already served")
         http_limits = HttpLimits(**(limits or {}))
         try:
-            self._http, bound = await serve(self, host, port, token, _within_fd_limit(http_limits))
+            self._http, bound = await serve(self, host, port, token, within_fd_limit(http_limits))
         except OSError as e:
             raise OSError(
                 f"the judge gateway cannot listen on {host}:{port} ({e.strerror or e}); choose another port"
@@ -420,6 +439,17 @@ async def start_judge_service(specs: dict, timeout: float = 300.0, **kwargs) -> 
     return judge, procs
 
 
+def _render(admitted: _Admitted, messages: list) -> str:
+    """The prompt text of one conversation; a chat template that refuses it (a role it does
+    not know, ...) is the request's error (BadMessages, HTTP 422)."""
+    try:
+        return admitted.instance.template.render([messages], admitted.template_kwargs)[0]
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError and kin: the messages are at fault
+        raise BadMessages(f"the judge's chat template refused the messages: {short_repr(str(e), 200)}") from None
+
+
 def freeze_startup_objects() -> None:
     """Move the objects alive now (torch, transformers, tokenizers) out of the collector's
     view: a full collection over them stalls the event loop of the process serving judge
@@ -430,42 +460,7 @@ def freeze_startup_objects() -> None:
     atexit.register(gc.unfreeze)
 
 
-def _within_fd_limit(limits):
-    """``limits`` with a connection cap this process's open-file limit can hold (raising the
-    soft limit toward the hard one first), keeping 256 descriptors for everything else: past
-    the limit, accepting fails for every client instead of the cap answering 503."""
-    import dataclasses
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = limits.max_connections + 256
-    if soft != resource.RLIM_INFINITY and soft < want:
-        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft != resource.RLIM_INFINITY and soft < want:
-        cap = max(1, soft - 256)
-        log.warning(
-            "judge gateway: the open-file limit (%d) holds %d connections, not %d: capping there",
-            soft,
-            cap,
-            limits.max_connections,
-        )
-        return dataclasses.replace(limits, max_connections=cap)
-    return limits
-
-
 def _engine_sampling(params: SamplingParams) -> dict:
-    return {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "max_new_tokens": params.max_new_tokens,
-        "stop": list(params.stop),
-        "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos,
-        "seed": params.seed,
-    }
+    """Every field of ``params`` as the engine takes it (fields SamplingParams gains pass
+    through untouched)."""
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in vars(params).items()}

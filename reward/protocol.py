@@ -12,8 +12,13 @@ from .errors import BadMessages
 
 DEFAULT_ROUTE = "__default__"  # the instance of the legacy single-judge flags
 SAMPLING_DEFAULTS = {"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 4096}
-ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
+MAX_ROLE_CHARS = 64  # any role the judge's chat template accepts (system, user, assistant, tool, ...)
+MAX_CONTENT_PARTS = 64  # OpenAI-style content parts of one message
+TEXT_PART_JOIN = "\n"  # the text parts of one message are joined with this
+MAX_PROMPT_CHARS = 4 << 20  # a native payload's ``text``
+MAX_INPUT_IDS = 1 << 18  # a native payload's ``input_ids``
+MAX_TOKEN_ID = 2**31 - 1  # above: never a token id (the instance's vocabulary is checked too)
 MAX_ROUTE_KEY_CHARS = 256
 MAX_TEMPLATE_KWARGS = 16  # chat_template_kwargs entries a request may give
 MAX_TEMPLATE_KWARG_CHARS = 256  # length of a string value (or a key) in them
@@ -43,26 +48,67 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 def check_request(messages, sampling_params, route_key) -> tuple[list, dict | None, str | None]:
-    """``messages`` a non-empty list of at most ``MAX_MESSAGES`` ``{role, content}`` objects
-    of strings (role system, user or assistant), ``sampling_params`` an object or null (its
+    """``messages`` a non-empty list of at most ``MAX_MESSAGES`` ``{role, content}`` objects:
+    ``role`` a string of 1 to ``MAX_ROLE_CHARS`` characters (the chat template decides which
+    roles it knows), ``content`` a string or a list of at most ``MAX_CONTENT_PARTS`` OpenAI
+    text parts ``{"type": "text", "text": str}`` (joined with ``TEXT_PART_JOIN``; any other
+    part type is refused: only text is supported); ``sampling_params`` an object or null (its
     ``chat_template_kwargs``: :func:`check_template_kwargs`), ``route_key`` a short string or
-    null. Returns them; raises :class:`BadMessages` or ValueError naming what is wrong."""
+    null. Returns them, the messages with plain string contents (a copy where parts were
+    joined); raises :class:`BadMessages` or ValueError naming what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise BadMessages("'messages' must be a non-empty list of {role, content} objects")
     if len(messages) > MAX_MESSAGES:
         raise BadMessages(f"at most {MAX_MESSAGES} messages")
+    joined = None
     for i, message in enumerate(messages):
-        if (
-            type(message) is not dict
-            or message.keys() - {"role", "content"}
-            or type(message.get("role")) is not str
-            or type(message.get("content")) is not str
-        ):
+        if type(message) is not dict or message.keys() - {"role", "content"} or type(message.get("role")) is not str:
             raise BadMessages(f"messages[{i}] must be an object with string 'role' and 'content' (and nothing else)")
-        if message["role"] not in ROLES:
+        if not 1 <= len(message["role"]) <= MAX_ROLE_CHARS:
             raise BadMessages(
-                f"messages[{i}].role must be system, user or assistant, got {short_repr(message['role'])}"
+                f"messages[{i}].role must be a string of 1 to {MAX_ROLE_CHARS} characters, "
+                f"got {short_repr(message['role'])}"
             )
+        content = message.get("content")
+        if type(content) is str:
+            continue
+        text = _text_of_parts(i, content)
+        if joined is None:
+            joined = list(messages)
+        joined[i] = {"role": message["role"], "content": text}
+    check_sampling_and_route(sampling_params, route_key)
+    return (joined if joined is not None else messages), sampling_params, route_key
+
+
+def _text_of_parts(i: int, content) -> str:
+    if type(content) is not list or not content:
+        raise BadMessages(
+            f"messages[{i}].content must be a string or a non-empty list of "
+            '{"type": "text", "text": ...} parts, got ' + short_repr(content)
+        )
+    if len(content) > MAX_CONTENT_PARTS:
+        raise BadMessages(f"messages[{i}].content: at most {MAX_CONTENT_PARTS} parts, got {len(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        if type(part) is not dict or type(part.get("type")) is not str:
+            raise BadMessages(f"messages[{i}].content[{j}] must be an object with a 'type', got {short_repr(part)}")
+        if part["type"] != "text":
+            raise BadMessages(
+                f"messages[{i}].content[{j}] has type {short_repr(part['type'])}: only text is supported "
+                '(parts {"type": "text", "text": "..."})'
+            )
+        if part.keys() - {"type", "text"} or type(part.get("text")) is not str:
+            raise BadMessages(
+                f'messages[{i}].content[{j}] must be {{"type": "text", "text": <string>}} (and nothing else)'
+            )
+        texts.append(part["text"])
+    return TEXT_PART_JOIN.join(texts)
+
+
+def check_sampling_and_route(sampling_params, route_key) -> None:
+    """``sampling_params`` an object or null (its values are checked on admission by
+    ``SamplingParams``; its ``chat_template_kwargs`` here), ``route_key`` a short string or
+    null. Raises ValueError."""
     if sampling_params is not None and not isinstance(sampling_params, dict):
         raise ValueError("'sampling_params' must be an object")
     if sampling_params:
@@ -71,7 +117,31 @@ def check_request(messages, sampling_params, route_key) -> tuple[list, dict | No
         raise ValueError(
             f"'route_key' must be a string of at most {MAX_ROUTE_KEY_CHARS} characters, got {short_repr(route_key)}"
         )
-    return messages, sampling_params, route_key
+
+
+def check_native(text, input_ids, sampling_params, route_key) -> tuple[str | list, dict | None, str | None]:
+    """An SGLang-native payload (no chat template): exactly one of ``text`` (a string of 1
+    to ``MAX_PROMPT_CHARS`` characters) and ``input_ids`` (a non-empty list of at most
+    ``MAX_INPUT_IDS`` integers in [0, ``MAX_TOKEN_ID``]; the judge instance also checks them
+    against its vocabulary), with ``sampling_params`` and ``route_key`` as for chat requests.
+    Returns (prompt, sampling_params, route_key); raises ValueError naming what is wrong."""
+    if (text is None) == (input_ids is None):
+        raise ValueError("a native payload needs exactly one of 'text' (a prompt string) and 'input_ids'")
+    if text is not None:
+        if type(text) is not str or not 1 <= len(text) <= MAX_PROMPT_CHARS:
+            raise ValueError(f"'text' must be a string of 1 to {MAX_PROMPT_CHARS} characters, got {short_repr(text)}")
+        prompt: str | list = text
+    else:
+        if type(input_ids) is not list or not 1 <= len(input_ids) <= MAX_INPUT_IDS:
+            raise ValueError(
+                f"'input_ids' must be a list of 1 to {MAX_INPUT_IDS} token ids, got {short_repr(input_ids)}"
+            )
+        for k, t in enumerate(input_ids):
+            if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(f"input_ids[{k}] must be a token id (an integer >= 0), got {short_repr(t)}")
+        prompt = input_ids
+    check_sampling_and_route(sampling_params, route_key)
+    return prompt, sampling_params, route_key
 
 
 def check_template_kwargs(value) -> None:
@@ -107,3 +177,34 @@ def _scalar(value) -> bool:
     if isinstance(value, float):
         return math.isfinite(value)
     return isinstance(value, str) and len(value) <= MAX_TEMPLATE_KWARG_CHARS
+
+
+def health_body(instances: dict) -> dict:
+    """The original's health shape from :meth:`JudgeService.health`'s per-instance entries:
+    ``{"status", "service": "genrm"}``, with several instances ``"instances"``; one instance's
+    ``sleeping`` / ``degraded`` at the top level; an ``"error"`` naming what is unhealthy."""
+    healthy = all(v["status"] == "healthy" for v in instances.values())
+    out: dict = {"status": "healthy" if healthy else "unhealthy", "service": "genrm"}
+    if len(instances) > 1:
+        out["instances"] = instances  # each asleep one has "sleeping": true
+    else:
+        (only,) = instances.values()
+        if only.get("sleeping"):
+            out["sleeping"] = True  # the legacy single-instance shape: why generate answers 503
+        if only.get("degraded"):  # serving on fewer engines while a dead one is rebuilt
+            out.update(degraded=True, engines_working=only["engines_working"], engines=only["engines"])
+    if not healthy:
+        out["error"] = "; ".join(
+            f"{k}: {v.get('error', v['status'])}" for k, v in instances.items() if v["status"] != "healthy"
+        )
+    return out
+
+
+def metrics_body(snapshot: dict) -> dict:
+    """The original's metrics shape from :meth:`JudgeService.metrics_snapshot`: one instance
+    flat, ``{"service": "genrm", "model_path", "num_gpus", "num_engines", <counters>}``;
+    several under ``"instances": {route_key: {...}}``."""
+    if len(snapshot) == 1:
+        (only,) = snapshot.values()
+        return {"service": "genrm", **only}
+    return {"service": "genrm", "instances": snapshot}

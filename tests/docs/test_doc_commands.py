@@ -56,6 +56,18 @@ EXPECTED: dict[str, str] = {
     "curl -X POST http://127.0.0.1:${PORT:-8000}/genrm/generate -H 'Content-Type: application/json' \\\n"
     '     -d \'{"messages": [{"role": "user", "content": "Is 2+2=4? Reply 1 or 0."}]}\'': '{"response": ',
     "stat -c '%a %n' ~/.cache/relay/judge-${PORT:-8000}.secret   # the judge's secret file: 600 (readable by you only)": "600 ",
+    "curl http://127.0.0.1:${PORT:-8000}/genrm/metrics           # "
+    '{"service": "genrm", "model_path": ..., "num_gpus": ..., "num_engines": ..., counters}': '{"service": "genrm", ',
+    "curl http://127.0.0.1:${PORT:-8000}/metrics                 # the same counters as Prometheus text": (
+        'genrm_requests_total{route_key="__default__"} 1'
+    ),
+    "curl http://127.0.0.1:${PORT:-8000}/genrm/v1/models         # OpenAI-compatible: one model per judge instance": (
+        '"data": [{"id": "__default__", "object": "model"'
+    ),
+    "curl -X POST http://127.0.0.1:${PORT:-8000}/genrm/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+    '     -d \'{"model": "__default__", "messages": [{"role": "user", "content": "Is 2+2=4?"}], "max_tokens": 4}\'': (
+        '"object": "chat.completion"'
+    ),
     # docs/launcher.md
     "relay train --config tiny-cpu-split": "shut down cleanly",
     "torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import os
 import re
@@ -155,8 +156,10 @@ def sampling_params(draw) -> dict:
 def request(draw) -> tuple:
     """(messages, sampling_params, route_key): mostly valid (unique text, so the judgment
     cache does not answer them), some hostile in one way or another."""
-    kind = draw(st.integers(0, 44))
-    content = f"{draw(st.text(max_size=40))} #{draw(st.integers(0, 10**9))}"
+    kind = draw(st.integers(0, 49))
+    # unique by construction (a drawn number repeats within a batch, and in hypothesis's
+    # replays): a repeated greedy request would be answered by the judgment cache
+    content = f"{draw(st.text(max_size=40))} #{draw(st.integers(0, 10**9))}.{next(_UNIQUE)}"
     messages, sp, rk = [{"role": "user", "content": content}], draw(sampling_params()), None
     if kind == 0:
         sp = draw(st.sampled_from(ENGINE_KILLERS + POISON))
@@ -189,7 +192,67 @@ def request(draw) -> tuple:
         ]  # past the KV cache: refused
     elif kind == 5:
         sp = draw(HOSTILE_VALUE)
+    elif kind == 6:  # OpenAI text parts (valid: joined)
+        messages = [{"role": "user", "content": [{"type": "text", "text": t} for t in (content, *draw(_TEXTS))]}]
+    elif kind == 7:  # any role the template takes (valid)
+        role = draw(
+            st.sampled_from(["tool", "developer", "function", "observation"]) | st.text(min_size=1, max_size=64)
+        )
+        messages = [{"role": role, "content": content}, *messages]
+    elif kind == 8:
+        messages = [{"role": "user", "content": draw(st.sampled_from(HOSTILE_CONTENT))}]
+    elif kind == 9:
+        messages = [{"role": draw(st.sampled_from(["", "r" * 65, "r" * 100_000])), "content": content}]
     return messages, sp, rk
+
+
+_TEXTS = st.lists(st.text(max_size=10), max_size=3)
+_UNIQUE = itertools.count()
+HOSTILE_CONTENT = [
+    [],
+    [{"type": "image_url", "image_url": {"url": "http://x"}}],
+    [{"type": "input_audio", "input_audio": {}}],
+    [{"type": "text"}],
+    [{"type": "text", "text": 5}],
+    [{"type": "text", "text": "x", "extra": 1}],
+    [{"text": "x"}],
+    ["x"],
+    [{"type": "text", "text": "x"}] * 65,
+    {"type": "text", "text": "x"},
+    None,
+]
+NATIVE_HOSTILE = [
+    {"input_ids": []},
+    {"input_ids": [-1]},
+    {"input_ids": [2**31]},
+    {"input_ids": [2**64]},
+    {"input_ids": [10**6]},
+    {"input_ids": [True, 5]},
+    {"input_ids": [1.5]},
+    {"input_ids": "12"},
+    {"input_ids": [[5]]},
+    {"input_ids": [5] * 5000},  # past the KV cache: refused by the engine
+    {"text": ""},
+    {"text": 5},
+    {"text": "x", "input_ids": [5]},
+    {"text": "x", "stream": True},
+    {"text": "y" * 30_000},  # past the KV cache: refused by the engine (the length bound: test_genrm_http_api)
+]
+
+
+@st.composite
+def native_body(draw) -> dict:
+    """An SGLang-native payload (no messages): mostly valid text or token ids, some hostile."""
+    kind = draw(st.integers(0, 5))
+    if kind == 0:
+        body = dict(draw(st.sampled_from(NATIVE_HOSTILE)))
+    elif kind <= 3:
+        body = {"text": f"{draw(st.text(max_size=30))} native #{next(_UNIQUE)}"}
+    else:  # printable characters of the tiny tokenizer (special tokens 0-4 first)
+        body = {"input_ids": [*draw(st.lists(st.integers(5, 99), min_size=1, max_size=20)), 5 + kind]}
+    if draw(st.booleans()):
+        body["sampling_params"] = draw(sampling_params())
+    return body
 
 
 def _nest(depth: int) -> str:
@@ -220,6 +283,8 @@ RAW_BODIES = st.one_of(
 def http_body(draw) -> bytes:
     if draw(st.integers(0, 15)) == 0:
         return draw(RAW_BODIES)
+    if draw(st.integers(0, 7)) == 0:
+        return json.dumps(draw(native_body())).encode()
     messages, sp, rk = draw(request())
     body = {"messages": messages}
     if sp is not None or draw(st.booleans()):
@@ -235,9 +300,9 @@ def http_body(draw) -> bytes:
 
 
 async def _engine_requests(session: aiohttp.ClientSession, url: str) -> tuple[int, list]:
-    async with session.get(f"{url}/genrm/metrics?format=json&engines=1") as r:
+    async with session.get(f"{url}/genrm/metrics?engines=1") as r:
         snap = await r.json()
-    engines = snap["instances"]["__default__"]["engines"]
+    engines = snap["engines"]  # one instance: the original's flat shape
     return sum(e.get("requests_finished", 0) for e in engines), engines
 
 
@@ -368,6 +433,77 @@ def test_generated_requests_over_the_zeromq_client_fail_only_themselves(judge, r
     TALLY["zmq answered"] += sum(o["ok"] for o in outcomes)
 
 
+OPENAI_VALID = {
+    "temperature": VALID["temperature"],
+    "top_p": VALID["top_p"],
+    "max_tokens": st.integers(1, 6),
+    "n": st.integers(1, 3),
+    "seed": VALID["seed"],
+    "stop": VALID["stop"],
+    "user": st.text(max_size=5),
+    "stream": st.just(False),
+}
+
+
+@st.composite
+def openai_body(draw) -> bytes:
+    """A chat completion body: mostly valid (model ``__default__``, the request strategy's
+    messages), some with an unknown model, hostile values or unsupported fields."""
+    messages, _, _ = draw(request())
+    model = "__default__" if draw(st.integers(0, 7)) else draw(st.sampled_from(["nope", "", 5, None, "x" * 10_000]))
+    body = {"model": model, "messages": messages}
+    for key in draw(st.lists(st.sampled_from(list(OPENAI_VALID)), max_size=4, unique=True)):
+        body[key] = draw(HOSTILE_VALUE) if draw(st.integers(0, 9)) == 0 else draw(OPENAI_VALID[key])
+    if draw(st.integers(0, 11)) == 0:
+        body[draw(st.sampled_from(["stream", "tools", "logprobs", "bogus"]))] = draw(HOSTILE_VALUE | st.just(True))
+    return json.dumps(body).encode()
+
+
+@settings(
+    max_examples=2,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.data_too_large, HealthCheck.too_slow],
+)
+@given(bodies=st.lists(openai_body(), min_size=BATCH, max_size=BATCH))
+def test_generated_openai_chat_completions_never_get_a_5xx(judge, bodies):
+    """POST /genrm/v1/chat/completions, 32 at a time: every answer is a chat.completion
+    with n choices and usage counts, or a 4xx OpenAI error object with a short message."""
+
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as s:
+
+            async def send(body):
+                async with s.post(
+                    f"{judge.url}/genrm/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
+                    return r.status, await r.json(content_type=None), body
+
+            answers = await asyncio.gather(*(send(b) for b in bodies))
+            async with s.get(f"{judge.url}/genrm/metrics") as r:
+                return answers, (await r.json())["gateway_errors"]
+
+    answers, gateway_errors = run(main(), 300)
+    assert "internal" not in gateway_errors, gateway_errors  # no handler failed (here or in the fuzz before)
+    for status, payload, body in answers:
+        assert status == 200 or 400 <= status < 500, (status, payload, body[:200])
+        if status == 200:
+            sent = json.loads(body)
+            assert payload["object"] == "chat.completion" and len(payload["choices"]) == sent.get("n", 1)
+            assert all(isinstance(c["message"]["content"], str) for c in payload["choices"])
+            usage = payload["usage"]
+            assert (
+                usage["prompt_tokens"] > 0
+                and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            )
+        else:
+            error = payload["error"]
+            assert isinstance(error["message"], str) and error["message"], (status, payload)
+            assert len(error["message"]) <= MAX_ERROR_CHARS, (status, error["message"][:200])
+    TALLY["openai sent"] += len(bodies)
+    TALLY["openai answered"] += sum(status == 200 for status, _, _ in answers)
+
+
 def test_after_the_fuzz_no_engine_failed_and_valid_requests_all_succeed(judge):
     """Runs after the fuzz tests in this module (same live judge): over 1,000 generated
     requests were sent and at least half of them reached an engine (the engines' own
@@ -484,8 +620,10 @@ def _health_or_none(port: int):
 def test_a_declared_length_over_the_limit_gets_413_at_once(judge, expect):
     s = _connect(judge.port)
     try:
-        head = (b"POST /genrm/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 1000000000000\r\n")
+        head = (
+            b"POST /genrm/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000000\r\n"
+        )
         t0 = time.monotonic()
         s.sendall(head + (b"Expect: 100-continue\r\n" if expect else b"") + b"\r\n")
         closed, got = _closed_within(s, 5)

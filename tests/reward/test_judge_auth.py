@@ -28,7 +28,7 @@ CLIENT = textwrap.dedent(
     from reward.client import get_genrm_client
     async def main():
         client = get_genrm_client(sys.argv[1] if len(sys.argv) > 1 else None)  # else RELAY_GENRM_ADDR
-        assert client.timeout == 600.0
+        assert client.timeout == 1800.0  # the original's default
         try:
             text = await client.generate({MSG!r})
             print(json.dumps({{"response": text}}))
@@ -50,7 +50,7 @@ def _env(**changes) -> dict:
 
 def _client(addr: str, env: dict, shell_prefix: str = "") -> dict:
     """Run the client in a process of its own, bounded by 30 s (its calls' own timeout is
-    600 s: only the handshake can end it this soon). With ``shell_prefix``, bash runs it
+    1800 s: only the handshake can end it this soon). With ``shell_prefix``, bash runs it
     first (e.g. the exports `relay judge` printed) and the client takes its address from
     the environment."""
     if shell_prefix:
@@ -111,12 +111,11 @@ def test_relay_judge_without_a_secret_writes_it_to_a_0600_file_that_clients_use(
 
         # The judge counts what it rejected, in /genrm/metrics.
         url = f"http://127.0.0.1:{port}/genrm/metrics"
-        m = json.loads(
-            subprocess.run(["curl", "-s", f"{url}?format=json"], capture_output=True, text=True, timeout=30).stdout
-        )
+        m = json.loads(subprocess.run(["curl", "-s", url], capture_output=True, text=True, timeout=30).stdout)
         assert m["relay"]["dropped_unauthenticated"] == 2 and m["relay"]["auth_rejections_sent"] == 2
         assert m["relay"]["auth_handshakes"] == 2
-        text = subprocess.run(["curl", "-s", url], capture_output=True, text=True, timeout=30).stdout
+        prometheus = f"http://127.0.0.1:{port}/metrics"
+        text = subprocess.run(["curl", "-s", prometheus], capture_output=True, text=True, timeout=30).stdout
         assert "genrm_relay_dropped_unauthenticated_total 2\n" in text
 
         p.send_signal(signal.SIGINT)

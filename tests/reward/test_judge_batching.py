@@ -405,7 +405,7 @@ def test_gateway_answers_503_when_the_judge_does_not_answer_in_time(judge_model)
             async with aiohttp.ClientSession() as s:
                 async with s.post(f"http://127.0.0.1:{port}/genrm/generate", json={"messages": MSG}) as r:
                     status, body = r.status, await r.json()
-                async with s.get(f"http://127.0.0.1:{port}/genrm/metrics?format=json") as r:
+                async with s.get(f"http://127.0.0.1:{port}/genrm/metrics") as r:
                     errors = (await r.json())["gateway_errors"]
         finally:
             await engine.release.call_one().result(10)

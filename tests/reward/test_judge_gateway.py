@@ -102,9 +102,12 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
             await judge.set_awake.call_one(None, True)
             async with s.get(f"{url}/genrm/health") as r:
                 assert await r.json() == {"status": "healthy", "service": "genrm"}
-            async with s.get(f"{url}/genrm/metrics?format=json") as r:
+            async with s.get(f"{url}/genrm/metrics") as r:  # the original's JSON, one instance: flat
+                assert r.headers["Content-Type"].startswith("application/json")
                 m = await r.json()
-            inst = m["instances"]["__default__"]
+            assert m["service"] == "genrm" and m["model_path"] == judge_model and m["num_gpus"] == 1
+            assert "instances" not in m
+            inst = m
             assert (
                 inst["num_engines"] == 1
                 and inst["requests"] == 3
@@ -115,7 +118,8 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
             assert lat["count"] == 2 and lat["buckets"][-1] == ["+Inf", 2] and lat["sum"] > 0
             for i in range(25):  # reward code reports unreadable verdicts: warned past 20%
                 await judge.record_parse.call_one(None, i % 3 != 0)
-            async with s.get(f"{url}/genrm/metrics") as r:
+            async with s.get(f"{url}/metrics") as r:  # Prometheus text
+                assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
                 text = await r.text()
             # per judge instance under route_key (Prometheus keeps `instance` for its target)
             assert 'genrm_parse_failures_total{route_key="__default__"} 9\n' in text
@@ -124,8 +128,12 @@ def test_generate_health_metrics_and_sleeping_judge(judge_model):
             assert 'genrm_latency_seconds_bucket{route_key="__default__",le="+Inf"} 2\n' in text
             assert 'genrm_latency_seconds_count{route_key="__default__"} 2\n' in text
             assert "instance=" not in text and "_created" not in text
-            async with s.get(f"{url}/genrm/metrics") as r:  # nothing happened in between but a scrape:
-                again = await r.text()  # the same judge series (the HTTP server's count the scrape)
+            # nothing happened in between but a scrape: the same judge series (the HTTP server's
+            # count the scrape); /genrm/metrics serves the same text to a Prometheus Accept header
+            prom_accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+            async with s.get(f"{url}/genrm/metrics", headers={"Accept": prom_accept}) as r:
+                assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                again = await r.text()
 
             def judge_series(t):
                 return [line for line in t.splitlines() if not line.startswith(("genrm_http_", "# "))]
@@ -150,7 +158,17 @@ BAD_BODIES = [
     (b'{"messages": [1]}', 422),
     (b'{"messages": [{"role": "user"}]}', 422),
     (b'{"messages": [{"role": 5, "content": "x"}]}', 422),
-    (b'{"messages": [{"role": "robot", "content": "x"}]}', 422),
+    (b'{"messages": [{"role": "", "content": "x"}]}', 422),  # any role the template takes, but not none
+    (json.dumps({"messages": [{"role": "r" * 65, "content": "x"}]}).encode(), 422),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 422),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', 422),
+    (b'{"messages": [{"role": "user", "content": []}]}', 422),
+    (b'{"text": "hi", "input_ids": [1]}', 400),
+    (b'{"input_ids": [1, -1]}', 400),
+    (b'{"input_ids": [1, 100000]}', 400),  # not in the tiny judge's vocabulary
+    (b'{"input_ids": [true]}', 400),
+    (b'{"text": ""}', 400),
+    (b'{"text": "hi", "stream": true}', 400),
     (b'{"messages": [{"role": "user", "content": "x", "extra": 1}]}', 422),
     (json.dumps({"messages": MSG, "sampling_params": "hot"}).encode(), 400),
     (json.dumps({"messages": MSG, "sampling_params": {"temprature": 1}}).encode(), 400),
@@ -267,9 +285,11 @@ def test_auth_is_exact_and_without_a_token_browsers_are_kept_out(judge_model):
                 raw = [("Authorization", "Bearer s3cret"), ("Authorization", "Bearer other")]
                 async with s.get(f"{url}/genrm/health", headers=raw) as r:
                     got["two"] = r.status
-                async with s.get(f"{url}/genrm/metrics?format=json") as r:
+                async with s.get(f"{url}/genrm/metrics") as r:
                     got["unauthorized_count"] = r.status
-                async with s.get(f"{url}/genrm/metrics?format=json", headers={"Authorization": "Bearer s3cret"}) as r:
+                async with s.get(f"{url}/metrics") as r:
+                    got["unauthorized_prometheus"] = r.status
+                async with s.get(f"{url}/genrm/metrics", headers={"Authorization": "Bearer s3cret"}) as r:
                     got["errors"] = (await r.json())["gateway_errors"]
                 post = f"{open_url}/genrm/generate"
                 body = json.dumps({"messages": MSG})
@@ -299,7 +319,8 @@ def test_auth_is_exact_and_without_a_token_browsers_are_kept_out(judge_model):
     for name in ("lower", "upper"):  # the scheme is case-insensitive (RFC 7235)
         assert got[(name, "health")][0] == got[(name, "metrics")][0] == 200, name
     assert got["two"] == 400
-    assert got["errors"]["unauthorized"] == 7  # every 401 counted
+    assert got["unauthorized_prometheus"] == 401
+    assert got["errors"]["unauthorized"] == 8  # every 401 counted
     for name in ("text/plain", "form", "no type"):
         assert got[name][0] == 415 and "Content-Type: application/json" in got[name][1], (name, got[name])
     assert got["rebinding"][0] == 403 and "evil.example" in got["rebinding"][1]
