@@ -78,6 +78,7 @@ class Sampler:
         if sampling.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p
+            keep[0] = True  # the most likely token always stays (a top_p below float32's range reads as 0)
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[idx[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))

@@ -412,3 +412,20 @@ def test_penalized_requests_survive_preemption_with_the_same_output(model):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     assert not math.isnan(sum(alone[0].logprobs))
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(model):
+    """top_p = 2.4e-206 is a valid (0, 1] value that reads as 0 in float32: once it emptied
+    the kept set, NaN probabilities failed the whole engine step (found by the HTTP fuzz).
+    It must sample the most likely token, i.e. greedy, seeded or not, batched with others."""
+
+    async def main(eng):
+        ps = prompts()
+        greedy = await asyncio.gather(*(eng.generate(p, {**GREEDY, "max_new_tokens": 8}) for p in ps))
+        tiny = {"temperature": 1.0, "top_p": 2.4149318564336552e-206, "max_new_tokens": 8, "ignore_eos": True}
+        got = await asyncio.gather(*(eng.generate(p, {**tiny, "seed": i} if i % 2 else tiny) for i, p in enumerate(ps)),
+                                   eng.generate(ps[0], {"temperature": 0.7, "max_new_tokens": 8}))
+        return greedy, got[:-1]
+
+    greedy, got = engine_run(model, main)
+    assert [g.token_ids for g in got] == [g.token_ids for g in greedy]
