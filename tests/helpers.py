@@ -28,6 +28,24 @@ def tagged_pids(tag: str) -> list[int]:
     return out
 
 
+def live_pids_by_env() -> dict[int, dict[bytes, bytes]]:
+    """{pid: environment} of every live (not zombie) process this user can read."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out[int(entry)] = env
+    return out
+
+
 def run(coro, timeout: float = 60.0):
     """Run a test coroutine in a fresh event loop, bounded by ``timeout``."""
 

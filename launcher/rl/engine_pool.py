@@ -109,8 +109,15 @@ async def call_engines(engines: list[Engine], method: str, *args, timeout: float
     called = live(engines)
     results = await asyncio.gather(*(getattr(e.mesh, method).call_one(*args).result(timeout) for e in called),
                                    return_exceptions=True)
+    return answered(called, results)
+
+
+def answered(engines: list[Engine], results: list) -> list:
+    """Of ``results`` (one per engine, exceptions included), those of the engines that
+    answered; a fault-tolerant engine found gone is marked down and left out; any other
+    error is raised."""
     out = []
-    for engine, result in zip(called, results):
+    for engine, result in zip(engines, results):
         if isinstance(result, GONE) and engine.fault_tolerant:
             engine.mark_down(f"its process is gone ({result})")
         elif isinstance(result, BaseException):

@@ -9,7 +9,7 @@ import random
 
 from ..data import Row, prompt_ids
 from . import timeouts
-from .engine_pool import GONE, Engine, call_engines, engine_bytes, live
+from .engine_pool import GONE, Engine, answered, call_engines, engine_bytes, live
 from .sample import Sample
 
 #: what an engine frees when it sleeps and restores when it wakes
@@ -121,14 +121,7 @@ class RolloutPool:
         engines = live(self.engines)
         answers = await asyncio.gather(*(e.mesh.generate.call_one(ids, greedy).result(timeouts.PROBE)
                                          for e in engines), return_exceptions=True)
-        results = []
-        for engine, answer in zip(engines, answers):
-            if isinstance(answer, GONE) and engine.fault_tolerant:
-                engine.mark_down(f"its process is gone ({answer})")
-            elif isinstance(answer, BaseException):
-                raise answer
-            else:
-                results.append(answer)
+        results = answered(engines, answers)
         return {"sync/probe_logprobs": [r.logprobs[0] for r in results],
                 "sync/probe_tokens": [r.token_ids[0] for r in results],
                 "sync/probe_versions": [r.weight_version for r in results]}

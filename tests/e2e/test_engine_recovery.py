@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.e2e.test_grpo_modes import ROOT, records, train_cmd
-from tests.helpers import reap
+from tests.helpers import live_pids_by_env, reap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600, func_only=True)]
 RELAY = os.path.join(os.path.dirname(sys.executable), "relay")
@@ -35,20 +35,8 @@ def _relay_train(data: dict, run_dir: str) -> subprocess.Popen:
 
 def _job_pids(run_dir: str) -> dict[int, int]:
     """{bundle: pid} of the live workers of the job writing to ``run_dir``."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and env.get(b"RELAY_JOB_RUN_DIR") == run_dir.encode() and b"RELAY_BUNDLE" in env:
-            out[int(env[b"RELAY_BUNDLE"])] = int(entry)
-    return out
+    return {int(env[b"RELAY_BUNDLE"]): pid for pid, env in live_pids_by_env().items()
+            if env.get(b"RELAY_JOB_RUN_DIR") == run_dir.encode() and b"RELAY_BUNDLE" in env}
 
 
 def _steps_logged(run_dir: str) -> int:

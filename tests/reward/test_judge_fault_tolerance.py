@@ -17,7 +17,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.helpers import interrupt
+from tests.helpers import interrupt, live_pids_by_env
 from tests.launcher.test_launch import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -27,21 +27,9 @@ RELAY = os.path.join(os.path.dirname(sys.executable), "relay")
 
 def _engine_pids(parent: int) -> list[int]:
     """Live judge engine processes `relay judge` (pid ``parent``) started."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if (state != "Z" and env.get(b"RELAY_PARENT_PID") == str(parent).encode()
-                and env.get(b"RELAY_PROC_ID", b"").startswith(b"judge-")):
-            out.append(int(entry))
-    return sorted(out)
+    return sorted(pid for pid, env in live_pids_by_env().items()
+                  if env.get(b"RELAY_PARENT_PID") == str(parent).encode()
+                  and env.get(b"RELAY_PROC_ID", b"").startswith(b"judge-"))
 
 
 class Output:
