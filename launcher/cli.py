@@ -145,8 +145,11 @@ def _judge(args: argparse.Namespace) -> int:
     import asyncio
 
     from launcher.config import ConfigError, load_config
+    from launcher.job import versions_ok
     from launcher.serve_judge import run_judge
 
+    if not versions_ok("relay judge"):
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

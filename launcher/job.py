@@ -57,8 +57,24 @@ def torchrun_restart_problem(max_global_restart: int) -> str | None:
     )
 
 
+def versions_ok(prog: str) -> bool:
+    """The version matrix (launcher/versions.py): warnings on stderr; False (said why) when a
+    package is too old to run."""
+    from .versions import VersionError, check_versions
+
+    try:
+        for warning in check_versions():
+            print(f"{prog}: warning: {warning}", file=sys.stderr)
+    except VersionError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = False) -> int:
     args, rest = _parser(prog).parse_known_args(argv)
+    if not versions_ok(prog):
+        return 2
     try:
         cfg = load_config(args.config, rest)
         check_job(cfg, sft=args.sft)  # before any process starts: a bad hook fails here, not after start-up
