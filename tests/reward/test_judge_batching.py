@@ -553,3 +553,26 @@ def test_a_template_the_sandbox_cannot_match_renders_through_apply_chat_template
     convs = [MSG, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]]
     expected = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
     assert template.render(convs, template.kwargs) == expected
+
+
+def test_a_sync_hook_reaches_the_judge_from_its_worker_threads_own_event_loop(judge_model):
+    """Sync post-process hooks run in a worker thread (launcher/rl/scoring.py) and may call
+    ``asyncio.run`` themselves: ``get_genrm_client()`` there is that loop's own client, and
+    its calls are answered like those of the job's loop."""
+    from reward.client import get_genrm_client
+
+    def sync_hook(address: str) -> list:
+        async def judge_all():
+            client = get_genrm_client(address)
+            return await asyncio.gather(*(client.generate(MSG, {"seed": i}) for i in range(5)))
+
+        return asyncio.run(judge_all())
+
+    async def main():
+        await start([False], model=judge_model)
+        address = inbox_address()
+        on_loop = await get_genrm_client(address).generate(MSG, {"seed": 1})
+        in_thread = await asyncio.to_thread(sync_hook, address)
+        return on_loop, in_thread
+
+    assert run(main(), 120) == ("1", ["0", "1", "2", "3", "4"])
