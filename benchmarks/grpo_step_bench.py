@@ -50,6 +50,17 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
             "--genrm-engine-config",
             json.dumps({"mem_fraction_static": 0.3}),
         ]
+    elif mode == "shared":  # co-resident: rollout and judge awake together on every GPU
+        layout = [
+            "--config",
+            "tiny-cpu-shared",
+            "--resource",
+            json.dumps({"actor": [1, g], "rollout": [1, g], "genrm": [1, g]}),
+            "--sglang-mem-fraction-static",
+            "0.5",
+            "--genrm-engine-config",
+            json.dumps({"mem_fraction_static": 0.3}),
+        ]
     else:
         layout = [
             "--config",
@@ -148,7 +159,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--response-len", type=int, default=256)
-    ap.add_argument("--modes", default="split,defer")
+    ap.add_argument("--modes", default="split,defer", help="comma-separated: split, shared (co-resident), defer")
     ap.add_argument("--train-args", default="", help="extra `relay train` flags, e.g. '--bf16'")
     ap.add_argument("--cache", default=relay.settings().cache + "/grpo-bench")
     args = ap.parse_args()
