@@ -144,6 +144,8 @@ VARIABLES: tuple[Variable, ...] = (
 #: Read by shell scripts or tests only (documented, not parsed here).
 OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
     ("RELAY_LOG_PREFIX", "the slurm script's prefix of log and exit-code files (launcher/sbatch.py)"),
+    ("RELAY_JOB_GENERATION", "which run of a restarted job this is, set by relay train's fault-tolerance "
+     "supervisor (launcher/supervisor.py)"),
     ("RELAY_TEST_TAG", "tests: a tag every process of a test inherits, to find leftovers"),
     ("RELAY_TEST_RECORD", "tests: where the end-to-end tests' recording reward writes"),
 )

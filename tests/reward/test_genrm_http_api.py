@@ -95,12 +95,6 @@ def test_sglang_sampling_keys_are_passed_on_untouched_by_the_gateway():
     assert sampling == SGLANG_SAMPLING
 
 
-@pytest.mark.xfail(
-    reason="engines/interface.py SamplingParams does not take SGLang's repetition_penalty, frequency_penalty, "
-    "presence_penalty, min_p, min_new_tokens, skip_special_tokens, no_stop_trim, n yet (the engine change, "
-    "branch 'sampling', is under way); the gateway passes them through",
-    strict=False,
-)
 def test_sglang_sampling_keys_are_served_by_the_live_judge(judge_model):
     async def main():
         procs, engines, judge, judge_procs, url = await start(judge_model)
