@@ -276,9 +276,9 @@ class JudgeService(Actor):
         future = asyncio.get_running_loop().create_future()
         self.metrics.inc(inst.name, "requests")
         key = None
-        if native or detail:
-            pass  # native prompts and usage counts always go to an engine
-        elif self.cache_mode == "always" or (self.cache_mode == "deterministic" and admitted.params.temperature == 0):
+        cacheable = self.cache_mode == "always" or (
+            self.cache_mode == "deterministic" and admitted.params.temperature == 0)
+        if cacheable and not (native or detail):  # native prompts and usage counts always go to an engine
             key = (inst.name, text, admitted.cacheable_key)
             hit = self.cache.get(key)
             if hit is not None:
