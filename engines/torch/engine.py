@@ -58,7 +58,10 @@ class TorchEngine(Engine):
         cuda_graph: bool = True,
         share_prefix: bool = True,
         cpu_threads: int | None = None,
+        tp: tuple[str, int, int] | None = None,
     ):
+        """``tp``: (address, port, size) of the tensor-parallel group whose rank 0 this engine
+        is (engines/torch/tp.py: :func:`~.tp.start_engine` starts the followers first)."""
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) "
                              "or 'backup' (judge: kept in CPU memory)")
@@ -72,9 +75,14 @@ class TorchEngine(Engine):
         self.block_size = block_size
         self.max_running = max_running
         self.blocks = BlockManager(block_size, max_running)
+        self.tp = None
+        if tp is not None and tp[2] > 1:
+            from .tp import TPGroup
+
+            self.tp = TPGroup(tp[0], tp[1], 0, tp[2], self.device)
         self.runner = ModelRunner(model_path, self.blocks, device=self.device, dtype=self.dtype,
                                   weights_mode=weights_mode, name=name, kv_cache_tokens=kv_cache_tokens,
-                                  mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph)
+                                  mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph, tp=self.tp)
         self.cfg = self.runner.cfg
         self.model = self.runner.model
         self.weights = self.runner.weights
@@ -377,7 +385,15 @@ class TorchEngine(Engine):
     async def close(self) -> None:
         """Abort what is in flight and release the KV cache and the weights."""
         await self.abort()
-        await asyncio.get_running_loop().run_in_executor(self._exec, self.runner.sleep, ("kv_cache",))
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._exec, self.runner.sleep, ("kv_cache",))
+            if self.tp is not None:
+                await loop.run_in_executor(self._exec, self.runner.stop_followers)
+        except Exception as e:  # noqa: BLE001 (closing: a tensor-parallel follower may be gone already)
+            log.warning("%s: closing: %r", self.name, e)
+        if self.tp is not None:
+            self.tp.close()
         self.weights.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
