@@ -26,7 +26,13 @@ class EngineActor(Actor):
         if self.backend == "torch":
             from .torch import TorchEngine
 
-            self.engine = TorchEngine(self.model_path, **self.engine_kwargs)
+            peers = self.engine_kwargs.pop("tp_peers", None)  # follower ranks of a tensor-parallel engine
+            if peers:
+                from .torch.tp import start_engine
+
+                self.engine = await start_engine(self.model_path, peers, self.engine_kwargs)
+            else:
+                self.engine = TorchEngine(self.model_path, **self.engine_kwargs)
         elif self.backend == "sglang":
             from .sglang_engine import SGLangEngine
 

@@ -34,6 +34,8 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
             "function that passes route_key=... to the judge client (docs/judge.md, 'Client for reward code'), "
             "or keep one instance"
         )
+    if cfg.engine == "torch":
+        check_builtin_engine_config(cfg)
     if cfg.prompt_data and not cfg.custom_rm_path and cfg.rm_type is None:
         raise ConfigError(
             "training needs a reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func"
@@ -56,3 +58,21 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
                 load_callable(path, "--" + name.replace("_", "-"))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+
+def check_builtin_engine_config(cfg: JobConfig) -> None:
+    """What the built-in engine does with a judge's ``engine_config``: ``dp_size`` replicas
+    of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide), no pipeline or expert
+    parallelism (``pp_size``/``ep_size`` > 1 need ``--engine sglang``)."""
+    for name, inst in cfg.genrm.items():
+        where = f"GenRM instance {name!r} (engine_config)"
+        dp, pp, ep = (inst.engine_config.get(k, 1) for k in ("dp_size", "pp_size", "ep_size"))
+        for key, value in (("dp_size", dp), ("pp_size", pp), ("ep_size", ep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if pp > 1 or ep > 1:
+            raise ConfigError(f"{where}: pp_size {pp} / ep_size {ep}: the built-in engine has no pipeline or expert "
+                              "parallelism; use --engine sglang, or pp_size 1 and ep_size 1")
+        if inst.num_gpus_per_engine % dp:
+            raise ConfigError(f"{where}: dp_size {dp} does not divide the engine's {inst.num_gpus_per_engine} GPUs "
+                              "(--genrm-num-gpus-per-engine): each replica takes num_gpus_per_engine / dp_size")

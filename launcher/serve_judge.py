@@ -63,6 +63,8 @@ class JudgeEngines:
         path = ensure_model(inst.model_path)
         procs = relay.this_host().spawn_procs(per_host={"engines": 1}, name=f"judge-{name}-{index}".replace("_", ""))
         kw: dict = {"weights_mode": "backup"}
+        if self.cfg.engine == "torch":
+            kw["max_context_len"] = inst.engine_config.get("max_context_len")
         if self.cfg.device == "cpu":
             kw["kv_cache_tokens"] = int(inst.engine_config.get("kv_cache_tokens", 8192))
         else:
