@@ -383,19 +383,15 @@ class TorchEngine(Engine):
             "kv_blocks_free": len(self.blocks.free_blocks),
             "prefill_tokens": self.runner.prefill_tokens,
             "kv_blocks_total": self.blocks.num_blocks if kv_present else 0,
-            "max_context_tokens": self.max_context_tokens(),
+            # the longest request (prompt + max_new_tokens) it takes: KV cache, positions, max_context_len
+            "max_context_tokens": min(v for v in (self.blocks.num_blocks * self.block_size,
+                                                  self.cfg.max_position_embeddings, self.max_context_len) if v),
             "paused": self._paused,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],  # captured batch sizes
             "weight_update_groups": sorted(self.weights.groups),
             "asleep": [t for t, present in (("weights", self.weights.present), ("kv_cache", kv_present))
                        if not present],
         }
-
-    def max_context_tokens(self) -> int:
-        """The longest request (prompt + max_new_tokens) this engine takes: its KV cache, the
-        model's positions and ``max_context_len``, whichever is least."""
-        limits = [self.blocks.num_blocks * self.block_size, self.cfg.max_position_embeddings, self.max_context_len]
-        return min(v for v in limits if v)
 
     async def close(self) -> None:
         """Abort what is in flight and release the KV cache and the weights."""
