@@ -49,7 +49,7 @@ from .evaluation import evaluate
 from .integrity import JudgeIntegrity
 from .judge import judge_deltas
 from .recovery import EngineRecovery
-from .rollout import group_seed, sampling_options
+from .rollout import group_seed, prompt_datasets, sampling_options, tokenize_prompts
 from .sample import Sample, flatten, rollout_metrics
 from .scoring import Scorer, advantages, check_judged, reward_metrics
 from .startup import Roles, ensure_models, start_roles
@@ -102,8 +102,11 @@ class GRPOLoop:
         cfg = self.cfg
         started = self.timer.clock()
         await ensure_models(cfg)
+        datasets = prompt_datasets(cfg, self.rows, self.eval_rows)
+        prompts = asyncio.ensure_future(asyncio.to_thread(tokenize_prompts, cfg, datasets))  # while the roles start
         await start_roles(self.roles, cfg, self.plan, self.workers_by_bundle, self.colocate, self.defer,
                           self._restore, self.out)
+        await self.roles.rollout.check_context(await prompts, datasets)
         self.trainer, self.reference = self.roles.trainer, self.roles.reference
         self.rollout, self.judge = self.roles.rollout, self.roles.judge
         self.scorer = Scorer(cfg, self.roles.reward_fn, self.roles.post_process, self.timer)
