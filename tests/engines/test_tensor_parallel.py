@@ -49,8 +49,11 @@ def test_a_model_that_does_not_divide_over_the_ranks_is_refused_naming_the_dimen
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch,tp", [("qwen3", 2), ("llama", 2), ("qwen3", 4)])
-def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, tp):
+@pytest.mark.parametrize("arch,tp,fused", [("qwen3", 2, False), ("llama", 2, False), ("qwen3", 4, False),
+                                           ("qwen3", 2, True)])
+def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, tp, fused):
+    """``fused``: decode through the fused Triton kernels (the GPU path: residual RMSNorm,
+    norm+rope, paged attention), run by Triton's interpreter on CPU."""
     policy = make_model(arch, "tiny", str(tmp_path / "p"), seed=1)
     other = make_model(arch, "tiny", str(tmp_path / "o"), seed=2)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 45))]
@@ -69,7 +72,7 @@ def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, 
             assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
 
     async def main():
-        procs = this_host().spawn_procs(per_host={"gpus": tp + 1})
+        procs = this_host().spawn_procs(per_host={"gpus": tp + 1}, env={"TRITON_INTERPRET": "1"} if fused else None)
         one = procs.slice(gpus=0).spawn("one", EngineActor, policy, "torch", **options)
         followers = [procs.slice(gpus=1 + r).spawn(f"f{r}", FollowerActor) for r in range(1, tp)]
         for f in followers:
