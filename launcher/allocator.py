@@ -361,8 +361,10 @@ def render_plan(plan: Plan) -> str:
     per_bundle: dict[int, list[str]] = {}
     for claim in plan.claims:
         for e, engine in enumerate(plan.engines_of(claim)):
-            for b in engine:
+            for rank, b in enumerate(engine):
                 engine_txt = "" if claim.role == "actor" else f" e{e}"
+                if claim.role != "actor" and len(engine) > 1:
+                    engine_txt += f" rank {rank}/{len(engine)}"
                 mf = (
                     f" mem={claim.mem_fraction:g}"
                     if claim.mem_fraction is not None and claim.role in ("rollout", "genrm")
@@ -383,6 +385,7 @@ def render_plan(plan: Plan) -> str:
                 f"{plan.bundles_of(claim)[-1].index + 1}) "
                 f"engines={len(plan.engines_of(claim)) if claim.role != 'actor' else 1} x "
                 f"{claim.gpus_per_engine if claim.role != 'actor' else claim.size} GPU"
+                + (" (tensor parallel: a rank per GPU)" if claim.role != "actor" and claim.gpus_per_engine > 1 else "")
             )
     for w in plan.warnings:
         lines.append(f"warning: {w}")

@@ -3,7 +3,11 @@ any process starts."""
 
 from __future__ import annotations
 
+import logging
+
 from .config import FIELDS, ConfigError, JobConfig
+
+log = logging.getLogger("relay.config")
 
 
 def user_code_flags() -> list[str]:
@@ -62,8 +66,8 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
 
 def check_builtin_engine_config(cfg: JobConfig) -> None:
     """What the built-in engine does with a judge's ``engine_config``: ``dp_size`` replicas
-    of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide), no pipeline or expert
-    parallelism (``pp_size``/``ep_size`` > 1 need ``--engine sglang``)."""
+    of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide); ``pp_size`` and
+    ``ep_size`` (SGLang's) are not used by it: a warning says so."""
     for name, inst in cfg.genrm.items():
         where = f"GenRM instance {name!r} (engine_config)"
         dp, pp, ep = (inst.engine_config.get(k, 1) for k in ("dp_size", "pp_size", "ep_size"))
@@ -71,8 +75,8 @@ def check_builtin_engine_config(cfg: JobConfig) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
         if pp > 1 or ep > 1:
-            raise ConfigError(f"{where}: pp_size {pp} / ep_size {ep}: the built-in engine has no pipeline or expert "
-                              "parallelism; use --engine sglang, or pp_size 1 and ep_size 1")
+            log.warning("%s: pp_size %s / ep_size %s are for --engine sglang; the built-in engine runs each engine "
+                        "tensor-parallel over its GPUs (expert parallelism comes with MoE models)", where, pp, ep)
         if inst.num_gpus_per_engine % dp:
             raise ConfigError(f"{where}: dp_size {dp} does not divide the engine's {inst.num_gpus_per_engine} GPUs "
                               "(--genrm-num-gpus-per-engine): each replica takes num_gpus_per_engine / dp_size")

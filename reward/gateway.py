@@ -163,6 +163,7 @@ class Gateway:
             "/genrm/generate": ("POST", self.generate),
             "/genrm/health": ("GET", self.health),
             "/genrm/metrics": ("GET", self.metrics),
+            "/genrm/engines": ("GET", self.engines),
             "/metrics": ("GET", self.prometheus),
             "/genrm/v1/models": ("GET", openai.models),
             "/genrm/v1/chat/completions": ("POST", openai.chat_completions),
@@ -290,6 +291,10 @@ class Gateway:
             return Response.json({"status": "unhealthy", "service": "genrm", "error": short_repr(str(e), 200)}, 503)
         # 503 only when some instance cannot answer at all; asleep is healthy (it wakes)
         return Response.json(health_body(inst), 503 if any(v.get("available") is False for v in inst.values()) else 200)
+
+    async def engines(self, request: Request) -> Response:
+        """Each instance's engines: place, state and load (``JudgeService.engines_report``)."""
+        return Response.json({"service": "genrm", "instances": await self.service.engines_report()})
 
     async def metrics(self, request: Request) -> Response:
         """The original's JSON (:func:`reward.protocol.metrics_body`) with our counters, the

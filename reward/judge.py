@@ -28,7 +28,7 @@ import atexit
 import collections
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import relay
 from engines.interface import RequestCancelled, SamplingParams, short_repr
@@ -55,6 +55,7 @@ class _Instance:
     sampling: dict  # defaults merged with each request's sampling_params
     awake: bool = True
     defaults: _Admitted | None = None  # what a request without sampling_params gets (computed once)
+    placement: list = field(default_factory=list)  # per engine: where it runs (GET /genrm/engines)
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +113,7 @@ class JudgeService(Actor):
                 EnginePool(name, engines, self.cap, self.metrics),
                 ChatTemplate.of(tokenizer, template_kwargs),
                 sampling,
+                placement=list(spec.get("placement") or []),
             )
         # Reach every engine now: relay learns that a process this one does not own has died
         # when their connection drops, so connect before the first request; an engine whose
@@ -390,6 +392,31 @@ class JudgeService(Actor):
             if not inst.awake:
                 entry["sleeping"] = True
             out[name] = entry
+        return out
+
+    @endpoint(concurrent=True)
+    async def engines_report(self) -> dict:
+        """``GET /genrm/engines``: per instance, each engine's place (what the launcher gave:
+        node, GPUs, ``tp`` and ``dp`` sizes), ``state`` (awake, asleep, failed, or unknown
+        when it did not answer within 5 s) and load (``in_flight`` at the service, ``running``
+        and ``waiting`` in the engine); and whether the instance admits requests."""
+        out = {}
+        for name, inst in self.instances.items():
+            slots = inst.pool.slots
+            stats = await asyncio.gather(*(slot.mesh.stats.call_one().result(5) for slot in slots),
+                                         return_exceptions=True)
+            rows = []
+            for i, (slot, st) in enumerate(zip(slots, stats)):
+                row = {"index": i, **(inst.placement[i] if i < len(inst.placement) else {}), "in_flight": slot.load}
+                if slot.down is not None:
+                    row.update(state="failed", error=slot.down)
+                elif isinstance(st, Exception):
+                    row.update(state="unknown", error=f"{type(st).__name__}: {st}")
+                else:
+                    row.update(state="asleep" if st.get("asleep") else "awake", running=st.get("running", 0),
+                               waiting=st.get("waiting", 0))
+                rows.append(row)
+            out[name] = {"model_path": inst.model_path, "admitting": inst.awake, "engines": rows}
         return out
 
     @endpoint(concurrent=True)

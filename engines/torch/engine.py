@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import time
 
 import torch
@@ -387,6 +388,9 @@ class TorchEngine(Engine):
             "max_context_tokens": min(v for v in (self.blocks.num_blocks * self.block_size,
                                                   self.cfg.max_position_embeddings, self.max_context_len) if v),
             "paused": self._paused,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "tp_size": 1 if self.tp is None else self.tp.size,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],  # captured batch sizes
             "weight_update_groups": sorted(self.weights.groups),
             "asleep": [t for t, present in (("weights", self.weights.present), ("kv_cache", kv_present))

@@ -19,6 +19,7 @@ between steps); a follower that dies leaves rank 0's next collective failing aft
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 
@@ -114,6 +115,7 @@ class Follower:
                  **runner_kwargs):
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.rank, self.device = rank, device
         self._thread = threading.Thread(
             target=self._run, name=f"tp-follower-{rank}", daemon=True,
             args=(model_path, address, port, rank, size, device, dtype, block_size, max_running, cpu_threads,
@@ -143,7 +145,8 @@ class Follower:
             self.done.set()
 
     def status(self) -> dict:
-        return {"running": not self.done.is_set(), "error": None if self.error is None else repr(self.error)}
+        return {"running": not self.done.is_set(), "error": None if self.error is None else repr(self.error),
+                "rank": self.rank, "pid": os.getpid(), "device": self.device}
 
 
 #: the engine keyword arguments a follower's runner takes (the rest concern rank 0 alone)

@@ -38,6 +38,7 @@ class Engine:
     outstanding: int = 0
     down: str | None = None
     back: asyncio.Event = field(default_factory=asyncio.Event)
+    place: dict = field(default_factory=dict)  # node, GPUs, bundles, tp and dp sizes (GET /genrm/engines)
 
     def mark_down(self, reason: str) -> bool:
         """Leave every call from now on; False when it already had."""
@@ -78,8 +79,12 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
     for claim in plan.claims:
         if claim.role not in roles:
             continue
-        for i, bundles in enumerate(replicas(cfg, claim, plan.engines_of(claim))):
+        slices = replicas(cfg, claim, plan.engines_of(claim))
+        dp = len(slices) // max(1, len(plan.engines_of(claim)))
+        for i, bundles in enumerate(slices):
             engine = Engine(claim.role, claim.instance, None, i, bundles[0].index, cfg.fault_tolerant)
+            engine.place = {"node": bundles[0].node, "gpus": [b.gpu for b in bundles],
+                            "bundles": [b.index for b in bundles], "tp": len(bundles), "dp": dp}
             engines.append(engine)
             if cfg.engine == "torch" and len(bundles) > 1:
                 pending.append(spawn_tensor_parallel(cfg, claim, engine, procs_of(bundles), colocate))
@@ -112,6 +117,9 @@ async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocat
         await follower.initialized(timeouts.CONTROL)
     engine.mesh = spawn_engine(cfg, claim, engine, procs[:1], colocate, tp_peers=followers)
     await engine.mesh.initialized(timeouts.MODEL_LOAD)
+    ranks = [await engine.mesh.stats.call_one().result(timeouts.CONTROL)]
+    ranks += [await f.status.call_one().result(timeouts.CONTROL) for f in followers]
+    engine.place.update(pids=[r["pid"] for r in ranks], devices=[r["device"] for r in ranks])
 
 
 def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, **extra) -> relay.ActorMesh:

@@ -39,7 +39,8 @@ class Judge:
             return
         specs = {name: {"model_path": inst.model_path, "num_gpus": inst.num_gpus,
                         "sampling_config": inst.sampling_config,
-                        "engines": [e.mesh for e in self.engines if e.instance == name]}
+                        "engines": [e.mesh for e in self.engines if e.instance == name],
+                        "placement": [e.place for e in self.engines if e.instance == name]}
                  for name, inst in self.cfg.genrm.items()}
         self.service, self.service_procs = await start_judge_service(specs, timeouts.JUDGE_SERVICE_START)
         self.address = self.service_procs.procs[0].addr

@@ -94,6 +94,12 @@ async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, co
     else:
         await all_or_cancel([t.initialized() for t in trainers] + spawn(("rollout", "genrm")))
         await restore(roles.trainer)
+    for engine in roles.engines:
+        if engine.place.get("pids") and len(engine.place["pids"]) > 1:
+            p = engine.place
+            print(f"{engine.role}{'[' + engine.instance + ']' if engine.instance else ''} engine {engine.index}: "
+                  f"tensor parallel {p['tp']}, ranks on bundles {p['bundles']} (node {p['node']}, GPUs {p['gpus']}; "
+                  f"pids {p['pids']}, devices {p['devices']})", file=out, flush=True)
     roles.judge = Judge(cfg, of_role(roles.engines, "genrm"))
     await roles.judge.start_service(out)
     roles.reward_fn = make_reward_fn(cfg, judge_address=roles.judge.address)

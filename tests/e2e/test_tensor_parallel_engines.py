@@ -21,11 +21,29 @@ from tests.e2e.test_grpo_modes import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400, func_only=True)]
 
 
-def test_colocate_split_with_tensor_parallel_rollout_and_judge_engines(data, tmp_path):
+def bundle_pids(out: str) -> dict[int, int]:
+    """bundle -> pid of its worker, from the placement table the job prints."""
+    table = out.split("placed a probe actor on every bundle", 1)[1].split("workers' own output", 1)[0]
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    return {int(r[0]): int(r[3]) for r in rows}
+
+
+def test_colocate_split_with_tensor_parallel_rollout_and_judge_engines(data, tmp_path, split_run):
     run_dir = str(tmp_path / "run")
     out = run_train("tiny-cpu-split", data, run_dir, "--rollout-num-gpus-per-engine", "2",
                     "--genrm-num-gpus-per-engine", "2", timeout=380)
     assert "started 1 rollout engine(s), 1 judge engine(s)" in out
+    assert "rollout e0 rank 1/2" in out and "engines=1 x 2 GPU (tensor parallel: a rank per GPU)" in out  # the plan
+    # every rank runs in the worker of the bundle the plan gave it
+    pids = bundle_pids(out)
+    for line, bundles in (("rollout engine 0: tensor parallel 2", [0, 1]),
+                          ("genrm[__default__] engine 0: tensor parallel 2", [2, 3])):
+        (placed,) = [x for x in out.splitlines() if x.startswith(line)]
+        assert f"ranks on bundles {bundles}" in placed and f"pids {[pids[b] for b in bundles]}" in placed, placed
+    # the same first step as the one-GPU engines' run: the samples, hence the trained weights, are the same
+    one, two = records(split_run)[0], records(run_dir)[0]
+    assert two["reward/mean"] == one["reward/mean"] and two["train/loss"] == pytest.approx(one["train/loss"], abs=1e-5)
+    assert two["sync/probe_logprobs"][0] == pytest.approx(one["sync/probe_logprobs"][0], abs=1e-4)
     recs = records(run_dir)
     check_common(recs, samples=32)
     check_weights_changed(recs)
