@@ -256,23 +256,16 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
             value = value.lower() in ("true", "1", "yes", "on")
         if not isinstance(value, bool):
             raise ConfigError(f"{flag} must be true or false, got {value!r}")
-    elif base is int:
+    elif base in (int, float):
+        kind, allowed = ("an integer", (int,)) if base is int else ("a number", (int, float))
         if isinstance(value, str):
             try:
-                value = int(value)
+                value = base(value)
             except ValueError:
-                raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{flag} must be an integer, got {value!r}")
-    elif base is float:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{flag} must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{flag} must be a number, got {value!r}")
-        value = float(value)
+                raise ConfigError(f"{flag} must be {kind}, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise ConfigError(f"{flag} must be {kind}, got {value!r}")
+        value = base(value)
     elif base is dict:
         if isinstance(value, str):
             try:
