@@ -14,7 +14,9 @@ The adapter starts it in place of SGLang when ``RELAY_SGLANG_LAUNCH=tests.engine
 - ``/generate``: ``max_new_tokens`` defaults to 128; the reply carries ``text``,
   ``output_ids`` and ``meta_info`` with ``finish_reason`` {type, ...},
   ``output_token_logprobs`` as ``[logprob, token_id, null]`` triples and ``weight_version``.
-  Tokens are deterministic: token i of a reply is ``(sum(input_ids) + i) % 100 + 5``.
+  Tokens are deterministic: token i of a reply is ``(sum(input_ids) + i) % 100 + 5``, plus
+  ``sampling_seed`` when one is given with a temperature above 0 (so the samples of one prompt
+  differ); ``text`` is their decoding by the model's ``tokenizer.json`` when it has one.
   Sampling keys SGLang's ``SamplingParams`` does not take are refused (400), as SGLang does.
 - ``/flush_cache`` answers 400 while requests run; ``/release_memory_occupation`` refuses
   (500, like SGLang's assertion) unless the server is fully idle, and answers ``null``.
@@ -92,11 +94,16 @@ class FakeServer:
         self.last_sampling_params: dict | None = None
         self.groups: dict = {}
         self.token_delay = float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY", "0.002"))
+        self.tokenizer = None
+        if os.path.exists(os.path.join(args.model_path, "tokenizer.json")):
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(os.path.join(args.model_path, "tokenizer.json"))
         record = os.environ.get("FAKE_SGLANG_RECORD")
         self.record = os.path.join(record, f"sglang-{args.port}.jsonl") if record else None
         env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "SGLANG_MEMORY_SAVER_CUDA_GRAPH",
                                               "PYTORCH_CUDA_ALLOC_CONF")}
-        self.write({"event": "start", "argv": sys.argv[1:], "env": env})
+        self.write({"event": "start", "pid": os.getpid(), "argv": sys.argv[1:], "env": env})
 
     def write(self, entry: dict) -> None:
         if self.record:
@@ -149,12 +156,13 @@ class FakeServer:
             )
         rid = body.get("rid") or f"r{len(self.log)}"
         stop_ids = set(sp.get("stop_token_ids") or [])
+        seed = sp.get("sampling_seed") or 0 if sp.get("temperature", 1.0) > 0 else 0
         out, finish = [], {"type": "length", "length": max_new}
         self.running[rid] = asyncio.current_task()
         try:
             for i in range(max_new):
                 await asyncio.sleep(self.token_delay)
-                tok = (sum(ids) + i) % 100 + 5
+                tok = (sum(ids) + i + seed) % 100 + 5
                 out.append(tok)
                 if tok in stop_ids:
                     finish = {"type": "stop", "matched": tok}
@@ -173,7 +181,12 @@ class FakeServer:
             "output_token_logprobs": [[-0.5 - 0.01 * i, t, None] for i, t in enumerate(out)],
             "output_token_logprobs_length": len(out),
         }
-        return web.json_response({"text": "".join(chr(65 + t % 26) for t in out), "output_ids": out, "meta_info": meta})
+        return web.json_response({"text": self.decode(out), "output_ids": out, "meta_info": meta})
+
+    def decode(self, ids: list) -> str:
+        if self.tokenizer is None:
+            return "".join(chr(65 + t % 26) for t in ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     async def health(self, request):
         return web.Response(text="", status=200)
