@@ -173,3 +173,40 @@ def test_every_request_the_adapter_sends_is_a_route_and_key_of_the_pinned_versio
                      "/resume_memory_occupation", "/update_weights_from_tensor", "/continue_generation",
                      "/init_weights_update_group", "/update_weights_from_distributed",
                      "/destroy_weights_update_group"}
+
+
+def test_the_cuda_ipc_payload_rebuilds_each_tensor_from_the_trainers_handle_by_gpu_uuid():
+    """What SGLang's TP ranks unpickle (CPU check; no GPU here): every tensor is
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` over the trainer's exported
+    storage (the handle's fields, untouched), at its byte offset, with the GPU's UUID as the
+    device (SGLang's patched rebuild maps it to its own index), and nothing outside the
+    modules SGLang's SafeUnpickler allows."""
+    import base64
+    import io
+    import pickle
+
+    from engines.sglang_weights import by_ipc_handle
+
+    handle = {"nbytes": 1024, "pid": 1, "token": "t", "handle": b"\x01ipc", "size": 4096, "offset": 512,
+              "ref_counter_handle": b"\x02rc", "ref_counter_offset": 8, "event_handle": b"\x03ev",
+              "event_sync_required": True}
+    metas = [["a.weight", [2, 3], "bfloat16", 0], ["b.bias", [4], "float32", 256]]
+    rebuilt, modules = [], set()
+
+    class Capture(pickle.Unpickler):
+        def find_class(self, module, name):
+            modules.add(module)
+            if name == "rebuild_cuda_tensor":
+                return lambda *args: rebuilt.append(args) or args
+            return super().find_class(module, name)
+
+    items = Capture(io.BytesIO(base64.b64decode(by_ipc_handle(handle, metas, "GPU-1234")))).load()
+    assert [name for name, _ in items] == ["a.weight", "b.bias"]
+    assert all(m.startswith(fake_sglang.SAFE_PREFIXES) or m + "." in fake_sglang.SAFE_PREFIXES for m in modules)
+    a, b = rebuilt
+    assert a[0] is torch.Tensor and a[1] == torch.Size([2, 3]) and a[2] == (3, 1) and a[3] == 0
+    assert a[4] is torch.UntypedStorage and a[5] is torch.bfloat16 and a[6] == "GPU-1234"
+    assert a[7:] == (b"\x01ipc", 4096, 512, False, b"\x02rc", 8, b"\x03ev", True)
+    assert b[1] == torch.Size([4]) and b[3] == 256 // 4 and b[5] is torch.float32  # offset in elements
+    with pytest.raises(ValueError, match="not exported"):
+        by_ipc_handle({"nbytes": 1, "pid": 1, "token": "t"}, metas, "GPU-1234")
