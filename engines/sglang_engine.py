@@ -324,7 +324,7 @@ class SGLangEngine(Engine):
 
             uuid = device_uuid("cuda")
         return {"backend": "sglang", "device_type": self.device, "uuid": uuid, "ranks": self.fields["tp_size"],
-                "align": 1, "group_protocol": "sglang"}
+                "align": 1, "group_protocol": "sglang", "engine_id": f"{self.name}-{self.port}-{id(self)}"}
 
     async def _begin_update(self) -> None:
         """A live engine (awake: not colocated) stops scheduling while its weights change;

@@ -210,3 +210,63 @@ def test_the_cuda_ipc_payload_rebuilds_each_tensor_from_the_trainers_handle_by_g
     assert b[1] == torch.Size([4]) and b[3] == 256 // 4 and b[5] is torch.float32  # offset in elements
     with pytest.raises(ValueError, match="not exported"):
         by_ipc_handle({"nbytes": 1, "pid": 1, "token": "t"}, metas, "GPU-1234")
+
+
+def test_the_trainer_pushes_into_an_sglang_engine_by_broadcast_and_by_relay(tmp_path, monkeypatch):
+    """The trainer's own sender (engines.weight_sync.sender) into an SGLang EngineActor:
+    forced ``distributed`` (gloo on CPU) builds a group SGLang's server joins (one rank per
+    TP rank) and broadcasts back-to-back buckets it receives intact; the group is kept for
+    the next push; ``auto`` on CPU goes by value through /update_weights_from_tensor."""
+    from engines.actor import EngineActor
+    from engines.model_builder import make_model
+    from engines.trainer.actor import TrainerActor
+    from relay import setup_torch_distributed, this_host
+
+    monkeypatch.setenv("RELAY_SGLANG_LAUNCH", "tests.engines.fake_sglang")
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(tmp_path))
+    policy = make_model("qwen3", "tiny", str(tmp_path / "policy"), seed=6)
+
+    async def main():
+        tprocs = this_host().spawn_procs(per_host={"gpus": 1})
+        await setup_torch_distributed(tprocs)
+        t = tprocs.spawn("trainer", TrainerActor, policy, lr=1e-2)
+        eprocs = this_host().spawn_procs(per_host={"gpus": 1})
+        e = eprocs.spawn("rollout", EngineActor, policy, "sglang", device="cpu", weights_mode="discard",
+                         offload=False, gpu_ids=[0], engine_config={})
+        try:
+            await asyncio.gather(t.initialized(240), e.initialized(240))
+            await t.push_weights.call_one([e], 1, 4096, 60.0, "distributed").result(120)
+            await t.push_weights.call_one([e], 2, 4096, 60.0, "distributed").result(120)
+            await t.push_weights.call_one([e], 3).result(120)  # auto on CPU: by value
+            weights = {n: t_ for b in await t.export_hf.call_one().result(60) for n, t_ in b.items()}
+            stats = await e.stats.call_one().result(60)
+            await t.shutdown.call().result(60)
+        finally:
+            await tprocs.stop()
+            await eprocs.stop()
+        return weights, stats
+
+    weights, stats = run(main(), 280)
+    assert stats["weight_version"] == 3
+    (path,) = [p for p in os.listdir(tmp_path) if p.endswith(".jsonl")]
+    with open(tmp_path / path) as f:
+        entries = [json.loads(line) for line in f][1:]
+    kinds = [e["path"] for e in entries if e["path"] != "/generate"]
+    bcast = [e for e in entries if e["path"] == "/update_weights_from_distributed"]
+    assert kinds.count("/init_weights_update_group") == 1  # kept across the two pushes
+    init = next(e["body"] for e in entries if e["path"] == "/init_weights_update_group")
+    assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["backend"] == "gloo"
+    assert len(bcast) > 2 and {e["body"]["weight_version"] for e in bcast} == {"1", "2"}
+    # a live engine: paused (retract) around each version, cache flushed on its last bucket only
+    runs = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert runs == ["/init_weights_update_group", "/pause_generation", "/update_weights_from_distributed",
+                    "/continue_generation", "/pause_generation", "/update_weights_from_distributed",
+                    "/continue_generation", "/pause_generation", "/update_weights_from_tensor",
+                    "/continue_generation", "/destroy_weights_update_group"]  # the trainer's shutdown leaves the group
+    assert {e["body"]["mode"] for e in entries if e["path"] == "/pause_generation"} == {"retract"}
+    assert [e["body"]["flush_cache"] for e in bcast].count(True) == 2
+    received = {n: v for e in bcast if e["body"]["weight_version"] == "2" for n, v in e["tensors"].items()}
+    assert set(received) == set(weights)
+    assert received == pytest.approx({n: float(w.double().sum()) for n, w in weights.items()}, rel=1e-5, abs=1e-5)
+    (by_value,) = [e for e in entries if e["path"] == "/update_weights_from_tensor"]
+    assert by_value["body"]["weight_version"] == "3" and by_value["tensors"] == pytest.approx(received)
