@@ -96,11 +96,13 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
     return engines, pending
 
 
-def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool) -> relay.ActorMesh:
+def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool,
+                 offload: bool | None = None) -> relay.ActorMesh:
     """``engine``'s ``EngineActor`` on ``procs`` (its slice's first worker); await its
     ``initialized``. A colocated rollout engine discards its weights when it sleeps (the
     trainer pushes them again); every other engine keeps a CPU backup. In a colocated
-    layout every engine sleeps while the trainer trains (``offload``)."""
+    layout every engine sleeps while the trainer trains (``offload``, by default
+    ``colocate``)."""
     from engines.actor import EngineActor
 
     rollout = claim.role == "rollout"
@@ -108,7 +110,8 @@ def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool) -> rel
     path = cfg.hf_checkpoint if rollout else cfg.genrm[claim.instance].model_path
     weights_mode = "discard" if (rollout and colocate) else "backup"
     name = f"engine-{claim.role}-{claim.instance or 'policy'}-{engine.index}".replace("_", "")
-    options = engine_options(cfg, claim, weights_mode, engine_gpus(cfg, claim, engine), colocate)
+    offload = colocate if offload is None else offload
+    options = engine_options(cfg, claim, weights_mode, engine_gpus(cfg, claim, engine), offload)
     return proc.spawn(name, EngineActor, path, cfg.engine, **options)
 
 
