@@ -103,19 +103,20 @@ def rollout_step(version: str) -> list[tuple]:
             ("resume_memory_occupation", ["kv_cache"]), ("continue_generation",)]
 
 
-def train(tiny: dict, config: str, run_dir: str, record: str) -> None:
+def train(tiny: dict, config: str, run_dir: str, record: str, *extra: str) -> None:
     cmd = [sys.executable, "-m", "launcher.cli", "train", "--config", config, "--engine", "sglang",
            "--prompt-data", tiny["train"], "--run-dir", run_dir, "--num-rollout", "2", "--rollout-batch-size", "4",
            "--n-samples-per-prompt", "8", "--global-batch-size", "32", "--rollout-max-response-len", "4",
            "--genrm-gateway-port", "0", "--hf-checkpoint", tiny["policy"], "--genrm-model-path", tiny["judge"],
            "--genrm-sampling-config", '{"temperature": 0.0, "max_response_len": 8}', "--genrm-parse", "loose",
-           "--lr", "1e-3"]
+           "--lr", "1e-3", *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=360, env=fake_env(tiny, record))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "shut down cleanly" in p.stdout
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [r for r in map(json.loads, f) if r.get("kind") == "train"]
-    assert [r["sync/engine_versions"] for r in recs] == [[1, 1], [2, 2]]
+    engines = len(recs[0]["sync/engine_versions"])
+    assert [r["sync/engine_versions"] for r in recs] == [[1] * engines, [2] * engines]
 
 
 def check_rollout(rollouts: list[dict], policy: str) -> None:
@@ -165,6 +166,31 @@ def test_relay_train_starts_sglang_servers_with_the_originals_arguments_and_sync
             assert calls(s) == ([("generate",)] + release + wake) * 2
         else:  # asleep from the start, awake only to score each batch
             assert calls(s) == release + (wake + [("generate",)] + release) * 2
+
+
+def test_fully_async_updates_live_sglang_servers_paused_in_retract_mode(tiny, tmp_path):
+    """Dedicated pools: no memory saver, nothing released; each weight version goes in while
+    the server is paused in retract mode (requests in flight resume after the update)."""
+    record = str(tmp_path / "record")
+    train(tiny, "tiny-cpu-async", str(tmp_path / "run"), record, "--max-staleness", "1")
+    got = servers(record)
+    for s in got:
+        check_protocol(s)
+    check_gone(got)
+    (rollout,) = [s for s in got if s["model"] == tiny["policy"]]
+    (judge,) = [s for s in got if s["model"] == tiny["judge"]]
+    # bundles: actor 0-1, rollout 2, judge 3; no memory saver (they never sleep)
+    assert rollout["argv"] == expected_argv(tiny["policy"], rollout["flags"]["--port"], 2, [
+        "--max-total-tokens", "16384", "--enable-weights-cpu-backup", "--skip-server-warmup"])
+    assert judge["argv"] == expected_argv(tiny["judge"], judge["flags"]["--port"], 3, [
+        "--mem-fraction-static", "0.3", "--context-length", "8192", "--max-total-tokens", "16384",
+        "--enable-weights-cpu-backup", "--skip-server-warmup"])
+    assert rollout["env"]["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] is None
+    control = [c for c in calls(rollout) if c != ("generate",)]
+    live = [("pause_generation", "retract"), ("update_weights_from_tensor", "1"), ("continue_generation",),
+            ("pause_generation", "retract"), ("update_weights_from_tensor", "2"), ("continue_generation",)]
+    assert control[:6] == live and all(c == ("abort_request",) for c in control[6:])  # aborts: the run's end
+    assert {r["path"] for r in judge["requests"]} == {"/generate"}
 
 
 @pytest.mark.timeout(480)
