@@ -19,6 +19,8 @@ import sys
 #: but mean one: ``max_context_len`` (relax's key) is ``context_length``; ``kv_cache_tokens``
 #: (relay's KV size) is SGLang's ``max_total_tokens``.
 RENAMED = {"max_context_len": "context_length", "kv_cache_tokens": "max_total_tokens"}
+#: Server arguments the adapter sets to reach its own server: an engine config cannot change them.
+OWN = ("model_path", "host", "port")
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,7 +91,8 @@ def server_fields(
     - ``context_length`` (engine config ``max_context_len`` or ``context_length``),
       ``max_total_tokens`` (``kv_cache_tokens``, the KV size in tokens);
     - every other engine-config key that is a ServerArgs field of the pinned version is
-      applied last, as given; unknown keys are dropped with a warning (``warn(text)``).
+      applied last, as given; unknown keys (and ``model_path``/``host``/``port``, the
+      adapter's own) are dropped with a warning (``warn(text)``).
     """
     if weights_mode not in ("discard", "backup"):
         raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) or 'backup' (judge)")
@@ -101,8 +104,12 @@ def server_fields(
             config.setdefault(new, value)
     if kv_cache_tokens is not None:
         config.setdefault("max_total_tokens", kv_cache_tokens)
+    for key in ("dp_size", "pp_size", "ep_size"):
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"engine config {key} must be an integer >= 1, got {value!r}")
     gpus = list(gpu_ids) if gpu_ids else [0]
-    pp = int(config.get("pp_size", 1))
+    pp = config.get("pp_size", 1)
     if len(gpus) % pp:
         raise ValueError(f"an engine of {len(gpus)} GPUs cannot run pp_size {pp}: it must divide the GPU count")
     fields = {
@@ -111,9 +118,9 @@ def server_fields(
         "port": port,
         "device": device,
         "tp_size": len(gpus) // pp,
-        "dp_size": int(config.pop("dp_size", 1)),
-        "pp_size": int(config.pop("pp_size", 1)),
-        "ep_size": int(config.pop("ep_size", 1)),
+        "dp_size": config.pop("dp_size", 1),
+        "pp_size": config.pop("pp_size", 1),
+        "ep_size": config.pop("ep_size", 1),
         "base_gpu_id": gpus[0],
         "gpu_id_step": 1,
         "mem_fraction_static": config.pop("mem_fraction_static", mem_fraction_static),
@@ -124,7 +131,9 @@ def server_fields(
         "skip_server_warmup": True,  # the adapter waits on /health_generate itself
     }
     for key, value in config.items():
-        if key in spec:
+        if key in OWN:
+            (warn or _stderr)(f"engine config key {key!r} is set by relay (the adapter's own server); dropped")
+        elif key in spec:
             fields[key] = value
         else:
             message = (f"engine config key {key!r} is not a server argument of sglang "

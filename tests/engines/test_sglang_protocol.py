@@ -106,10 +106,12 @@ def test_engine_config_keys_are_applied_last_and_unknown_ones_dropped_with_a_war
     warned = []
     fields = server_fields("/m", 1, gpu_ids=[2, 3, 4, 5], mem_fraction_static=0.5, warn=warned.append,
                            engine_config={"pp_size": 2, "mem_fraction_static": 0.7, "tp_size": 4,
-                                          "enable_dp_attention": True, "bogus_key": 3})
+                                          "enable_dp_attention": True, "bogus_key": 3, "port": 1234})
     assert fields["pp_size"] == 2 and fields["mem_fraction_static"] == 0.7 and fields["tp_size"] == 4
     assert fields["base_gpu_id"] == 2 and fields["enable_dp_attention"] is True and "bogus_key" not in fields
-    assert warned == ["engine config key 'bogus_key' is not a server argument of sglang 0.5.15.post1; dropped"]
+    assert fields["port"] == 1  # the adapter's own port: an engine config cannot move it
+    assert warned == ["engine config key 'bogus_key' is not a server argument of sglang 0.5.15.post1; dropped",
+                      "engine config key 'port' is set by relay (the adapter's own server); dropped"]
     with pytest.raises(ValueError, match="pp_size 3"):
         server_fields("/m", 1, gpu_ids=[0, 1], engine_config={"pp_size": 3})
 
@@ -270,3 +272,34 @@ def test_the_trainer_pushes_into_an_sglang_engine_by_broadcast_and_by_relay(tmp_
     assert received == pytest.approx({n: float(w.double().sum()) for n, w in weights.items()}, rel=1e-5, abs=1e-5)
     (by_value,) = [e for e in entries if e["path"] == "/update_weights_from_tensor"]
     assert by_value["body"]["weight_version"] == "3" and by_value["tensors"] == pytest.approx(received)
+
+
+@pytest.mark.unit
+def test_a_hostile_engine_config_gives_server_arguments_of_the_pinned_version_or_a_clear_error():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    fields = sorted(protocol()["server_args"])
+    keys = st.one_of(st.sampled_from(fields + ["max_context_len", "kv_cache_tokens"]), st.text(max_size=30))
+    values = st.one_of(st.none(), st.booleans(), st.integers(-3, 1 << 40), st.floats(allow_nan=False),
+                       st.text(max_size=20), st.lists(st.integers(), max_size=3))
+    flags = {s["flag"] for s in protocol()["server_args"].values()}
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(keys, values, max_size=6), st.lists(st.integers(0, 7), min_size=1, max_size=8))
+    def check(config, gpus):
+        warned = []
+        try:
+            f = server_fields("/m", 30000, gpu_ids=gpus, engine_config=config, warn=warned.append)
+        except ValueError as e:
+            assert "engine config" in str(e) or "pp_size" in str(e)
+            return
+        argv = server_argv(f)
+        assert all(isinstance(a, str) for a in argv)
+        assert {a for a in argv if a.startswith("--")} <= flags
+        assert f["model_path"] == "/m" and f["port"] == 30000 and f["host"] == "127.0.0.1"
+        assert len(warned) == len([k for k in config if k not in protocol()["server_args"]
+                                   and k not in ("max_context_len", "kv_cache_tokens")]) + len(
+            [k for k in config if k in ("model_path", "host", "port")])
+
+    check()
