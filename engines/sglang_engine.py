@@ -287,7 +287,7 @@ class SGLangEngine(Engine):
             await self._wait_idle()
         await self._drain()
         before = _gpu_free()
-        await self._post("/release_memory_occupation", {"tags": tags})
+        await self._post("/release_memory_occupation", {"tags": _server_tags(tags)})
         await _wait_released(before)
         self._asleep.update(tags)
         self.events.append((time.monotonic(), "sleep", tuple(tags)))
@@ -304,7 +304,7 @@ class SGLangEngine(Engine):
     async def wake(self, tags=("weights", "kv_cache")) -> None:
         tags = [t for t in check_tags(tags) if t in self._asleep]
         if tags:
-            await self._post("/resume_memory_occupation", {"tags": tags})
+            await self._post("/resume_memory_occupation", {"tags": _server_tags(tags)})
             self._asleep.difference_update(tags)
             self.events.append((time.monotonic(), "wake", tuple(tags)))
         if not (self._asleep & set(TAGS)):
@@ -409,6 +409,16 @@ class SGLangEngine(Engine):
             "bytes": memory,
             "sglang_version": protocol()["sglang_version"],
         }
+
+
+def _server_tags(tags: list) -> list:
+    """SGLang's tags for ours: the KV cache goes and comes back with the CUDA graphs (their
+    memory is the saver's too, under ``SGLANG_MEMORY_SAVER_CUDA_GRAPH``), as slime and relax
+    release everything and resume ``[kv_cache, cuda_graph]`` together."""
+    out = list(tags)
+    if "kv_cache" in out and "cuda_graph" not in out:
+        out.append("cuda_graph")
+    return out
 
 
 def _tensor_request(fields: dict, payload: str, version: int, last: bool) -> dict:

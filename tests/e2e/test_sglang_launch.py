@@ -94,13 +94,13 @@ def check_gone(all_servers: list[dict]) -> None:
 
 
 DRAIN_RELEASE = [("pause_generation", "abort"), ("abort_request",), ("flush_cache",)]
-ALL = ["weights", "kv_cache"]
+ALL = ["weights", "kv_cache", "cuda_graph"]  # the CUDA graphs go and come back with the KV cache
 
 
 def rollout_step(version: str) -> list[tuple]:
     return [("generate",), *DRAIN_RELEASE, ("release_memory_occupation", ALL),
             ("resume_memory_occupation", ["weights"]), ("update_weights_from_tensor", version),
-            ("resume_memory_occupation", ["kv_cache"]), ("continue_generation",)]
+            ("resume_memory_occupation", ["kv_cache", "cuda_graph"]), ("continue_generation",)]
 
 
 def train(tiny: dict, config: str, run_dir: str, record: str, *extra: str) -> None:

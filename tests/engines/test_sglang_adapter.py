@@ -98,6 +98,9 @@ def test_sleep_drains_then_releases_and_wake_resumes_in_order():
     # generation continues only after the full wake
     assert "continue" not in [e if isinstance(e, str) else e[0] for e in mid]
     assert kinds[-1] == "continue" and kinds[-2] == "resume"
+    # SGLang's tags: the CUDA graphs go and come back with the KV cache (as slime and relax do)
+    assert [e[1] for e in log if e[0] in ("release", "resume")] == [
+        ["weights", "kv_cache", "cuda_graph"], ["weights"], ["kv_cache", "cuda_graph"]]
 
 
 @pytest.mark.parametrize("backup", [True, False], ids=["judge-backup", "rollout-discard"])
