@@ -85,7 +85,8 @@ def server_fields(
       numbering; the server sees the node's GPUs), ``gpu_id_step`` 1;
     - ``mem_fraction_static`` (the plan's share; an engine-config value overrides it);
     - ``enable_memory_saver`` when the engine releases memory (``offload``: colocated with
-      the trainer or another role), and ``enable_weights_cpu_backup`` for
+      the trainer or another role; then also ``cuda_graph_backend_prefill="disabled"``, as
+      slime sets it: the breakable prefill graph does not survive the saver), and ``enable_weights_cpu_backup`` for
       ``weights_mode="backup"`` (judges: their weights survive a release; a rollout engine,
       ``"discard"``, is refilled by weight sync);
     - ``context_length`` (engine config ``max_context_len`` or ``context_length``),
@@ -127,6 +128,8 @@ def server_fields(
         "context_length": config.pop("context_length", None),
         "max_total_tokens": config.pop("max_total_tokens", None),
         "enable_memory_saver": offload,
+        # slime: the breakable prefill CUDA graph (0.5.15's default on CUDA) does not work under the memory saver
+        "cuda_graph_backend_prefill": "disabled" if offload else None,
         "enable_weights_cpu_backup": weights_mode == "backup",
         "skip_server_warmup": True,  # the adapter waits on /health_generate itself
     }

@@ -120,7 +120,8 @@ def train(tiny: dict, config: str, run_dir: str, record: str, *extra: str) -> No
 
 
 def check_rollout(rollouts: list[dict], policy: str) -> None:
-    saver = ["--max-total-tokens", "16384", "--enable-memory-saver", "--skip-server-warmup"]
+    saver = ["--max-total-tokens", "16384", "--enable-memory-saver", "--cuda-graph-backend-prefill", "disabled",
+             "--skip-server-warmup"]
     for gpu, s in enumerate(rollouts):
         assert s["argv"] == expected_argv(policy, s["flags"]["--port"], gpu, saver)  # no weights CPU backup
         assert s["env"] == {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpu + 1))),
@@ -154,8 +155,8 @@ def test_relay_train_starts_sglang_servers_with_the_originals_arguments_and_sync
     check_rollout(rollouts, tiny["policy"])
     # judges: the engine config's fraction and context length, memory saver, weights kept in CPU memory
     judge_args = ["--mem-fraction-static", "0.3" if config == "tiny-cpu-split" else "0.8", "--context-length", "8192",
-                  "--max-total-tokens", "16384", "--enable-memory-saver", "--enable-weights-cpu-backup",
-                  "--skip-server-warmup"]
+                  "--max-total-tokens", "16384", "--enable-memory-saver", "--cuda-graph-backend-prefill", "disabled",
+                  "--enable-weights-cpu-backup", "--skip-server-warmup"]
     first = 2 if config == "tiny-cpu-split" else 0  # Split: bundles 2-3; Defer-swap: the rollout's own
     release = [*DRAIN_RELEASE, ("release_memory_occupation", ALL)]
     wake = [("resume_memory_occupation", ALL), ("continue_generation",)]
