@@ -28,7 +28,14 @@ class EngineActor(Actor):
         if self.backend == "torch":
             from .torch import TorchEngine
 
-            self.engine = TorchEngine(self.model_path, **backend_options("torch", self.engine_kwargs))
+            options = backend_options("torch", self.engine_kwargs)
+            peers = options.pop("tp_peers", None)  # follower ranks of a tensor-parallel engine
+            if peers:
+                from .torch.tp import start_engine
+
+                self.engine = await start_engine(self.model_path, peers, options)
+            else:
+                self.engine = TorchEngine(self.model_path, **options)
         elif self.backend == "sglang":
             from .sglang_engine import SGLangEngine
 

@@ -35,17 +35,19 @@ ENGINE_OPTIONS = ("device", "weights_mode", "offload", "mem_fraction_static", "k
 
 def backend_options(backend: str, options: dict) -> dict:
     """``options`` (keys of ENGINE_OPTIONS, plus a backend's own tuning keys) as ``backend``'s
-    constructor takes them. The SGLang adapter takes them all (``engines.sglang_args``); the
-    built-in engine runs on its worker's one device (the engine's first GPU: it has no
-    tensor parallelism) and can always sleep, so it takes no ``gpu_ids`` or ``offload``, and
-    its ``engine_config`` keys (``kv_cache_tokens``) are resolved into the options by the
-    launcher."""
+    constructor takes them. The SGLang adapter takes them all (``engines.sglang_args``). The
+    built-in engine can always sleep and spans several GPUs through follower ranks the
+    launcher starts in those GPUs' workers (``tp_peers``, passed on), so it takes no
+    ``gpu_ids`` or ``offload``; of ``engine_config`` it takes ``max_context_len`` (judges)
+    as its own argument (``kv_cache_tokens`` and ``dp_size`` are resolved by the launcher)."""
     options = dict(options)
     if backend == "sglang":
         return options
     options.pop("gpu_ids", None)
     options.pop("offload", None)
-    options.pop("engine_config", None)
+    engine_config = options.pop("engine_config", None) or {}
+    if "max_context_len" in engine_config:
+        options.setdefault("max_context_len", engine_config["max_context_len"])
     return options
 
 

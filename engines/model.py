@@ -35,6 +35,53 @@ class ModelConfig:
     qkv_bias: bool
     max_position_embeddings: int
     eos_token_ids: list[int]
+    tp_size: int = 1  # tensor-parallel ranks of an engine (shard_for); the model holds its rank's shard
+    tp_rank: int = 0
+
+    def shard_for(self, tp_size: int, tp_rank: int) -> ModelConfig:
+        """This config for rank ``tp_rank`` of an engine over ``tp_size`` GPUs (Megatron-style:
+        attention heads, the MLP's intermediate size and an untied vocabulary split across
+        ranks; KV heads split too, or replicated when there are fewer than ranks). Raises
+        ValueError naming the dimension that does not divide."""
+        import dataclasses
+
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid")
+        if tp_size > 1:
+            for what, n in (("attention heads", self.num_heads), ("intermediate size", self.intermediate_size)):
+                if n % tp_size:
+                    raise ValueError(f"{what} ({n}) do not divide over {tp_size} tensor-parallel GPUs per engine")
+            kv = self.num_kv_heads
+            if kv % tp_size and tp_size % kv:
+                raise ValueError(f"KV heads ({kv}) and {tp_size} tensor-parallel GPUs per engine: one must divide "
+                                 "the other")
+        return dataclasses.replace(self, tp_size=tp_size, tp_rank=tp_rank)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.tp_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def kv_head_start(self) -> int:
+        """The first KV head of this rank (with fewer KV heads than ranks, several ranks hold the same one)."""
+        return self.tp_rank * self.num_kv_heads // self.tp_size
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.tp_size
+
+    @property
+    def vocab_sharded(self) -> bool:
+        """The LM head is split by vocabulary rows (a tied head stays whole, as the embedding)."""
+        return self.tp_size > 1 and not self.tie_word_embeddings
+
+    @property
+    def local_vocab(self) -> int:
+        return -(-self.vocab_size // self.tp_size) if self.vocab_sharded else self.vocab_size
 
     @classmethod
     def from_hf(cls, d: dict) -> ModelConfig:
@@ -116,7 +163,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, kv, d = cfg.local_heads, cfg.local_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
@@ -130,9 +177,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.local_intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.local_intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.local_intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -160,10 +207,17 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.local_vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
+        self.tp = None  # the engine's tensor-parallel group (engines/torch/tp.py) when tp_size > 1
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel projection's partial output (in place)."""
+        if self.tp is not None:
+            self.tp.all_reduce(x)
+        return x
 
     def hf_names(self) -> list[str]:
         names = [n for n, _ in self.named_parameters()]
@@ -180,16 +234,22 @@ class CausalLM(nn.Module):
         """q [..., H, D], k and v [..., KVH, D] of ``x`` [..., hidden], normed and rotated."""
         cfg = self.cfg
         lead = x.shape[:-1]
-        q = attn.q_proj(x).view(*lead, cfg.num_heads, cfg.head_dim)
-        k = attn.k_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
-        v = attn.v_proj(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+        q = attn.q_proj(x).view(*lead, cfg.local_heads, cfg.head_dim)
+        k = attn.k_proj(x).view(*lead, cfg.local_kv_heads, cfg.head_dim)
+        v = attn.v_proj(x).view(*lead, cfg.local_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = attn.q_norm(q)
             k = attn.k_norm(k)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(x)).float()
+        return self._vocab(self.lm_head(self.model.norm(x)))
+
+    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the whole vocabulary (a sharded head's parts gathered)."""
+        if self.cfg.vocab_sharded:
+            logits = self.tp.all_gather_last(logits)[..., : self.cfg.vocab_size]
+        return logits.float()
 
     @torch.inference_mode()
     def prefill(
@@ -208,7 +268,7 @@ class CausalLM(nn.Module):
         s_count, length = input_ids.shape
         x = self.model.embed_tokens(input_ids)
         cos, sin = self._rope(torch.arange(length, device=x.device), x.dtype)
-        groups = cfg.num_heads // cfg.num_kv_heads
+        groups = cfg.local_heads // cfg.local_kv_heads
         flat_slots = slots.reshape(-1)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
@@ -220,8 +280,9 @@ class CausalLM(nn.Module):
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             # Right padding needs no mask: a real token never sees a later position.
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
-            x = r + attn.o_proj(o.transpose(1, 2).reshape(s_count, length, cfg.num_heads * cfg.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            o = o.transpose(1, 2).reshape(s_count, length, cfg.local_heads * cfg.head_dim)
+            x = r + self._reduce(attn.o_proj(o))
+            x = x + self._reduce(layer.mlp(layer.post_attention_layernorm(x)))
         last = x[torch.arange(s_count, device=x.device), lens - 1]
         return self._logits(last)
 
@@ -253,14 +314,14 @@ class CausalLM(nn.Module):
             q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
             self._write_kv(k_cache[i], v_cache[i], slots, k, v)
             o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
-            x = r + attn.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = r + self._reduce(attn.o_proj(o.reshape(-1, cfg.local_heads * cfg.head_dim)))
+            x = x + self._reduce(layer.mlp(layer.post_attention_layernorm(x)))
         return self._logits(x)
 
     def _write_kv(
         self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        kvh, d = self.cfg.num_kv_heads, self.cfg.head_dim
+        kvh, d = self.cfg.local_kv_heads, self.cfg.head_dim
         kc.view(-1, kvh, d).index_copy_(0, slots, k.reshape(-1, kvh, d).to(kc.dtype))
         vc.view(-1, kvh, d).index_copy_(0, slots, v.reshape(-1, kvh, d).to(vc.dtype))
 
@@ -268,7 +329,7 @@ class CausalLM(nn.Module):
         """``decode`` with the elementwise chains fused into Triton kernels (CUDA, or the
         Triton interpreter): same maths, a third of the kernel launches."""
         cfg = self.cfg
-        b, h, kvh, d, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         scale = d**-0.5
         residual = None
         for i, layer in enumerate(self.model.layers):
@@ -295,12 +356,40 @@ class CausalLM(nn.Module):
             self._write_kv(k_cache[i], v_cache[i], slots, k, v)
             o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
             hidden, residual = rms_norm(
-                attn.o_proj(o.view(b, h * d)), layer.post_attention_layernorm.weight, eps, residual=residual
+                self._reduce(attn.o_proj(o.view(b, h * d))), layer.post_attention_layernorm.weight, eps,
+                residual=residual,
             )
             mlp = layer.mlp
-            x = mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+            x = self._reduce(mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden))))
         hidden, _ = rms_norm(x, self.model.norm.weight, eps, residual=residual)
-        return self.lm_head(hidden).float()
+        return self._vocab(self.lm_head(hidden))
+
+
+def shard_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the full HF tensor ``name`` (``cfg.shard_for``): Q/K/V, gate and
+    up projections by output rows, O and down projections by input columns, an untied LM
+    head by vocabulary rows (zero rows past the vocabulary), everything else whole. A view
+    where it can be; the tensor itself without tensor parallelism."""
+    if cfg.tp_size == 1:
+        return tensor
+    r, d = cfg.tp_rank, cfg.head_dim
+    leaf = name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
+    if leaf == "q_proj":
+        return tensor.narrow(0, r * cfg.local_heads * d, cfg.local_heads * d)
+    if leaf in ("k_proj", "v_proj"):
+        return tensor.narrow(0, cfg.kv_head_start * d, cfg.local_kv_heads * d)
+    if leaf in ("gate_proj", "up_proj"):
+        return tensor.narrow(0, r * cfg.local_intermediate, cfg.local_intermediate)
+    if leaf == "o_proj":
+        return tensor.narrow(1, r * cfg.local_heads * d, cfg.local_heads * d)
+    if leaf == "down_proj":
+        return tensor.narrow(1, r * cfg.local_intermediate, cfg.local_intermediate)
+    if name == "lm_head.weight" and cfg.vocab_sharded:
+        rows = tensor[r * cfg.local_vocab : (r + 1) * cfg.local_vocab]
+        if rows.shape[0] < cfg.local_vocab:
+            rows = torch.cat([rows, rows.new_zeros(cfg.local_vocab - rows.shape[0], *rows.shape[1:])])
+        return rows
+    return tensor
 
 
 def load_weights(model: CausalLM, path: str) -> None:
@@ -319,6 +408,7 @@ def load_weights(model: CausalLM, path: str) -> None:
             if name not in params:
                 raise KeyError(f"{path}/{f}: unexpected tensor {name!r} for a {model.cfg.arch} model")
             p = params[name]
+            tensor = shard_tensor(model.cfg, name, tensor)
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
             with torch.no_grad():

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, get_args, get_origin
+from typing import Any
 
 from .config_rules import (
     FLAG_ALIASES,
@@ -23,8 +23,10 @@ from .config_rules import (
     REFUSED_FLAGS,
     ConfigError,
     GenRMInstance,
+    check_judge_audit,
     check_resource,
     check_sampling,
+    coerce_value,
     notice_no_effect,
     resolve_genrm_instances,
 )
@@ -157,6 +159,31 @@ class JobConfig:
              "verdict) or boxed (its newer revision: last \\boxed{}, answer gating, in-context examples, loose "
              "verdict)",
         choices=("documented", "boxed"),
+    )
+    genrm_answer_guard: bool = _opt(
+        True, help="dapo-genrm: the judge sees only the final answer region, cut before judge-prompt markers and "
+        "chat-template tokens (false: the original's extraction, verbatim; docs/judge-reliability.md)"
+    )
+    genrm_skip_self_check: bool = _opt(
+        False, help="do not check the judge before the first step on known pairs and injection canaries (the job "
+        "warns that its judge is unchecked)"
+    )
+    genrm_self_check_data: str | None = _opt(
+        None, help="JSONL of self-check pairs {question, label, response, expected: 1|0} used instead of the "
+        "built-in ones (made from --prompt-data)"
+    )
+    genrm_canary_interval: int = _opt(
+        10, help="score the injection canaries again every N steps (0: only before the first step)", minimum=0
+    )
+    genrm_audit_rate: float = _opt(
+        0.1, help="share of judged samples with a numeric label that the rule grader also grades (0: no audit)",
+        minimum=0.0,
+    )
+    genrm_audit_min_agreement: float = _opt(
+        0.8, help="drift alarm: judge and rule grader agree on fewer than this share of audited samples", minimum=0.0
+    )
+    genrm_audit_max_gap: float = _opt(
+        0.2, help="drift alarm: judge accuracy and rule accuracy on the audited samples differ by more", minimum=0.0
     )
     # ---- GRPO
     advantage_estimator: str = _opt("grpo", help="advantage estimator", choices=("grpo",))
@@ -321,60 +348,6 @@ def _closest(name: str) -> str:
     return f"; did you mean '{match[0]}' (--{match[0].replace('_', '-')})?" if match else ""
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """Check (and convert) ``value`` for the field ``name``; raise a ConfigError saying what is allowed."""
-    f = FIELDS[name]
-    tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 (our own annotations)
-    optional = get_origin(tp) is not None and type(None) in get_args(tp)
-    base = next((a for a in get_args(tp) if a is not type(None)), tp) if optional else tp
-    flag = "--" + name.replace("_", "-")
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{flag} cannot be empty")
-    if base is bool:
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            value = value.lower() in ("true", "1", "yes", "on")
-        if not isinstance(value, bool):
-            raise ConfigError(f"{flag} must be true or false, got {value!r}")
-    elif base is int:
-        if isinstance(value, str):
-            try:
-                value = int(value)
-            except ValueError:
-                raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{flag} must be an integer, got {value!r}")
-    elif base is float:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{flag} must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{flag} must be a number, got {value!r}")
-        value = float(value)
-    elif base is dict:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value) if value.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{flag} must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{flag} must be a JSON object, got {type(value).__name__}")
-    elif base is str:
-        if not isinstance(value, str):
-            value = str(value)
-    choices = f.metadata.get("choices")
-    if choices and value not in choices:
-        allowed = ", ".join(str(c) for c in choices if c is not None)
-        raise ConfigError(f"{flag} must be one of: {allowed}; got {value!r}")
-    minimum = f.metadata.get("min")
-    if minimum is not None and isinstance(value, (int, float)) and value < minimum:
-        raise ConfigError(f"{flag} must be >= {minimum:g}, got {value!r}")
-    return value
-
-
 def build_config(values: dict[str, Any]) -> JobConfig:
     """A JobConfig from a mapping of field (or flag) names to values, validated."""
     clean: dict[str, Any] = {}
@@ -388,7 +361,7 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             continue
         if name not in FIELDS:
             raise ConfigError(f"unknown config key {key!r}{_closest(name)}")
-        clean[name] = _coerce(name, value)
+        clean[name] = coerce_value(FIELDS[name], value)
     cfg = JobConfig(**clean)
     check_resource(cfg.resource)
     if cfg.eps_clip_high is None:
@@ -408,6 +381,7 @@ def build_config(values: dict[str, Any]) -> JobConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_sampling(cfg)
+    check_judge_audit(cfg)
     return cfg
 
 

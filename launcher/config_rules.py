@@ -4,10 +4,12 @@ engine can run. :mod:`launcher.config` applies them when it builds a config."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 from reward.protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS
 
@@ -201,6 +203,13 @@ def check_resource(resource: dict) -> None:
             raise ConfigError(f"--resource[{role!r}] has 0 GPUs; give every role at least one")
 
 
+def check_judge_audit(cfg: JobConfig) -> None:
+    """The judge audit's shares are fractions."""
+    for name in ("genrm_audit_rate", "genrm_audit_min_agreement", "genrm_audit_max_gap"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be between 0 and 1, got {getattr(cfg, name)}")
+
+
 def check_sampling(cfg: JobConfig) -> None:
     """Rollout, eval and judge sampling with the engines' own check (SamplingParams.validate):
     a value no engine can run fails at load time, naming the flag."""
@@ -228,3 +237,58 @@ def check_sampling(cfg: JobConfig) -> None:
             SamplingParams.from_dict(inst.sampling_config)
         except ValueError as e:
             raise ConfigError(f"GenRM instance {inst.name!r}: sampling_config (--genrm-sampling-config): {e}") from None
+
+
+def coerce_value(f: dataclasses.Field, value: Any) -> Any:
+    """Check (and convert) ``value`` for the config field ``f``; raise a ConfigError saying
+    what is allowed."""
+    name = f.name
+    tp = f.type if not isinstance(f.type, str) else eval(f.type, {})  # noqa: S307 (our own annotations)
+    optional = get_origin(tp) is not None and type(None) in get_args(tp)
+    base = next((a for a in get_args(tp) if a is not type(None)), tp) if optional else tp
+    flag = "--" + name.replace("_", "-")
+    if value is None or (optional and base is str and value == ""):  # '--flag ""' unsets a YAML value
+        if optional:
+            return None
+        raise ConfigError(f"{flag} cannot be empty")
+    if base is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            value = value.lower() in ("true", "1", "yes", "on")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{flag} must be true or false, got {value!r}")
+    elif base is int:
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{flag} must be an integer, got {value!r}")
+    elif base is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{flag} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{flag} must be a number, got {value!r}")
+        value = float(value)
+    elif base is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag} must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    elif base is str:
+        if not isinstance(value, str):
+            value = str(value)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        allowed = ", ".join(str(c) for c in choices if c is not None)
+        raise ConfigError(f"{flag} must be one of: {allowed}; got {value!r}")
+    minimum = f.metadata.get("min")
+    if minimum is not None and isinstance(value, (int, float)) and value < minimum:
+        raise ConfigError(f"{flag} must be >= {minimum:g}, got {value!r}")
+    return value

@@ -14,7 +14,8 @@ def user_code_flags() -> list[str]:
 def check_job(cfg: JobConfig, sft: bool = False) -> None:
     """What a job needs beyond well-formed values, checked by every entry point (``relay
     plan / train / sbatch``, ``python -m launcher``) before any process starts: a judge for
-    ``--rm-type dapo-genrm``, a reward when it trains, and every ``module.func`` flag
+    ``--rm-type dapo-genrm``, a reward when it trains, readable self-check pairs
+    (``--genrm-self-check-data``), and every ``module.func`` flag
     importable now (from ``sys.path``: the entry points put the working directory first, as
     ``python -m`` does). ``sft``: only the trainer runs, so rewards and hooks are not used."""
     if sft:
@@ -26,10 +27,28 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
             '(--genrm-instances \'{"route_key": {"model_path": ..., "num_gpus": N}}\'), '
             "or use a reward without a judge (--rm-type dapo)"
         )
+    if cfg.rm_type == "dapo-genrm" and not cfg.custom_rm_path and len(cfg.genrm) > 1:
+        raise ConfigError(
+            f"--rm-type dapo-genrm asks one judge without a route_key, and this config has {len(cfg.genrm)} judge "
+            f"instances ({', '.join(sorted(cfg.genrm))}): it cannot pick one. Score with a --custom-rm-path "
+            "function that passes route_key=... to the judge client (docs/judge.md, 'Client for reward code'), "
+            "or keep one instance"
+        )
+    if cfg.engine == "torch":
+        check_builtin_engine_config(cfg)
     if cfg.prompt_data and not cfg.custom_rm_path and cfg.rm_type is None:
         raise ConfigError(
             "training needs a reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func"
         )
+    if cfg.genrm_self_check_data:
+        from reward.integrity import load_checks
+
+        try:
+            load_checks(cfg.genrm_self_check_data)
+        except OSError as e:
+            raise ConfigError(f"--genrm-self-check-data {cfg.genrm_self_check_data}: {e.strerror}") from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     from reward.rewards import load_callable
 
     for name in user_code_flags():
@@ -39,3 +58,21 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
                 load_callable(path, "--" + name.replace("_", "-"))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+
+def check_builtin_engine_config(cfg: JobConfig) -> None:
+    """What the built-in engine does with a judge's ``engine_config``: ``dp_size`` replicas
+    of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide), no pipeline or expert
+    parallelism (``pp_size``/``ep_size`` > 1 need ``--engine sglang``)."""
+    for name, inst in cfg.genrm.items():
+        where = f"GenRM instance {name!r} (engine_config)"
+        dp, pp, ep = (inst.engine_config.get(k, 1) for k in ("dp_size", "pp_size", "ep_size"))
+        for key, value in (("dp_size", dp), ("pp_size", pp), ("ep_size", ep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if pp > 1 or ep > 1:
+            raise ConfigError(f"{where}: pp_size {pp} / ep_size {ep}: the built-in engine has no pipeline or expert "
+                              "parallelism; use --engine sglang, or pp_size 1 and ep_size 1")
+        if inst.num_gpus_per_engine % dp:
+            raise ConfigError(f"{where}: dp_size {dp} does not divide the engine's {inst.num_gpus_per_engine} GPUs "
+                              "(--genrm-num-gpus-per-engine): each replica takes num_gpus_per_engine / dp_size")

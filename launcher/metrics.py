@@ -75,10 +75,10 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _figures(train: list[dict], evals: list[dict]) -> list[tuple[str, str, list[tuple]]]:
+def _figures(train: list[dict], evals: list[dict], checks: list[dict]) -> list[tuple[str, str, list[tuple]]]:
     """(file, y label, [(records, key, label, line style)]) per figure. Lines that can
     coincide get distinct styles, and pass@k is drawn only when k > 1 (with k = 1 it equals
-    the held-out accuracy and would hide it)."""
+    the held-out accuracy and would hide it). ``checks``: the judge self-check records."""
     accuracy = [
         (train, "reward/accuracy", "train accuracy (reward)", {}),
         (evals, "eval/accuracy", "held-out accuracy (reward)", {"linewidth": 2.5, "zorder": 3}),
@@ -97,6 +97,18 @@ def _figures(train: list[dict], evals: list[dict]) -> list[tuple[str, str, list[
         ("reward.png", "reward", [(train, "reward/mean", "reward mean", {}), (train, "reward/std", "reward std", {})]),
         ("accuracy.png", "accuracy", accuracy),
         (
+            "judge.png",
+            "share",
+            [
+                (train, "audit/agreement", "judge agrees with the rule grader (audited)", {"linewidth": 2.5}),
+                (train, "audit/rule_accuracy", "rule-graded accuracy (audited)", {"linestyle": "--"}),
+                (sorted(checks + train, key=lambda r: r["step"]), "judge/canary_pass_rate",
+                 "injection canaries held", {"linestyle": "-."}),
+                (train, "judge/parse_failure_rate", "judge replies not parsed", {"linestyle": ":"}),
+                (train, "audit/alarm", "drift alarm (on = 1)", {"drawstyle": "steps-post", "alpha": 0.6}),
+            ],
+        ),
+        (
             "phases.png",
             "seconds",
             [
@@ -108,7 +120,8 @@ def _figures(train: list[dict], evals: list[dict]) -> list[tuple[str, str, list[
 
 
 def plot(run_dir: str) -> list[str]:
-    """Write reward.png, accuracy.png, eval.png and phases.png into ``run_dir``; returns the paths."""
+    """Write reward.png, accuracy.png, judge.png and phases.png into ``run_dir`` (each one
+    that has data); returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +136,7 @@ def plot(run_dir: str) -> list[str]:
         pts = [(r["step"], r[key]) for r in rs if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    figures = _figures(train, evals)
+    figures = _figures(train, evals, [r for r in records if r.get("kind") == "judge_check"])
     for name, ylabel, lines in figures:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         drawn = 0

@@ -23,6 +23,7 @@ result also carries ``judge_response`` (the full reply; ``reward/judged`` counts
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import string
@@ -88,6 +89,13 @@ VERDICT_CHARS = 16  # boxed: the verdict is read from this many characters after
 _THINK = re.compile(r"<think>.*?</think>", re.S)
 _BIT = re.compile(r"(?<![\w.])([01])(?![\w.])")
 _FIELDS = {"question", "label", "ground_truth", "answer", "predict_str"}
+#: chat-template control tokens (``<|im_end|>``, ``</s>``, ``[INST]``...): pasted into the
+#: judge's prompt they would end its user turn and start a reply the policy wrote
+_CONTROL = re.compile(r"<\|[^<>|\s]{1,40}\|>|</?s>|\[/?INST\]")
+#: a line's leading field label in a judge template ("[Standard Answer]:", "Reference:")
+_LABEL = re.compile(r"^\s*(\[?[A-Za-z][A-Za-z_ ]{0,30}\]?\s*:)", re.M)
+#: the judge's verdict markers, always defused, whatever the template
+_VERDICT_MARKERS = ("Judgement:", "Judgment:")
 
 
 def extract_answer(response: str) -> str:
@@ -96,6 +104,56 @@ def extract_answer(response: str) -> str:
     if "Answer:" in response:
         return response.split("Answer:")[-1]
     return response[-TAIL_CHARS:]
+
+
+@functools.lru_cache(maxsize=32)
+def template_markers(template: str | None) -> re.Pattern:
+    """What would read as the judge prompt's own structure, as one pattern: each line's
+    leading field label in ``template`` and in the documented template (``[Question]:``,
+    ``[Standard Answer]:``, ``Reference:``...; any case, any space before the colon), the
+    verdict markers, and chat-template control tokens."""
+    labels = set(_VERDICT_MARKERS)
+    for text in {template or DAPO_GENRM_PROMPT_TEMPLATE, DAPO_GENRM_PROMPT_TEMPLATE}:
+        labels.update(m.strip() for m in _LABEL.findall(text))
+    labels.discard("Answer:")  # the extraction already took the text after the last one
+    alternatives = sorted((re.escape(label[:-1].strip()) + r"\s*:" for label in labels), key=len, reverse=True)
+    return re.compile("|".join([*alternatives, _CONTROL.pattern]), re.I)
+
+
+def guard_answer(answer: str, markers: re.Pattern, from_tail: bool = False) -> str:
+    """Only the final answer region of ``answer`` (what the extraction gave), so that the
+    policy's text is not read as the judge's instructions: its first non-empty line (the
+    last one with ``from_tail``: the extraction fell back to the response's tail), a display
+    math block opened there included; cut before the first of ``markers``
+    (:func:`template_markers`: "Judgement:", the template's field labels, chat-template
+    control tokens); at most 500 characters. The leading whitespace is kept as extracted, so an ordinary
+    one-line answer reaches the judge exactly as the original sends it."""
+    lead = answer[: len(answer) - len(answer.lstrip())]
+    lines = [line for line in answer.strip().split("\n") if line.strip()]
+    if not lines:
+        return answer
+    if from_tail:
+        region = lines[-1]
+    else:
+        region, closer = lines[0], {"$$": "$$", "\\[": "\\]"}.get(lines[0].strip())
+        if closer is not None:  # "$$" / "\[" alone on the line: the block up to its closer
+            end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() == closer), len(lines) - 1)
+            region = "\n".join(lines[: end + 1])
+    marker = markers.search(region)
+    kept = region[: len(region) if marker is None else marker.start()][:MAX_ANSWER_CHARS].rstrip()
+    return answer if kept == answer.strip() else lead + kept
+
+
+def judged_answer(response: str, variant: str = "documented", template: str | None = None,
+                  guard: bool = True) -> str:
+    """The answer the judge is shown for ``response``: the variant's extraction
+    (:func:`extract_answer` or :func:`boxed_answer`), then :func:`guard_answer` unless
+    ``guard`` is off (the original's extraction, verbatim)."""
+    answer = boxed_answer(response) if variant == "boxed" else extract_answer(response)
+    if not guard:
+        return answer
+    from_tail = variant != "boxed" and "Answer:" not in response
+    return guard_answer(answer, template_markers(template), from_tail)
 
 
 def final_answer(response: str) -> str:
@@ -173,7 +231,7 @@ def parse_verdict(text: str, mode: str = "strict") -> int | None:
     raise ValueError("parse mode must be 'strict', 'loose' or 'boxed'")
 
 
-def _question_and_label(sample) -> tuple[str, str]:
+def question_and_label(sample) -> tuple[str, str]:
     """``metadata["question"]`` (else the prompt: its last user turn when it is a chat) and
     ``metadata["label"]`` (else ``label``), as the original reads them."""
     meta = sample.get("metadata") or {}
@@ -190,20 +248,22 @@ async def score(
     report: Callable[[bool], None] | None = None,
     template: str | None = None,
     variant: str = "documented",
+    guard: bool = True,
 ) -> dict:
     """Score one sample (a :class:`~launcher.rl.sample.Sample` or a dict with ``response``,
     ``label`` and ``metadata``/``prompt``). ``documented``: {score, acc, pred (the judge's
     stripped reply), judge_response, format_error}; ``parse`` is ``strict`` (the original)
     or ``loose``. ``boxed``: {score, acc, pred (the extracted answer), judge_response,
-    format_error}; the verdict is always read the boxed way."""
+    format_error}; the verdict is always read the boxed way. ``guard``: the judge sees only
+    the answer's final region, defused (:func:`guard_answer`)."""
     if variant not in VARIANTS:
         raise ValueError(f"dapo-genrm variant must be one of {VARIANTS}, got {variant!r}")
-    question, label = _question_and_label(sample)
+    question, label = question_and_label(sample)
     response = sample.get("response", "") or ""
-    answer = None
+    answer = judged_answer(response, variant, template, guard)
     if variant == "boxed":
-        answer = boxed_answer(response)
-        gate = "answer_missing" if not answer else "answer_too_long" if len(answer) > MAX_ANSWER_CHARS else ""
+        raw = boxed_answer(response)  # gated as extracted, before the guard shortens it
+        gate = "answer_missing" if not answer.strip() else "answer_too_long" if len(raw) > MAX_ANSWER_CHARS else ""
         if gate:
             return {"score": 0.0, "acc": 0, "pred": answer, "judge_response": "", "format_error": gate}
         template = template or BOXED_PROMPT_TEMPLATE
@@ -212,7 +272,8 @@ async def score(
         reply = await judge(judge_messages(question, label, response, template, answer))
     except Exception as e:  # noqa: BLE001 (the contract: never crash the step)
         log.warning("judge call failed after retries: %s", e)
-        return {"score": 0.0, "acc": 0, "pred": answer or "", "judge_response": "", "format_error": "judge_error"}
+        return {"score": 0.0, "acc": 0, "pred": answer if variant == "boxed" else "", "judge_response": "",
+                "format_error": "judge_error"}
     verdict = parse_verdict(reply, parse)
     if report is not None:
         report(verdict is not None)

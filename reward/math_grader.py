@@ -134,6 +134,12 @@ def _number(s: str) -> Fraction | None:
     return None
 
 
+def numeric_value(text: str) -> Fraction | None:
+    """The exact number ``text`` denotes after normalization ("\\frac{1}{2}", "1,000",
+    "50%"...), or None when it is not a number."""
+    return _number(normalize(text))
+
+
 def is_equiv(pred: str, label: str) -> bool:
     a, b = normalize(pred), normalize(label)
     if a == b:

@@ -11,6 +11,7 @@ called ``fn(args, sample)``: the original's ``async def f(args, sample, **kwargs
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import os
@@ -97,21 +98,7 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
 
         inner = dapo
     elif cfg.rm_type == "dapo-genrm":
-
-        async def genrm(sample: dict):
-            j, report = judge, None
-            if j is None:
-                from .client import get_genrm_client
-
-                client = get_genrm_client(judge_address)
-                j = client.generate
-                report = lambda ok: client.report_parse(None, ok)  # noqa: E731
-            return await dapo_genrm.score(
-                sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None),
-                variant=getattr(cfg, "genrm_reward_variant", "documented"),
-            )
-
-        inner = genrm
+        inner = judge_reward(cfg, judge, judge_address)
     elif cfg.rm_type == "dummy":
 
         async def dummy(sample: dict):
@@ -126,6 +113,30 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
             return await inner(sample)
 
     return bounded
+
+
+def judge_reward(cfg, judge: Callable[[list], Awaitable[str]] | None = None, judge_address: str | None = None,
+                 route_key: str | None = None) -> RewardFn:
+    """``--rm-type dapo-genrm``'s reward of one sample (reward/dapo_genrm.py), with the
+    config's prompt, answer guard, parsing and variant, asking the judge ``judge`` (else the
+    judge client at ``judge_address``, for the instance ``route_key``: None is the default
+    one) and reporting each verdict's parse to the service. The self-check
+    (reward/integrity.py) asks every instance through this same path."""
+
+    async def genrm(sample: dict):
+        j, report = judge, None
+        if j is None:
+            from .client import get_genrm_client
+
+            client = get_genrm_client(judge_address)
+            j = functools.partial(client.generate, route_key=route_key)
+            report = functools.partial(client.report_parse, route_key)
+        return await dapo_genrm.score(
+            sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None),
+            variant=getattr(cfg, "genrm_reward_variant", "documented"), guard=getattr(cfg, "genrm_answer_guard", True),
+        )
+
+    return genrm
 
 
 def reward_value(result: Any, reward_key: str | None) -> float:

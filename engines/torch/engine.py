@@ -58,7 +58,14 @@ class TorchEngine(Engine):
         cuda_graph: bool = True,
         share_prefix: bool = True,
         cpu_threads: int | None = None,
+        tp: tuple[str, int, int] | None = None,
+        max_context_len: int | None = None,
     ):
+        """``tp``: (address, port, size) of the tensor-parallel group whose rank 0 this engine
+        is (engines/torch/tp.py: :func:`~.tp.start_engine` starts the followers first).
+        ``max_context_len``: prompt + max_new_tokens of a request at most (else it is refused
+        with a ValueError naming the limit; the judge's ``engine_config.max_context_len``)."""
+        self.max_context_len = max_context_len
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) "
                              "or 'backup' (judge: kept in CPU memory)")
@@ -72,9 +79,14 @@ class TorchEngine(Engine):
         self.block_size = block_size
         self.max_running = max_running
         self.blocks = BlockManager(block_size, max_running)
+        self.tp = None
+        if tp is not None and tp[2] > 1:
+            from .tp import TPGroup
+
+            self.tp = TPGroup(tp[0], tp[1], 0, tp[2], self.device)
         self.runner = ModelRunner(model_path, self.blocks, device=self.device, dtype=self.dtype,
                                   weights_mode=weights_mode, name=name, kv_cache_tokens=kv_cache_tokens,
-                                  mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph)
+                                  mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph, tp=self.tp)
         self.cfg = self.runner.cfg
         self.model = self.runner.model
         self.weights = self.runner.weights
@@ -125,6 +137,10 @@ class TorchEngine(Engine):
         if need > capacity:
             raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_new_tokens "
                              f"{request_sampling.max_new_tokens}) but the engine holds {capacity}")
+        if self.max_context_len is not None and need > self.max_context_len:
+            raise ValueError(f"request of {need} tokens (prompt {len(ids)} + max_new_tokens "
+                             f"{request_sampling.max_new_tokens}) exceeds the engine's max_context_len "
+                             f"{self.max_context_len}")
         if need > self.cfg.max_position_embeddings:
             raise ValueError(f"request of {need} tokens exceeds the model's "
                              f"{self.cfg.max_position_embeddings} positions")
@@ -367,6 +383,9 @@ class TorchEngine(Engine):
             "kv_blocks_free": len(self.blocks.free_blocks),
             "prefill_tokens": self.runner.prefill_tokens,
             "kv_blocks_total": self.blocks.num_blocks if kv_present else 0,
+            # the longest request (prompt + max_new_tokens) it takes: KV cache, positions, max_context_len
+            "max_context_tokens": min(v for v in (self.blocks.num_blocks * self.block_size,
+                                                  self.cfg.max_position_embeddings, self.max_context_len) if v),
             "paused": self._paused,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],  # captured batch sizes
             "weight_update_groups": sorted(self.weights.groups),
@@ -377,7 +396,15 @@ class TorchEngine(Engine):
     async def close(self) -> None:
         """Abort what is in flight and release the KV cache and the weights."""
         await self.abort()
-        await asyncio.get_running_loop().run_in_executor(self._exec, self.runner.sleep, ("kv_cache",))
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._exec, self.runner.sleep, ("kv_cache",))
+            if self.tp is not None:
+                await loop.run_in_executor(self._exec, self.runner.stop_followers)
+        except Exception as e:  # noqa: BLE001 (closing: a tensor-parallel follower may be gone already)
+            log.warning("%s: closing: %r", self.name, e)
+        if self.tp is not None:
+            self.tp.close()
         self.weights.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -16,9 +16,13 @@ from .weights import Weights
 
 
 class ModelRunner:
+    """With ``tp`` (engines/torch/tp.py), this rank's shard; rank 0 sends each operation on
+    the model or the cache to the followers (:meth:`_mirror`) before it runs it, and a
+    follower's runner is driven by those operations (its cache sized by rank 0)."""
+
     def __init__(self, model_path: str, blocks: BlockManager, *, device: torch.device, dtype: torch.dtype,
                  weights_mode: str, name: str, kv_cache_tokens: int | None, mem_fraction_static: float,
-                 cuda_graph: bool):
+                 cuda_graph: bool, tp=None):
         self.blocks = blocks
         self.device = device
         self.dtype = dtype
@@ -26,7 +30,10 @@ class ModelRunner:
         self.kv_cache_tokens = kv_cache_tokens
         self.mem_fraction_static = mem_fraction_static
         self.use_cuda_graph = cuda_graph and device.type == "cuda"
+        self.tp = tp
         self.cfg = ModelConfig.from_dir(model_path)
+        if tp is not None:
+            self.cfg = self.cfg.shard_for(tp.size, tp.rank)
         with torch.device("meta"):
             model = CausalLM(self.cfg)
         model = model.to_empty(device=device).to(dtype)
@@ -35,20 +42,35 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         load_weights(model, model_path)
         model.eval()
+        model.tp = tp
         self.model = model
         self.prefill_tokens = 0  # prompt tokens actually run through prefill
         self.graphs: DecodeGraphs | None = None
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self.allocate_kv()
-        self.weights = Weights(model, self.cfg, device, weights_mode, name)
+        self.weights = Weights(model, self.cfg, device, weights_mode, name, mirror=self._mirror)
+        if self.leads:  # a follower's cache comes with rank 0's first allocate_kv
+            self.allocate_kv()
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0 of a tensor-parallel engine, or an engine of one GPU."""
+        return self.tp is None or self.tp.rank == 0
+
+    def _mirror(self, op: str, *args) -> None:
+        """Rank 0 of a tensor-parallel engine: the followers run ``op(*args)`` next."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send(op, *args)
+
+    def stop_followers(self) -> None:
+        self._mirror("stop")
 
     # ------------------------------------------------------------------ memory
 
     def kv_block_bytes(self) -> int:
         c = self.cfg
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.blocks.block_size * c.num_kv_heads * c.head_dim * itemsize
+        return 2 * c.num_layers * self.blocks.block_size * c.local_kv_heads * c.head_dim * itemsize
 
     def _kv_capacity(self) -> int:
         """Blocks of the KV cache to allocate now."""
@@ -69,24 +91,29 @@ class ModelRunner:
             )
         return blocks
 
-    def allocate_kv(self) -> None:
-        blocks = self._kv_capacity()
+    def allocate_kv(self, blocks: int | None = None) -> None:
+        """The KV cache of ``blocks`` blocks (default: what ``kv_cache_tokens`` or
+        ``mem_fraction_static`` gives; a tensor-parallel engine's followers take rank 0's)."""
+        blocks = blocks or self._kv_capacity()
+        self._mirror("allocate_kv", blocks)
         c = self.cfg
         # One extra block, never handed out: the scratch block padding rows write and read.
-        shape = (c.num_layers, blocks + 1, self.blocks.block_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, blocks + 1, self.blocks.block_size, c.local_kv_heads, c.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.blocks.resize(blocks, self.cfg.max_position_embeddings)
-        self.drop_graphs()
+        self.graphs = None
 
     def drop_graphs(self) -> None:
         """Forget captured decode graphs (they point at the weights' and the cache's memory:
         any reallocation invalidates them; they are captured again on use)."""
+        self._mirror("drop_graphs")
         self.graphs = None
 
     def sleep(self, tags) -> None:
         """Release the memory of ``tags`` (the graphs always). Idempotent."""
-        self.drop_graphs()  # "cuda_graph", and any release below, invalidates them
+        self._mirror("sleep", tags)
+        self.graphs = None  # "cuda_graph", and any release below, invalidates them
         if "kv_cache" in tags and self.k is not None:
             self.k = self.v = None
             self.blocks.release()
@@ -97,11 +124,17 @@ class ModelRunner:
 
     def wake(self, tags) -> None:
         """Allocate the memory of ``tags`` again. Idempotent."""
-        self.drop_graphs()
         if "weights" in tags:
-            self.weights.restore()
+            self._mirror("wake_weights")
+            self.wake_weights()
+        else:
+            self.drop_graphs()
         if "kv_cache" in tags and self.k is None:
-            self.allocate_kv()
+            self.allocate_kv()  # sizes the cache, and the followers' with it
+
+    def wake_weights(self) -> None:
+        self.graphs = None
+        self.weights.restore()
 
     def memory_bytes(self) -> dict:
         kv = 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
@@ -130,13 +163,17 @@ class ModelRunner:
         copies = [(seqs[followers[s.request_id]].blocks[-1], s.blocks[-1]) for s in admitted
                   if s.request_id in followers and s.n_tokens % self.blocks.block_size]
         if copies:
-            src = torch.tensor([c[0] for c in copies], device=self.device)
-            dst = torch.tensor([c[1] for c in copies], device=self.device)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            self.copy_blocks([c[0] for c in copies], [c[1] for c in copies])
         index = {id(s): i for i, s in enumerate(seqs)}
         rows = [followers[s.request_id] if s.request_id in followers else index[id(s)] for s in admitted]
         return logits[torch.tensor(rows, device=logits.device)]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV blocks ``src`` into ``dst`` (every layer)."""
+        self._mirror("copy_blocks", src, dst)
+        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        self.k[:, dst_t] = self.k[:, src_t]
+        self.v[:, dst_t] = self.v[:, src_t]
 
     def prefill_rows(self, seqs: list[Sequence]) -> torch.Tensor:
         """Every token of ``seqs`` through the model, right-padded to the longest, writing
@@ -152,6 +189,11 @@ class ModelRunner:
             ids[r, :n] = torch.tensor(seq.tokens)
             slots[r, :n] = (torch.tensor(seq.blocks).repeat_interleave(bs)[:n] * bs) + torch.arange(n) % bs
             lens[r] = n
+        return self.prefill_tensors(ids, lens, slots)
+
+    def prefill_tensors(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`prefill_rows` once its inputs are tensors (what followers run)."""
+        self._mirror("prefill_tensors", ids, lens, slots)
         dev = self.device
         return self.model.prefill(ids.to(dev), lens.to(dev), slots.to(dev), self.k, self.v)
 
@@ -171,6 +213,13 @@ class ModelRunner:
         width = max(len(s.blocks) for s in seqs)
         rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
+        return self.decode_tensors(meta, tables, n)
+
+    def decode_tensors(self, meta: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+        """:meth:`decode` once its inputs are tensors (what followers run): ``meta`` [4, B]
+        ids, positions, slots, context lengths of the padded batch; ``tables`` its block
+        tables; ``n`` the real rows."""
+        self._mirror("decode_tensors", meta, tables, n)
         if not self.use_cuda_graph:
             dev = self.device
             meta = meta.to(dev)

@@ -12,11 +12,13 @@ import uuid
 
 import torch
 
-from ..model import ModelConfig
+from ..model import ModelConfig, shard_tensor
 
 
 class Weights:
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: torch.device, mode: str, name: str):
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: torch.device, mode: str, name: str,
+                 mirror=None):
+        self.mirror = mirror  # rank 0 of a tensor-parallel engine: (op, *args) -> the followers run it next
         self.model = model
         self.cfg = cfg
         self.device = device
@@ -96,9 +98,18 @@ class Weights:
         self.finish_version(version)
 
     def copy_in(self, items) -> None:
-        """Copy HF-named tensors into the parameters (any device/dtype; converted)."""
+        """Copy full HF-named tensors into the parameters (any device/dtype; converted; this
+        rank's shard of each). Rank 0 of a tensor-parallel engine first broadcasts them to
+        the followers as one flat buffer."""
         if not self.present:
             raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
+        if self.cfg.tp_size > 1 and self.cfg.tp_rank == 0:
+            from ..weight_sync import flatten
+
+            items = list(items)
+            buf, metas = flatten(items, self.device)
+            self.mirror("weights_in", metas, buf.numel())
+            self.model.tp.broadcast(buf)
         params = dict(self.model.named_parameters())
         for name, tensor in items:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
@@ -106,6 +117,7 @@ class Weights:
             p = params.get(name)
             if p is None:
                 raise KeyError(f"update_weights: unknown tensor {name!r}")
+            tensor = shard_tensor(self.cfg, name, tensor)
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             with torch.no_grad():
@@ -115,6 +127,8 @@ class Weights:
     def finish_version(self, version: int) -> None:
         """The update of ``version`` is complete (over one or several calls). After a
         discarding sleep it must have covered every tensor."""
+        if self.cfg.tp_size > 1 and self.cfg.tp_rank == 0:
+            self.mirror("weights.finish_version", version)
         seen, self.seen = self.seen, set()
         if not self.valid:
             missing = set(self.model.hf_names()) - seen

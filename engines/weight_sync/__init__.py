@@ -172,7 +172,8 @@ def open_ipc(h: dict, device) -> torch.Tensor:
 class BroadcastGroup:
     """A standalone process group (rank 0 = the trainer's sender, 1..n = engines) over its
     own TCPStore: independent of any default group in either process. ``timeout`` bounds
-    the rendezvous and every collective: a missing peer is an error, not a hang.
+    the rendezvous and (unless ``op_timeout_s`` is given) every collective: a missing peer
+    is an error, not a hang.
 
     ``protocol="sglang"`` (rank 0 only): the group an SGLang server joins with
     ``/init_weights_update_group``, built as SGLang builds its side
@@ -190,6 +191,7 @@ class BroadcastGroup:
         backend: str,
         timeout_s: float,
         name: str,
+        op_timeout_s: float | None = None,
         protocol: str = "relay",
     ):
         import torch.distributed as dist
@@ -197,6 +199,7 @@ class BroadcastGroup:
         self.name, self.rank, self.world_size = name, rank, world_size
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.protocol = protocol
+        op_timeout = datetime.timedelta(seconds=op_timeout_s or timeout_s)
         try:
             store = dist.TCPStore(
                 master_address, master_port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False
@@ -224,10 +227,10 @@ class BroadcastGroup:
             ) from e
         try:
             if backend == "gloo":
-                self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+                self.pg = dist.ProcessGroupGloo(store, rank, world_size, op_timeout)
             elif backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = self.timeout
+                opts._timeout = op_timeout
                 self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
             else:
                 raise ValueError(f"weight-sync backend must be 'nccl' or 'gloo', not {backend!r}")
@@ -237,6 +240,7 @@ class BroadcastGroup:
                 f"{e}"
             ) from e
         self.backend = backend
+        self.timeout = op_timeout  # from now on: what a collective may take
 
     def broadcast(self, buf: torch.Tensor) -> None:
         """Rank 0 sends ``buf``; the others receive into theirs (same size). Polls the work

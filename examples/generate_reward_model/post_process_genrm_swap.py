@@ -11,7 +11,7 @@ dapo-genrm judge concurrently (a failed judge call scores 0), writes each sample
 the group's mean, divided by its std + 1e-6).
 
 What the original's hook also does itself, the loop does here (launcher/rl/loop.py,
-``_score_deferred``): rollout sleeps and the judge wakes before the hook is called, and the
+``_judge_window``): rollout sleeps and the judge wakes before the hook is called, and the
 judge sleeps again in a ``finally`` whatever the hook did. A hook may be sync or async.
 """
 
@@ -34,6 +34,7 @@ async def custom_reward_post_process(args, samples):
                 parse=getattr(args, "genrm_parse", "strict"),
                 template=getattr(args, "genrm_prompt_template", None),
                 variant=getattr(args, "genrm_reward_variant", "documented"),
+                guard=getattr(args, "genrm_answer_guard", True),
             )
             for s in samples
         )

@@ -1,6 +1,8 @@
 """The RL loop as a small package; launcher/rl/loop.py is the file to read first.
 
-loop.py            the GRPO loop: run, one step as named calls, fully-async, evaluate
+loop.py            the GRPO loop: run, one step as named calls, fully-async
+evaluation.py      evaluation on the held-out prompts
+integrity.py       the judge's self-check, canaries and drift audit in a job
 sample.py          the typed Sample and the bookkeeping over lists of samples
 scoring.py         rewards, the checks on them, advantages, reward metrics
 rollout.py         the rollout pool: engines, sleep/wake, generating a group, prompt tokens

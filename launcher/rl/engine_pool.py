@@ -88,21 +88,49 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
     for claim in plan.claims:
         if claim.role not in roles:
             continue
-        for i, bundles in enumerate(plan.engines_of(claim)):
+        for i, bundles in enumerate(replicas(cfg, claim, plan.engines_of(claim))):
             engine = Engine(claim.role, claim.instance, None, i, bundles[0].index, cfg.fault_tolerant)
-            engine.mesh = spawn_engine(cfg, claim, engine, procs_of(bundles[:1]), colocate)
             engines.append(engine)
+            if cfg.engine == "torch" and len(bundles) > 1:
+                pending.append(spawn_tensor_parallel(cfg, claim, engine, procs_of(bundles), colocate))
+                continue
+            engine.mesh = spawn_engine(cfg, claim, engine, procs_of(bundles[:1]), colocate)
             pending.append(engine.mesh.initialized(timeouts.MODEL_LOAD))
     return engines, pending
 
 
-def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool,
-                 offload: bool | None = None) -> relay.ActorMesh:
+def replicas(cfg, claim, slices: list[list]) -> list[list]:
+    """The GPU slices engines run on: the plan's, or with a judge's ``engine_config.dp_size``
+    d (built-in engine), each engine's slice split into d replicas (which the judge service
+    routes to by load, as any engines of an instance)."""
+    if claim.role != "genrm" or cfg.engine != "torch":
+        return slices
+    dp = cfg.genrm[claim.instance].engine_config.get("dp_size", 1)
+    return [bundles[k * len(bundles) // dp : (k + 1) * len(bundles) // dp] for bundles in slices for k in range(dp)]
+
+
+async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocate: bool) -> None:
+    """A built-in engine over its slice's GPUs (engines/torch/tp.py): a follower rank on each
+    worker of the slice but the first, then the engine itself (rank 0) on the first; sets
+    ``engine.mesh`` and returns once every rank loaded its shard."""
+    from engines.torch.tp import FollowerActor
+
+    followers = [ProcMesh.attach([p], name=f"{claim.label()}-e{engine.index}-tp{rank}")
+                 .spawn(f"engine-tp{rank}-{claim.role}-{engine.index}", FollowerActor)
+                 for rank, p in enumerate(procs[1:], 1)]
+    for follower in followers:
+        await follower.initialized(timeouts.CONTROL)
+    engine.mesh = spawn_engine(cfg, claim, engine, procs[:1], colocate, tp_peers=followers)
+    await engine.mesh.initialized(timeouts.MODEL_LOAD)
+
+
+def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, offload: bool | None = None,
+                 **extra) -> relay.ActorMesh:
     """``engine``'s ``EngineActor`` on ``procs`` (its slice's first worker); await its
     ``initialized``. A colocated rollout engine discards its weights when it sleeps (the
     trainer pushes them again); every other engine keeps a CPU backup. In a colocated
     layout every engine sleeps while the trainer trains (``offload``, by default
-    ``colocate``)."""
+    ``colocate``). ``extra``: more engine arguments (``tp_peers``)."""
     from engines.actor import EngineActor
 
     rollout = claim.role == "rollout"
@@ -112,7 +140,7 @@ def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool,
     name = f"engine-{claim.role}-{claim.instance or 'policy'}-{engine.index}".replace("_", "")
     offload = colocate if offload is None else offload
     options = engine_options(cfg, claim, weights_mode, engine_gpus(cfg, claim, engine), offload)
-    return proc.spawn(name, EngineActor, path, cfg.engine, **options)
+    return proc.spawn(name, EngineActor, path, cfg.engine, **options, **extra)
 
 
 def of_role(engines: list[Engine], role: str) -> list[Engine]:

@@ -111,5 +111,6 @@ def judge_deltas(before: dict, after: dict) -> dict:
     return {"judge/requests": calls, "judge/cache_hits": hits, "judge/engine_calls": calls - hits,
             "judge/cache_hit_rate": hits / calls if calls else 0.0,
             "judge/parse_failures": after["parse_failures"] - before["parse_failures"],
+            "judge/parse_failure_rate": (after["parse_failures"] - before["parse_failures"]) / calls if calls else 0.0,
             "judge/latency_mean": latency_sum / latency_count if latency_count else 0.0,
             "judge/engine_requests": after["engine_requests"] - before["engine_requests"]}

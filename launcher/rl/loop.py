@@ -1,7 +1,9 @@
 """The GRPO loop: start here. The controller builds a :class:`GRPOLoop` once every bundle
 has its worker, then calls ``start()``, ``run()`` and ``close()``.
 
-One colocated step (:meth:`GRPOLoop.train_step`; docs/training.md, "One step"; the order
+Before the first step the judge is checked (launcher/rl/integrity.py: known pairs and
+injection canaries; a judge that fails stops the job). One colocated step
+(:meth:`GRPOLoop.train_step`; docs/training.md, "One step"; the order
 matters because the roles share GPU memory):
 
     record the judge's counters
@@ -9,6 +11,7 @@ matters because the roles share GPU memory):
      --custom-reward-post-process-path, the hook gives the batch's rewards and advantages,
      as the original runs it on every batch; in the fully-async loop too)
     [Defer-swap: rollout sleeps, judge wakes, the batch is scored, judge sleeps (finally)]
+    every --genrm-canary-interval steps, the canaries are scored again (judge awake)
     check that the judge did not fail on the whole batch
     compute advantages
     judge and rollout sleep, trainer onloads
@@ -16,7 +19,7 @@ matters because the roles share GPU memory):
     trainer offloads, rollout wakes its weights
     push the new weights (version + 1) and check every engine has them
     rollout wakes its KV cache, judge wakes
-    record metrics (+ the weight probe)
+    record metrics (+ the judge's drift audit and the weight probe)
 
 With dedicated pools the sleeping and waking are no-ops. Fully-async
 (:meth:`GRPOLoop.run_fully_async`): a producer keeps generating and scoring groups while
@@ -42,10 +45,12 @@ from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
 from .checkpoints import Checkpoints, StoppedWithCheckpoint, write_hf_checkpoint
 from .engine_pool import Engine, call_engines, engine_bytes, live, of_role, write_event_log
+from .evaluation import evaluate
+from .integrity import JudgeIntegrity
 from .judge import judge_deltas
 from .recovery import EngineRecovery
-from .rollout import group_seed, sampling_options
-from .sample import Sample, chunks, flatten, is_correct, rollout_metrics
+from .rollout import group_seed, prompt_datasets, sampling_options, tokenize_prompts
+from .sample import Sample, flatten, rollout_metrics
 from .scoring import Scorer, advantages, check_judged, reward_metrics
 from .startup import Roles, ensure_models, start_roles
 from .timing import PhaseTimer
@@ -97,11 +102,15 @@ class GRPOLoop:
         cfg = self.cfg
         started = self.timer.clock()
         await ensure_models(cfg)
+        datasets = prompt_datasets(cfg, self.rows, self.eval_rows)
+        prompts = asyncio.ensure_future(asyncio.to_thread(tokenize_prompts, cfg, datasets))  # while the roles start
         await start_roles(self.roles, cfg, self.plan, self.workers_by_bundle, self.colocate, self.defer,
                           self._restore, self.out)
+        await self.roles.rollout.check_context(await prompts, datasets)
         self.trainer, self.reference = self.roles.trainer, self.roles.reference
         self.rollout, self.judge = self.roles.rollout, self.roles.judge
         self.scorer = Scorer(cfg, self.roles.reward_fn, self.roles.post_process, self.timer)
+        self.integrity = JudgeIntegrity(cfg, self.judge, self.rows, self.run_dir, self.out)
         if self.respawn is not None:
             self.recovery = EngineRecovery(cfg, self.plan, self.roles.engines, self.judge, self.respawn,
                                            self._push_to_successor, self.out)
@@ -159,8 +168,12 @@ class GRPOLoop:
         last: dict = {}
         try:
             self._training = True
+            check = await self.integrity.self_check(self.start_step,
+                                                    lambda work: self._judge_window(work, resume_rollout=True))
+            if check is not None:
+                log.write(check)
             if self.eval_rows and not cfg.skip_eval_before_train and self.start_step == 0:
-                record = await self.evaluate(0)
+                record = await evaluate(self, 0)
                 log.write(record)
                 print(f"{cfg.eval_prompt_name} before training: accuracy {record['eval/accuracy']:.3f} "
                       f"(exact {record['eval/exact_accuracy']:.3f})", file=self.out, flush=True)
@@ -185,8 +198,14 @@ class GRPOLoop:
             samples = await self._generate_batch(step, score_inline=not self.defer)
         memory = {"mem/rollout_bytes_generating": await self.rollout.device_bytes()}
         await self._record_gpu_use("generating", memory)
-        if self.defer:
-            await self._score_deferred(samples, cfg.n_samples_per_prompt)
+
+        async def judge_work() -> dict:  # the judge is awake (Defer-swap: woken for this)
+            if self.defer:
+                with timer.phase("reward"):
+                    await self.scorer.score_batch(samples, cfg.n_samples_per_prompt)
+            return await self.integrity.canaries_due(step)
+
+        canaries = await self._judge_window(judge_work)
         check_judged(samples, f"step {step}")
         judge_after = await self.judge.counts()
         step_advantages = advantages(samples, cfg.n_samples_per_prompt)
@@ -208,6 +227,7 @@ class GRPOLoop:
         timer.end_step()
         await self._record_gpu_use("synced", memory)
         record = self._record(step, samples, train_stats, judge_before, judge_after)
+        record.update(canaries)
         record.update(memory)
         record.update(synced)
         record.update(await self.rollout.probe(self.rows[0]))
@@ -232,7 +252,7 @@ class GRPOLoop:
             raise StoppedWithCheckpoint(self.checkpoints.path(step), step + 1)
         periodic_eval = bool(cfg.eval_interval) and (step + 1) % cfg.eval_interval == 0
         if self.eval_rows and (periodic_eval or last):
-            ev = await self.evaluate(step + 1)
+            ev = await evaluate(self, step + 1)
             log.write(ev)
             print(f"{cfg.eval_prompt_name} after step {step + 1}: accuracy {ev['eval/accuracy']:.3f} "
                   f"(exact {ev['eval/exact_accuracy']:.3f}, pass@{ev['eval/k']} {ev['eval/pass@k']:.3f})",
@@ -258,18 +278,23 @@ class GRPOLoop:
             await self.scorer.score_all(samples)
         return samples
 
-    async def _score_deferred(self, samples: list[Sample], group_size: int) -> None:
-        """Defer-swap: rollout sleeps, the judge wakes, the batch is scored, the judge sleeps
-        again whatever happened."""
+    async def _judge_window(self, work, resume_rollout: bool = False):
+        """``await work()`` with the judge awake. Defer-swap: the rollout sleeps and the judge
+        wakes first, and the judge sleeps again whatever happened; with ``resume_rollout`` the
+        rollout then wakes and gets its weights back. Elsewhere the judge is awake already."""
+        if not self.defer:
+            return await work()
         with self.timer.phase("swap"):
             await self.rollout.sleep()
             await self.judge.wake()
         try:
-            with self.timer.phase("reward"):
-                await self.scorer.score_batch(samples, group_size)
+            return await work()
         finally:
             with self.timer.phase("swap"):
                 await self.judge.sleep()
+            if resume_rollout:
+                await self.rollout.wake()
+                await self._push_weights()
 
     async def _free_gpus_for_training(self, memory: dict) -> None:
         """Colocated: the judge and the rollout engines sleep (in Defer-swap they already
@@ -345,6 +370,7 @@ class GRPOLoop:
         record.update(reward_metrics(samples))
         record.update(rollout_metrics(samples, self.timer.seconds("rollout")))
         record.update(judge_deltas(judge_before, judge_after))
+        record.update(self.integrity.audit_step(step, samples))
         record.update({f"train/{k}": v for k, v in train_stats.items()})
         record.update(self.timer.metrics())
         return record
@@ -382,6 +408,7 @@ class GRPOLoop:
                 last = self._record(step, samples, train_stats, judge_before, judge_now)
                 judge_before = judge_now
                 last.update(synced)
+                last.update(await self.integrity.canaries_due(step))
                 last.update({"rollout/stale_groups_dropped": stale, "rollout/groups_in_flight_max": in_flight_max,
                              "rollout/groups_in_flight_bound": producer.bound,
                              "rollout/staleness_max": self.version - 1 - last["rollout/min_weight_version"]})
@@ -418,31 +445,3 @@ class GRPOLoop:
                 continue
             batch.append(group)
         return batch, stale
-
-    # ------------------------------------------------------------------ evaluation
-
-    async def evaluate(self, step: int) -> dict:
-        """Pass rate and pass@k on the eval prompts (engines must be awake). The configured
-        reward scores them; ``eval/exact_accuracy`` is a rule-based check that needs no judge:
-        the response's final answer (text after the last "Answer:", else the whole reply)
-        equals the label exactly, after stripping whitespace."""
-        from reward.dapo_genrm import final_answer
-
-        cfg = self.cfg
-        k = cfg.n_samples_per_eval_prompt
-        started = self.timer.clock()
-        groups = await asyncio.gather(*(
-            self._group(row, k, sampling_options(cfg, evaluation=True), group_seed(cfg.seed, -1, row.index), i,
-                        score=not self.defer, dataset="eval")
-            for i, row in enumerate(self.eval_rows)))
-        samples = flatten(groups)
-        if self.defer:
-            await self._score_deferred(samples, k)
-            await self.rollout.wake()
-            await self._push_weights()
-        correct = [is_correct(s) for s in samples]
-        exact = [final_answer(s.response).strip() == s.label.strip() for s in samples]
-        return {"kind": "eval", "step": step, "eval/accuracy": sum(correct) / len(correct),
-                "eval/pass@k": sum(any(g) for g in chunks(correct, k)) / len(groups), "eval/k": k,
-                "eval/exact_accuracy": sum(exact) / len(exact), "eval/samples": len(samples),
-                "time/eval": self.timer.clock() - started}

@@ -32,6 +32,27 @@ def group_seed(seed: int, step: int, key: int) -> int:
     return random.Random(f"{seed}:{step}:{key}").randrange(1 << 30) * 64
 
 
+def prompt_datasets(cfg, rows: list[Row], eval_rows: list[Row] | None) -> list[tuple[str, list[Row], int]]:
+    """(what, rows, response tokens) of the job's prompts: training and evaluation."""
+    out = [(f"--prompt-data {cfg.prompt_data}", rows, cfg.rollout_max_response_len)]
+    if eval_rows:
+        out.append((f"--eval-prompt-data {cfg.eval_prompt_data}", eval_rows,
+                    cfg.eval_max_response_len or cfg.rollout_max_response_len))
+    return out
+
+
+def tokenize_prompts(cfg, datasets: list[tuple[str, list[Row], int]]) -> dict:
+    """Every prompt's token ids as the policy sees them, keyed as :class:`RolloutPool`
+    caches them (run in a thread while the roles start)."""
+    from transformers import AutoTokenizer
+
+    pool = RolloutPool(cfg, [], AutoTokenizer.from_pretrained(cfg.hf_checkpoint))
+    for _, rows, _ in datasets:
+        for row in rows:
+            pool.prompt_ids(row)
+    return pool._prompt_ids
+
+
 class RolloutPool:
     """The rollout engines. Generation goes to the least-loaded engine, a group at a time
     (all samples of one prompt on one engine)."""
@@ -54,6 +75,27 @@ class RolloutPool:
             ids = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
             self._prompt_ids[key] = ids
         return ids
+
+    async def check_context(self, known: dict, datasets: list[tuple[str, list[Row], int]]) -> None:
+        """Every prompt of ``datasets`` (``known``: their token ids, :func:`tokenize_prompts`)
+        with its response budget fits the rollout engines (their KV cache, the model's
+        positions); else a ValueError at start names the rows, not a failed step later."""
+        self._prompt_ids.update(known)
+        limits = [s["max_context_tokens"] for s in await call_engines(self.engines, "stats")
+                  if s.get("max_context_tokens")]
+        if not limits:
+            return
+        limit = min(limits)
+        for what, rows, budget in datasets:
+            over = [(len(self.prompt_ids(r)), r.index) for r in rows if len(self.prompt_ids(r)) + budget > limit]
+            if over:
+                longest, index = max(over)
+                raise ValueError(
+                    f"{what}: {len(over)} prompt(s) do not fit the rollout engines, which take {limit} tokens "
+                    f"(prompt + response; their KV cache and the model's positions): the longest, row {index}, has "
+                    f"{longest} prompt tokens + {budget} response tokens. Drop or shorten those rows (rows "
+                    f"{sorted(i for _, i in over)[:10]}), lower the response length, or give the engines more KV cache "
+                    "(--kv-cache-tokens on CPU, --sglang-mem-fraction-static on GPU)")
 
     async def generate_group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int,
                              dataset: str = "train") -> list[Sample]:

@@ -57,6 +57,8 @@ def train_cmd(config: str, data: dict, run_dir: str, *extra: str) -> list[str]:
         '{"temperature": 0.0, "max_response_len": 8}',
         "--lr",
         "1e-3",
+        "--genrm-skip-self-check",  # the trained judge is checked (the tiny configs' random one is not)
+        "false",
         *extra,
     ]
 
@@ -124,12 +126,17 @@ ROLLOUT_STEP = [
 ]
 
 
-def check_rollout_order(evs: list[dict], n_rollout: int) -> None:
+#: Defer-swap, before the first step: the rollout sleeps while the judge is checked, then
+#: wakes and gets the trainer's weights (version 0) back
+SELF_CHECK_WINDOW = [("sleep", ("weights", "kv_cache")), ("wake", ("weights", "kv_cache")), ("update_weights", None)]
+
+
+def check_rollout_order(evs: list[dict], n_rollout: int, before: list | None = None) -> None:
     for i in range(n_rollout):
         seq = engine_seq(evs, f"rollout{i}")
         got = [(ev, None if ev == "update_weights" else d) for ev, d in seq]
-        assert got == ROLLOUT_STEP * 2, got
-        assert [d for ev, d in seq if ev == "update_weights"] == [1, 2]
+        assert got == (before or []) + ROLLOUT_STEP * 2, got
+        assert [d for ev, d in seq if ev == "update_weights"] == [0] * bool(before) + [1, 2]
 
 
 @pytest.mark.parametrize("config", ["tiny-cpu-split", "tiny-cpu-shared"])
@@ -173,10 +180,10 @@ def test_defer_swap(data, tmp_path):
         assert r["mem/engine_bytes_training"] == 0
     evs = events(run_dir)
     n_rollout = len(recs[0]["sync/engine_versions"])
-    check_rollout_order(evs, n_rollout)
+    check_rollout_order(evs, n_rollout, before=SELF_CHECK_WINDOW)
     judges = sorted({e["engine"] for e in evs if e["role"] == "genrm"})
-    for j in judges:  # asleep from the start; awake only to score each batch
-        assert [e for e, _ in engine_seq(evs, j)] == ["sleep"] + ["wake", "sleep"] * 2
+    for j in judges:  # asleep from the start; awake only for the self-check and to score each batch
+        assert [e for e, _ in engine_seq(evs, j)] == ["sleep"] + ["wake", "sleep"] * 3
     # rollout and judge take turns: never both awake
     awake = {}
     for e in evs:

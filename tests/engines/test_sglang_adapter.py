@@ -144,7 +144,7 @@ def test_distributed_weight_update_joins_the_trainers_group_and_receives_flatten
         await eng.start()
         port = free_port()
         join = asyncio.ensure_future(eng.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo"))
-        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "wg", "sglang")
+        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "wg", protocol="sglang")
         await join
         for i, bucket in enumerate([[("a", a), ("b", b)], [("c", c)]]):
             buf, metas = flatten(bucket, "cpu", align=1)
@@ -187,7 +187,7 @@ def test_distributed_bucket_contents_arrive_intact(tmp_path, monkeypatch):
         await eng.start()
         port = free_port()
         join = asyncio.ensure_future(eng.init_weights_update_group("127.0.0.1", port, 1, 2, "g2", "gloo"))
-        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "g2", "sglang")
+        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "g2", protocol="sglang")
         await join
         buf, metas = flatten([("h", h), ("w", w)], "cpu", align=1)
         receive = asyncio.ensure_future(eng.update_weights_from_distributed(

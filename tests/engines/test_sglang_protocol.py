@@ -149,7 +149,7 @@ def test_every_request_the_adapter_sends_is_a_route_and_key_of_the_pinned_versio
         await eng.wake(["kv_cache"])
         port = _free_port()
         join = asyncio.ensure_future(eng.init_weights_update_group("127.0.0.1", port, 1, 2, "g", "gloo"))
-        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "g", "sglang")
+        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "g", protocol="sglang")
         await join
         buf, metas = flatten([("w", torch.zeros(2))], "cpu", align=1)
         receive = asyncio.ensure_future(eng.update_weights_from_distributed(["w"], ["float32"], [[2]], 2, "g"))

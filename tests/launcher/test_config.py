@@ -246,3 +246,11 @@ def test_data_rows_are_read_under_the_input_and_label_keys(tmp_path):
 def test_a_judge_sampling_config_with_several_answers_per_request_is_refused():
     with pytest.raises(ConfigError, match=r"\(--genrm-sampling-config\): n must be 1: the judge answers"):
         load_config(None, ["--genrm-model-path", "/j", "--genrm-sampling-config", '{"n": 2}'])
+
+
+def test_an_empty_value_unsets_an_optional_text_key_set_in_yaml():
+    cfg = load_config("tiny-cpu-defer", ["--custom-reward-post-process-path", ""])
+    assert cfg.custom_reward_post_process_path is None
+    assert load_config("tiny-cpu-defer").custom_reward_post_process_path is not None
+    with pytest.raises(ConfigError, match="--rm-type must be one of"):
+        load_config(None, ["--rm-type", "nonsense"])

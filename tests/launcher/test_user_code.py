@@ -219,6 +219,25 @@ def test_dapo_genrm_without_a_judge_is_rejected_by_relay_plan(tmp_path):
     assert "--genrm-model-path" in p.stderr and "--genrm-instances" in p.stderr
 
 
+def test_dapo_genrm_with_several_judge_instances_is_rejected_by_relay_plan(tmp_path):
+    instances = '{"quality": {"model_path": "a", "num_gpus": 1}, "safety": {"model_path": "b", "num_gpus": 1}}'
+    p = relay(tmp_path, "plan", "--config", "tiny-cpu-split", "--genrm-instances", instances)
+    assert p.returncode == 2, p.stdout
+    assert "--rm-type dapo-genrm asks one judge without a route_key, and this config has 2 judge instances " \
+        "(quality, safety): it cannot pick one" in p.stderr
+
+
+def test_unreadable_self_check_pairs_are_rejected_by_relay_plan_naming_the_line(tmp_path):
+    p = relay(tmp_path, "plan", "--config", "tiny-cpu-split", "--genrm-self-check-data", "nosuch.jsonl")
+    assert p.returncode == 2
+    assert "relay plan: --genrm-self-check-data nosuch.jsonl: No such file or directory" in p.stderr
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"label": "1", "response": "Answer: 1", "expected": 1}\n{"label": "1", "response": "2"}\n')
+    p = relay(tmp_path, "plan", "--config", "tiny-cpu-split", "--genrm-self-check-data", str(bad))
+    assert p.returncode == 2, p.stdout
+    assert f"--genrm-self-check-data {bad}:2: a row needs label, response and expected" in p.stderr
+
+
 @pytest.mark.unit
 def test_check_job_needs_a_judge_for_dapo_genrm_and_a_reward_to_train():
     no_judge = load_config(

@@ -1,0 +1,191 @@
+"""Tensor parallelism of the built-in engine: an engine over k GPUs is k processes. Rank 0 is
+the engine (API, scheduler, sampler, KV bookkeeping); ranks 1..k-1 are followers, each with
+its shard of the model (``ModelConfig.shard_for``: heads, MLP and an untied vocabulary split
+Megatron-style) and of the KV cache (its KV heads), on its own GPU.
+
+Rank 0's model runner sends every operation that touches the model or the cache to the
+followers before it runs it itself (:meth:`TPGroup.send`: a message broadcast from rank 0
+over the group's own process group, then any tensors), so each follower does exactly what
+rank 0 does, in the same order: prefill and decode steps (CUDA graphs included), KV block
+copies, sleep and wake (with rank 0's KV capacity), weight updates (rank 0 receives the
+trainer's full tensors by any transport and broadcasts each bucket; every rank keeps its
+shard). The collectives inside a forward (all-reduce after the O and down projections, the
+all-gather of a split LM head's logits) keep the ranks in lock step. NCCL on GPU, gloo on CPU.
+
+The group's operations wait up to :data:`IDLE_TIMEOUT` (an engine may stay idle that long
+between steps); a follower that dies leaves rank 0's next collective failing after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+
+import torch
+
+import relay
+from relay import Actor, endpoint
+
+log = logging.getLogger("relay.engine")
+
+IDLE_TIMEOUT = 24 * 3600.0  # seconds a follower waits for rank 0's next operation
+JOIN_TIMEOUT = 600.0  # seconds the ranks have to meet
+
+
+class TPGroup:
+    """The ranks of one engine: a standalone process group (its own TCPStore at rank 0's
+    ``address``:``port``), the model's collectives, and rank 0's operations to the followers."""
+
+    def __init__(self, address: str, port: int, rank: int, size: int, device: torch.device,
+                 join_timeout: float = JOIN_TIMEOUT):
+        from ..weight_sync import BroadcastGroup
+
+        self.rank, self.size, self.device = rank, size, device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.group = BroadcastGroup(address, port, rank, size, backend, join_timeout, f"engine-tp-{port}",
+                                    op_timeout_s=IDLE_TIMEOUT)
+        self.pg = self.group.pg
+
+    # ------------------------------------------------------------------ the model's collectives
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        self.pg.allreduce([x]).wait()
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` side by side along the last dimension, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.pg.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        """Rank 0's ``buf`` into every follower's (same size)."""
+        self.group.broadcast(buf)
+
+    # ------------------------------------------------------------------ rank 0's operations
+
+    def send(self, op: str, *args) -> None:
+        """Rank 0: the followers run ``op(*args)`` next (CPU tensors and plain values)."""
+        data = pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)
+        self.group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device))
+        self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+
+    def recv(self) -> tuple[str, tuple]:
+        """A follower: rank 0's next operation."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.group.broadcast(size)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.group.broadcast(buf)
+        return pickle.loads(buf.cpu().numpy().tobytes())
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def follow(runner, tp: TPGroup) -> None:
+    """A follower's loop: run rank 0's operations on its own ``runner`` (a
+    :class:`~.model_runner.ModelRunner` of this rank's shard) until ``stop``."""
+    from ..weight_sync import unflatten
+
+    while True:
+        op, args = tp.recv()
+        if op == "stop":
+            return
+        try:
+            if op == "weights_in":  # a bucket of full tensors follows, broadcast from rank 0
+                metas, total = args
+                buf = torch.empty(total, dtype=torch.uint8, device=runner.device)
+                tp.broadcast(buf)
+                runner.weights.copy_in(unflatten(buf, metas))
+            elif op.startswith("weights."):
+                getattr(runner.weights, op.removeprefix("weights."))(*args)
+            else:
+                getattr(runner, op)(*args)
+        except Exception as e:  # noqa: BLE001 (rank 0 runs the same operation and reports the same error)
+            log.warning("tensor-parallel follower rank %d: %s failed: %r", tp.rank, op, e)
+
+
+class Follower:
+    """One follower rank in its own thread: joins the group, builds its shard, then runs
+    :func:`follow` until rank 0 stops it. ``error`` holds what ended it otherwise."""
+
+    def __init__(self, model_path: str, address: str, port: int, rank: int, size: int, *, device: str = "cpu",
+                 dtype: str | None = None, block_size: int = 16, max_running: int = 256, cpu_threads: int = 1,
+                 **runner_kwargs):
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"tp-follower-{rank}", daemon=True,
+            args=(model_path, address, port, rank, size, device, dtype, block_size, max_running, cpu_threads,
+                  runner_kwargs))
+        self._thread.start()
+
+    def _run(self, model_path, address, port, rank, size, device, dtype, block_size, max_running, cpu_threads,
+             runner_kwargs) -> None:
+        from .block_manager import BlockManager
+        from .model_runner import ModelRunner
+
+        try:
+            dev = torch.device(device)
+            if dev.type == "cpu":
+                torch.set_num_threads(cpu_threads)
+            tp = TPGroup(address, port, rank, size, dev)
+            dt = getattr(torch, dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
+            runner = ModelRunner(model_path, BlockManager(block_size, max_running), device=dev, dtype=dt, tp=tp,
+                                 **runner_kwargs)
+            follow(runner, tp)
+            runner.weights.close()
+            tp.close()
+        except BaseException as e:  # noqa: BLE001 (kept for status(); rank 0's collectives fail with it)
+            log.error("tensor-parallel follower rank %d of %d stopped: %r", rank, size, e)
+            self.error = e
+        finally:
+            self.done.set()
+
+    def status(self) -> dict:
+        return {"running": not self.done.is_set(), "error": None if self.error is None else repr(self.error)}
+
+
+#: the engine keyword arguments a follower's runner takes (the rest concern rank 0 alone)
+_RUNNER_KEYS = ("weights_mode", "name", "kv_cache_tokens", "mem_fraction_static", "cuda_graph")
+_RUNNER_DEFAULTS = {"weights_mode": "discard", "name": "engine", "kv_cache_tokens": None,
+                    "mem_fraction_static": 0.5, "cuda_graph": True}
+
+
+class FollowerActor(Actor):
+    """A follower rank in a worker process of the engine's slice (its own GPU): started by
+    rank 0's :func:`start_engine`."""
+
+    def __init__(self):
+        self.follower: Follower | None = None
+
+    @endpoint
+    async def start(self, model_path: str, address: str, port: int, rank: int, size: int, engine_kwargs: dict) -> None:
+        runner = {k: engine_kwargs.get(k, v) for k, v in _RUNNER_DEFAULTS.items()}
+        own = {k: engine_kwargs[k] for k in ("device", "dtype", "block_size", "max_running", "cpu_threads")
+               if engine_kwargs.get(k) is not None}
+        own.setdefault("cpu_threads", relay.settings().engine_cpu_threads)
+        self.follower = Follower(model_path, address, port, rank, size, **own, **runner)
+
+    @endpoint
+    async def status(self) -> dict:
+        return {"running": False, "error": "not started"} if self.follower is None else self.follower.status()
+
+
+async def start_engine(model_path: str, peers: list, engine_kwargs: dict, timeout: float = JOIN_TIMEOUT):
+    """Rank 0's side: start a follower on each of ``peers`` (:class:`FollowerActor` meshes,
+    ranks 1..k-1 in order), then build the engine as rank 0 of the group (it waits for them
+    to join, at most ``timeout`` seconds). Returns the :class:`~.engine.TorchEngine`."""
+    import asyncio
+    import socket
+
+    from .engine import TorchEngine
+
+    host = relay.settings().host
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    size = len(peers) + 1
+    for rank, peer in enumerate(peers, 1):
+        await peer.start.call_one(model_path, host, port, rank, size, engine_kwargs).result(timeout)
+    return await asyncio.to_thread(TorchEngine, model_path, tp=(host, port, size), **engine_kwargs)

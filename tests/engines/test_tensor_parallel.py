@@ -1,0 +1,101 @@
+"""The built-in engine over several GPUs (tensor parallel, engines/torch/tp.py): each rank is
+its own process with its shard of the model and KV cache (gloo on CPU); the engine answers
+as the same model on one GPU does, through prefill, shared-prefix samples, decode, sleep,
+wake and a weight update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engines.actor import EngineActor
+from engines.model import ModelConfig, shard_tensor
+from engines.model_builder import make_model
+from engines.torch.tp import FollowerActor
+from relay import this_host
+from tests.helpers import run
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("arch,tp", [("qwen3", 2), ("qwen3", 4), ("llama", 2)])
+def test_the_shards_of_every_tensor_put_together_are_the_tensor(tmp_path, arch, tp):
+    path = make_model(arch, "tiny", str(tmp_path / "m"), seed=3)
+    cfg = ModelConfig.from_dir(path)
+    full = load_file(f"{path}/model.safetensors")
+    for name, tensor in full.items():
+        parts = [shard_tensor(cfg.shard_for(tp, r), name, tensor) for r in range(tp)]
+        leaf = name.rsplit(".", 2)[-2]
+        if leaf in ("o_proj", "down_proj"):
+            assert torch.equal(torch.cat(parts, 1), tensor), name
+        elif leaf in ("k_proj", "v_proj") and tp > cfg.num_kv_heads:  # fewer KV heads than ranks: replicated
+            per = tp // cfg.num_kv_heads
+            assert torch.equal(torch.cat(parts[::per], 0), tensor), name
+        elif leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") or (
+                name == "lm_head.weight" and not cfg.tie_word_embeddings):
+            assert torch.equal(torch.cat(parts, 0)[: tensor.shape[0]], tensor), name
+        else:
+            assert all(p is tensor for p in parts), name
+
+
+@pytest.mark.unit
+def test_a_model_that_does_not_divide_over_the_ranks_is_refused_naming_the_dimension(tmp_path):
+    cfg = ModelConfig.from_dir(make_model("qwen3", "tiny", str(tmp_path / "m"), seed=3))
+    with pytest.raises(ValueError, match=r"attention heads \(4\) do not divide over 3 tensor-parallel GPUs"):
+        cfg.shard_for(3, 0)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch,tp", [("qwen3", 2), ("llama", 2), ("qwen3", 4)])
+def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, tp):
+    policy = make_model(arch, "tiny", str(tmp_path / "p"), seed=1)
+    other = make_model(arch, "tiny", str(tmp_path / "o"), seed=2)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 45))]
+    options = {"kv_cache_tokens": 1024, "weights_mode": "discard"}
+
+    async def generate(engine, n: int = 1) -> list:
+        out = []
+        for p in prompts:
+            for r in (await engine.generate_batch.call_one([[p, GREEDY]] * n).result(120)):
+                out.append((r.token_ids, r.logprobs))
+        return out
+
+    def same(a: list, b: list) -> None:
+        assert [t for t, _ in a] == [t for t, _ in b]
+        for (_, la), (_, lb) in zip(a, b):
+            assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": tp + 1})
+        one = procs.slice(gpus=0).spawn("one", EngineActor, policy, "torch", **options)
+        followers = [procs.slice(gpus=1 + r).spawn(f"f{r}", FollowerActor) for r in range(1, tp)]
+        for f in followers:
+            await f.initialized(timeout=60)
+        sharded = procs.slice(gpus=1).spawn("sharded", EngineActor, policy, "torch", tp_peers=followers, **options)
+        await one.initialized(timeout=120)
+        await sharded.initialized(timeout=120)
+        first = await generate(sharded)
+        same(first, await generate(one))
+        same(await generate(sharded, n=4), await generate(one, n=4))  # samples of one prompt share its prefill
+        stats = [await e.stats.call_one().result(30) for e in (one, sharded)]
+        cfg = ModelConfig.from_dir(policy).shard_for(tp, 0)  # rank 0 holds its share of the KV heads
+        assert stats[1]["bytes"]["kv_cache"] * cfg.num_kv_heads == stats[0]["bytes"]["kv_cache"] * cfg.local_kv_heads
+        assert stats[1]["bytes"]["weights"] < stats[0]["bytes"]["weights"]
+        # sleep, wake and a weight update (the full tensors reach every rank; each keeps its shard)
+        tensors = load_file(f"{other}/model.safetensors")
+        for engine in (one, sharded):
+            await engine.sleep.call_one(["weights", "kv_cache"]).result(60)
+            await engine.wake.call_one(["weights"]).result(60)
+            await engine.update_weights.call_one([tensors], 7).result(60)
+            await engine.wake.call_one(["kv_cache"]).result(60)
+        updated = await generate(sharded)
+        same(updated, await generate(one))
+        assert [lp for _, lp in updated] != [lp for _, lp in first]  # the new weights answer differently
+        statuses = [await f.status.call_one().result(30) for f in followers]
+        assert all(s == {"running": True, "error": None} for s in statuses), statuses
+        await procs.stop()
+
+    run(main(), 280)

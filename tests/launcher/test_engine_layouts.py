@@ -1,0 +1,37 @@
+"""What a judge's engine_config asks of the built-in engine: dp_size replicas within an
+engine's GPUs, and a clear refusal of pipeline and expert parallelism."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.allocator import make_plan
+from launcher.config import ConfigError, load_config
+from launcher.job_checks import check_job
+from launcher.rl.engine_pool import replicas
+
+pytestmark = pytest.mark.unit
+
+
+def config(engine_config: str, per_engine: str = "2"):
+    return load_config("tiny-cpu-split", ["--genrm-num-gpus-per-engine", per_engine, "--genrm-engine-config",
+                                          engine_config])
+
+
+def test_dp_size_splits_each_engine_into_replicas_of_its_gpus():
+    cfg = config('{"dp_size": 2}')
+    check_job(cfg)
+    (claim,) = [c for c in make_plan(cfg).claims if c.role == "genrm"]
+    assert replicas(cfg, claim, [["b2", "b3"]]) == [["b2"], ["b3"]]
+    assert replicas(config("{}"), claim, [["b2", "b3"]]) == [["b2", "b3"]]  # one engine over both
+
+
+@pytest.mark.parametrize("engine_config,says", [
+    ('{"pp_size": 2}', "pp_size 2 / ep_size 1: the built-in engine has no pipeline or expert parallelism"),
+    ('{"ep_size": 2}', "use --engine sglang"),
+    ('{"dp_size": 3}', "dp_size 3 does not divide the engine's 2 GPUs"),
+    ('{"dp_size": 0}', "dp_size must be a positive integer, got 0"),
+])
+def test_what_the_built_in_engine_cannot_do_is_refused_naming_the_key(engine_config, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        check_job(config(engine_config))

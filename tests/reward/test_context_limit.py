@@ -1,0 +1,48 @@
+"""The judge's ``engine_config.max_context_len`` (the original's default 8192): a request
+whose prompt and response budget do not fit gets 400 naming the limit, through ``relay
+judge``'s HTTP gateway; a request that fits is answered."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.helpers import interrupt
+from tests.launcher.test_launch import free_port, read_until
+from tests.reward.test_original_curl_calls import RELAY, ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def post(port: int, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/genrm/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_judge_request_beyond_max_context_len_gets_400_naming_the_limit(tmp_path):
+    port = free_port()
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
+    p = subprocess.Popen([RELAY, "judge", "--config", "tiny-cpu-split", "--port", str(port), "--genrm-engine-config",
+                          '{"max_context_len": 64}'], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        read_until(p, "judge ready", 240)
+        status, body = post(port, {"messages": [{"role": "user", "content": "x" * 200}]})
+        assert status == 400, body
+        assert "exceeds the engine's max_context_len 64" in body["error"], body
+        status, body = post(port, {"messages": [{"role": "user", "content": "1"}], "sampling_params": {
+            "max_new_tokens": 4}})
+        assert status == 200 and "response" in body, body
+    finally:
+        interrupt(p)
