@@ -7,13 +7,15 @@ import asyncio
 
 from relay import Actor, endpoint
 
-from .interface import TAGS, GenerateResult, RequestCancelled, encode_rendered
+from .interface import TAGS, GenerateResult, RequestCancelled, backend_options, encode_rendered
 
 INLINE_TOKENIZE_CHARS = 1 << 16  # a batch with more text is tokenized off the event loop
 
 
 class EngineActor(Actor):
-    """Hosts one engine. ``backend`` is "torch" (the built-in engine) or "sglang"."""
+    """Hosts one engine. ``backend`` is "torch" (the built-in engine) or "sglang";
+    ``engine_kwargs`` are the engine options (``engines.interface.ENGINE_OPTIONS``), the
+    same for both backends (``backend_options`` gives each what it takes)."""
 
     def __init__(self, model_path: str, backend: str = "torch", **engine_kwargs):
         self.model_path = model_path
@@ -26,17 +28,18 @@ class EngineActor(Actor):
         if self.backend == "torch":
             from .torch import TorchEngine
 
-            peers = self.engine_kwargs.pop("tp_peers", None)  # follower ranks of a tensor-parallel engine
+            options = backend_options("torch", self.engine_kwargs)
+            peers = options.pop("tp_peers", None)  # follower ranks of a tensor-parallel engine
             if peers:
                 from .torch.tp import start_engine
 
-                self.engine = await start_engine(self.model_path, peers, self.engine_kwargs)
+                self.engine = await start_engine(self.model_path, peers, options)
             else:
-                self.engine = TorchEngine(self.model_path, **self.engine_kwargs)
+                self.engine = TorchEngine(self.model_path, **options)
         elif self.backend == "sglang":
             from .sglang_engine import SGLangEngine
 
-            self.engine = SGLangEngine(self.model_path, **self.engine_kwargs)
+            self.engine = SGLangEngine(self.model_path, **backend_options("sglang", self.engine_kwargs))
             await self.engine.start()
         else:
             raise ValueError(f"unknown engine backend {self.backend!r}; use 'torch' or 'sglang'")

@@ -21,6 +21,36 @@ import relay
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
+#: The engine options the launcher gives every engine, whatever its backend (docs/engines.md,
+#: "Engine options"): ``device`` ("cpu" | "cuda"); ``weights_mode`` ("discard": a rollout
+#: engine, whose weights are re-synced after a sleep; "backup": a judge, whose weights
+#: survive a sleep in CPU memory); ``offload`` (it sleeps to make room for co-tenants);
+#: ``mem_fraction_static``; ``kv_cache_tokens`` (the KV size in tokens, how CPU runs size
+#: it); ``gpu_ids`` (the node's GPU ids the engine spans, first = its base GPU);
+#: ``engine_config`` (the per-engine config dict: dp/pp/ep sizes, context length and
+#: backend-specific keys).
+ENGINE_OPTIONS = ("device", "weights_mode", "offload", "mem_fraction_static", "kv_cache_tokens", "gpu_ids",
+                  "engine_config")
+
+
+def backend_options(backend: str, options: dict) -> dict:
+    """``options`` (keys of ENGINE_OPTIONS, plus a backend's own tuning keys) as ``backend``'s
+    constructor takes them. The SGLang adapter takes them all (``engines.sglang_args``). The
+    built-in engine can always sleep and spans several GPUs through follower ranks the
+    launcher starts in those GPUs' workers (``tp_peers``, passed on), so it takes no
+    ``gpu_ids`` or ``offload``; of ``engine_config`` it takes ``max_context_len`` (judges)
+    as its own argument (``kv_cache_tokens`` and ``dp_size`` are resolved by the launcher)."""
+    options = dict(options)
+    if backend == "sglang":
+        return options
+    options.pop("gpu_ids", None)
+    options.pop("offload", None)
+    engine_config = options.pop("engine_config", None) or {}
+    if "max_context_len" in engine_config:
+        options.setdefault("max_context_len", engine_config["max_context_len"])
+    return options
+
+
 #: Limits of SamplingParams.validate (docs/engines.md).
 GREEDY_BELOW = 1e-5
 MAX_INT32 = 2**31 - 1

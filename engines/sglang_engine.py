@@ -1,22 +1,27 @@
-"""The SGLang adapter: the Engine interface over a ``python -m sglang.launch_server``
-process and its documented HTTP API (docs/engines.md, "The SGLang adapter"; sglang 0.5.x).
+"""The SGLang adapter: the Engine interface over a ``python -m sglang.launch_server`` process
+spanning the engine's GPUs, driven through SGLang's HTTP API as pinned in
+``engines/sglang_protocol.json`` (sglang 0.5.15.post1; docs/engines.md, "The SGLang adapter").
+Its command line comes from the engine options every backend takes
+(``engines.sglang_args.server_fields``); every request it sends is checked against the
+pinned version's routes and request keys.
 
 Pitfalls it handles: release asserts the server is idle, so sleep first pauses (abort
 mode), aborts everything and retries ``/flush_cache`` while it answers 400 (busy), then
 releases and waits until the GPU memory is really freed; ``max_new_tokens`` defaults to 128
 on the server, so it is always sent; generation resumes (``/continue_generation``) only
 after a full wake; judges run with ``--enable-weights-cpu-backup`` so their weights survive
-a release; the process tree is killed on close.
+a release; a live weight update pauses (retract) and continues around it; the process tree
+is killed on close.
 
 SGLang is CUDA-only and is not installed on the CPU machines: tests drive this adapter
 against a protocol-faithful fake server (tests/engines/fake_sglang.py), started through the
-same launch command with ``RELAY_SGLANG_LAUNCH`` naming the module.
+same launch command with ``RELAY_SGLANG_LAUNCH`` naming the module. It has not run against
+a real SGLang server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import signal
 import socket
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from . import sglang_weights
 from .interface import (
     TAGS,
     Engine,
@@ -33,6 +39,7 @@ from .interface import (
     check_tags,
     checked_sampling,
 )
+from .sglang_args import check_request, protocol, server_argv, server_env, server_fields
 
 #: SamplingParams keys that SGLang's /generate takes under the same name and meaning.
 SGLANG_PASSTHROUGH = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_new_tokens",
@@ -50,21 +57,29 @@ class SGLangError(RuntimeError):
 
 
 class SGLangEngine(Engine):
+    """One SGLang server (``python -m sglang.launch_server``) spanning the engine's GPUs.
+
+    Takes the engine options every backend takes (``engines.interface.ENGINE_OPTIONS``):
+    ``device``, ``weights_mode`` (``"discard"``: a rollout engine, refilled by weight sync;
+    ``"backup"``: a judge, ``--enable-weights-cpu-backup``), ``offload`` (it releases memory
+    for co-tenants: ``--enable-memory-saver``), ``mem_fraction_static``, ``kv_cache_tokens``
+    (``--max-total-tokens``), ``gpu_ids`` (the node's GPU ids it spans: ``--tp-size`` and
+    ``--base-gpu-id``) and ``engine_config`` (dp/pp/ep sizes, context length and any other
+    server argument of the pinned version; unknown keys are dropped with a warning). See
+    ``engines.sglang_args.server_fields``."""
+
     def __init__(
         self,
         model_path: str,
         *,
-        tp_size: int = 1,
-        dp_size: int = 1,
-        pp_size: int = 1,
-        ep_size: int = 1,
+        device: str = "cuda",
+        weights_mode: str = "backup",
+        offload: bool = False,
         mem_fraction_static: float | None = None,
-        context_length: int | None = None,
-        base_gpu_id: int = 0,
+        kv_cache_tokens: int | None = None,
+        gpu_ids: list | None = None,
+        engine_config: dict | None = None,
         port: int | None = None,
-        colocated: bool = True,
-        weights_cpu_backup: bool = False,
-        extra_args: dict | None = None,
         start_timeout: float = 900.0,
         drain_timeout: float = 120.0,
         name: str = "sglang",
@@ -73,27 +88,19 @@ class SGLangEngine(Engine):
         self.name = name
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.colocated = colocated
-        self.weights_cpu_backup = weights_cpu_backup
+        self.device = device
+        self.offload = offload
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
-        self.args = server_args(
-            model_path,
-            tp_size,
-            dp_size,
-            pp_size,
-            ep_size,
-            mem_fraction_static,
-            context_length,
-            base_gpu_id,
-            self.port,
-            colocated,
-            weights_cpu_backup,
-            extra_args or {},
-        )
+        self.fields = server_fields(model_path, self.port, device=device, weights_mode=weights_mode, offload=offload,
+                                    mem_fraction_static=mem_fraction_static, kv_cache_tokens=kv_cache_tokens,
+                                    gpu_ids=gpu_ids, engine_config=engine_config)
+        self.args = server_argv(self.fields)
+        self.env = server_env(gpu_ids, offload)
         self.proc: subprocess.Popen | None = None
         self._session = None
         self._asleep: set[str] = set()
+        self._paused_for_sync = False  # /pause_generation sent for a live weight update
         self.weight_version = 0
         self._rid = 0
         self._tok = None  # the HF tokenizer, loaded on first use (see tokenizer)
@@ -107,7 +114,7 @@ class SGLangEngine(Engine):
         import relay
 
         module = relay.settings().sglang_launch
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *self.args], start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *self.args], env=self.env, start_new_session=True)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
         deadline = time.monotonic() + self.start_timeout
         while True:
@@ -146,6 +153,7 @@ class SGLangEngine(Engine):
                 self.proc.wait(10)
 
     async def _post(self, route: str, body: dict | None = None, ok=(200,)) -> tuple[int, dict | str]:
+        check_request(route, body)  # a key the pinned SGLang does not take is our bug: fail loudly
         async with self._session.post(f"{self.url}{route}", json=body or {}) as r:
             try:
                 data = await r.json(content_type=None)
@@ -224,6 +232,7 @@ class SGLangEngine(Engine):
         cancelled caller's request is aborted in the server."""
         import aiohttp
 
+        check_request("/generate", body)
         try:
             async with self._session.post(f"{self.url}/generate", json=body) as r:
                 try:
@@ -231,7 +240,7 @@ class SGLangEngine(Engine):
                 except Exception:  # noqa: BLE001 - reported as text below
                     data = await r.text()
         except asyncio.CancelledError:
-            asyncio.get_running_loop().create_task(self._abort_quietly(body["rid"]))
+            asyncio.get_running_loop().create_task(_abort_quietly(self, body["rid"]))
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if self.proc is not None and self.proc.poll() is not None:
@@ -243,14 +252,8 @@ class SGLangEngine(Engine):
             raise EngineStepError(f"{self.name}: POST /generate -> {r.status}: {str(data)[:200]}")
         return data
 
-    async def _abort_quietly(self, rid: str) -> None:
-        try:
-            await self._post("/abort_request", {"rid": rid, "abort_all": False})
-        except Exception:  # noqa: BLE001 - best effort: the server may be gone
-            pass
-
-    async def pause(self) -> None:
-        await self._post("/pause_generation", {"mode": "abort"})
+    async def pause(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
         await self._post("/continue_generation", {})
@@ -284,114 +287,109 @@ class SGLangEngine(Engine):
             await self._wait_idle()
         await self._drain()
         before = _gpu_free()
-        await self._post("/release_memory_occupation", {"tags": tags})
-        await self._wait_released(before)
+        await self._post("/release_memory_occupation", {"tags": _server_tags(tags)})
+        await _wait_released(before)
         self._asleep.update(tags)
         self.events.append((time.monotonic(), "sleep", tuple(tags)))
 
     async def _wait_idle(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
         while time.monotonic() < deadline:
-            async with self._session.get(f"{self.url}/v1/loads") as r:
-                data = await r.json(content_type=None)
-            if not data.get("num_running_reqs", 0) and not data.get("num_waiting_reqs", 0):
+            running, waiting, _ = await _loads(self._session, self.url)
+            if not running and not waiting:
                 return
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{self.name}: requests did not finish within {self.drain_timeout:g} s")
 
-    async def _wait_released(self, before: int | None, timeout: float = 30.0) -> None:
-        """The release call can return before the memory is free (slime#579): wait for it."""
-        if before is None:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if _gpu_free() > before:
-                return
-            await asyncio.sleep(0.05)
-
     async def wake(self, tags=("weights", "kv_cache")) -> None:
         tags = [t for t in check_tags(tags) if t in self._asleep]
         if tags:
-            await self._post("/resume_memory_occupation", {"tags": tags})
+            await self._post("/resume_memory_occupation", {"tags": _server_tags(tags)})
             self._asleep.difference_update(tags)
             self.events.append((time.monotonic(), "wake", tuple(tags)))
         if not (self._asleep & set(TAGS)):
             await self.resume()  # only after a full wake
 
+    # ------------------------------------------------------------------ weight sync
+
     def weight_sync_info(self) -> dict:
-        """SGLang takes weights through :meth:`update_weights` (the relay path)."""
-        return {"backend": "sglang", "device_type": "cuda", "uuid": None}
+        """What the trainer's sender needs (engines.weight_sync.sender): colocated on CUDA,
+        the UUID of the engine's first GPU (a trainer rank there sends by CUDA IPC through
+        ``/update_weights_from_tensor``); otherwise a broadcast group with SGLang's
+        ``/init_weights_update_group`` (``ranks``: one per TP rank) and its flattened-bucket
+        layout (``align`` 1); on CPU the relay path (``update_weights``)."""
+        uuid = None
+        if self.device == "cuda" and self.offload:  # the colocated trainer rank's process: CUDA is up already
+            from .weight_sync import device_uuid
 
-    async def update_weights(self, buckets, version: int) -> None:
-        """Colocated: tensors by CUDA IPC handles (``/update_weights_from_tensor``); the
-        receiver copies device to device. Otherwise use :meth:`update_weights_distributed`."""
-        import torch.multiprocessing.reductions  # noqa: F401 (registers the CUDA IPC reducers)
+            uuid = device_uuid("cuda")
+        return {"backend": "sglang", "device_type": self.device, "uuid": uuid, "ranks": self.fields["tp_size"],
+                "align": 1, "group_protocol": "sglang", "engine_id": f"{self.name}-{self.port}-{id(self)}"}
 
-        for bucket in buckets:
-            items = list(bucket.items() if isinstance(bucket, dict) else bucket)
-            payload = base64.b64encode(_forking_dumps(items)).decode()
-            await self._post(
-                "/update_weights_from_tensor",
-                {
-                    "serialized_named_tensors": [payload] * max(1, int(self.args[self.args.index("--tp-size") + 1])),
-                    "flush_cache": True,
-                    "weight_version": str(version),
-                },
-            )
+    async def _begin_update(self) -> None:
+        """A live engine (awake: not colocated) stops scheduling while its weights change;
+        retract mode keeps the requests in flight (they resume after the update). A
+        sleeping one was drained by sleep and resumes with wake."""
+        if not self._asleep and not self._paused_for_sync:
+            await self.pause("retract")
+            self._paused_for_sync = True
+
+    async def _end_update(self, version: int) -> None:
         self.weight_version = version
         self.events.append((time.monotonic(), "update_weights", version))
+        if self._paused_for_sync:
+            self._paused_for_sync = False
+            await self.resume()
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-        timeout_s: float = 600.0,
-    ) -> None:
-        """Join SGLang's server to a broadcast group (``timeout_s`` is the server's own)."""
-        await self._post(
-            "/init_weights_update_group",
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            },
-        )
+    async def update_weights(self, buckets, version: int) -> None:
+        """The relay path: CPU tensors by value through ``/update_weights_from_tensor`` (one
+        payload per TP rank), a bucket at a time."""
+        buckets = list(buckets)
+        await self._begin_update()
+        for i, bucket in enumerate(buckets):
+            items = list(bucket.items() if isinstance(bucket, dict) else bucket)
+            body = _tensor_request(self.fields, sglang_weights.by_value(items), version, i == len(buckets) - 1)
+            await self._post("/update_weights_from_tensor", body)
+        await self._end_update(version)
 
-    async def update_weights_distributed(
-        self,
-        names: list,
-        dtypes: list,
-        shapes: list,
-        version: int,
-        broadcast=None,
-        group_name: str = "weight_update_group",
-    ) -> None:
-        """Announce a bucket, then let the trainer broadcast it (``broadcast()``) while the
-        server receives it over the NCCL group set up by :meth:`init_weights_update_group`."""
-        request = asyncio.ensure_future(
-            self._post(
-                "/update_weights_from_distributed",
-                {
-                    "names": names,
-                    "dtypes": dtypes,
-                    "shapes": shapes,
-                    "group_name": group_name,
-                    "flush_cache": True,
-                    "weight_version": str(version),
-                },
-            )
-        )
-        if broadcast is not None:
-            await asyncio.to_thread(broadcast)
-        await request
-        self.weight_version = version
+    async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
+        """Colocated: one flat bucket the trainer shared by CUDA IPC, handed on to the server
+        as views of that buffer (``/update_weights_from_tensor``): every TP rank maps it
+        and copies device to device; the trainer frees it after this returns."""
+        await self._begin_update()
+        uuid = self.weight_sync_info()["uuid"]
+        payload = sglang_weights.by_ipc_handle(handle, metas, uuid)
+        await self._post("/update_weights_from_tensor", _tensor_request(self.fields, payload, version, last))
+        if last:
+            await self._end_update(version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl", timeout_s: float = 600.0) -> None:
+        """The server's TP ranks join the trainer's broadcast group as ranks
+        ``rank_offset .. rank_offset + tp_size - 1`` (SGLang builds it with a
+        ``PrefixStore(group_name)``; the trainer's side must too: engines.weight_sync)."""
+        if self.fields["pp_size"] != 1:
+            raise ValueError(f"{self.name}: weight sync by broadcast into an SGLang engine with pp_size > 1 is not "
+                             "supported (each pipeline stage would need its own group)")
+        await self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, version: int,
+                                              group_name: str = "weight_update_group", last: bool = True) -> None:
+        """Announce one bucket; the server receives it over the group as one flat buffer
+        (``load_format="flattened_bucket"``) while the trainer broadcasts it. Generation is
+        paused (retract) from the first bucket of a version to the last."""
+        await self._begin_update()
+        await self._post("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": last,
+            "weight_version": str(version), "load_format": "flattened_bucket"})
+        if last:
+            await self._end_update(version)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._post("/destroy_weights_update_group", {"group_name": group_name}, ok=(200, 400))
 
     async def health(self) -> dict:
         try:
@@ -402,15 +400,65 @@ class SGLangEngine(Engine):
         return {"status": "healthy" if ok else "unhealthy", "name": self.name}
 
     async def stats(self) -> dict:
-        async with self._session.get(f"{self.url}/v1/loads") as r:
-            loads = await r.json(content_type=None)
+        running, waiting, memory = await _loads(self._session, self.url)
         return {
-            "running": loads.get("num_running_reqs", 0),
-            "waiting": loads.get("num_waiting_reqs", 0),
+            "running": running,
+            "waiting": waiting,
             "weight_version": self.weight_version,
             "asleep": sorted(self._asleep),
-            "bytes": loads.get("memory", {}),
+            "bytes": memory,
+            "sglang_version": protocol()["sglang_version"],
         }
+
+
+def _server_tags(tags: list) -> list:
+    """SGLang's tags for ours: the KV cache goes and comes back with the CUDA graphs (their
+    memory is the saver's too, under ``SGLANG_MEMORY_SAVER_CUDA_GRAPH``), as slime and relax
+    release everything and resume ``[kv_cache, cuda_graph]`` together."""
+    out = list(tags)
+    if "kv_cache" in out and "cuda_graph" not in out:
+        out.append("cuda_graph")
+    return out
+
+
+def _tensor_request(fields: dict, payload: str, version: int, last: bool) -> dict:
+    """An ``/update_weights_from_tensor`` body: the payload for every TP rank."""
+    return {"serialized_named_tensors": [payload] * fields["tp_size"], "flush_cache": last,
+            "weight_version": str(version)}
+
+
+async def _abort_quietly(engine: SGLangEngine, rid: str) -> None:
+    try:
+        await engine._post("/abort_request", {"rid": rid, "abort_all": False})
+    except Exception:  # noqa: BLE001 - best effort: the server may be gone
+        pass
+
+
+async def _wait_released(before: int | None, timeout: float = 30.0) -> None:
+    """The release call can return before the memory is free (slime#579): wait for it."""
+    if before is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _gpu_free() > before:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _loads(session, url: str) -> tuple[int, int, dict]:
+    """``GET /v1/loads``: running and waiting requests summed over the DP ranks, and the
+    memory the server reports (bytes per tag)."""
+    async with session.get(f"{url}/v1/loads") as r:
+        data = await r.json(content_type=None)
+    loads = data.get("loads") or []
+    memory: dict = {}
+    for load in loads:
+        for tag, key in (("weights", "weight_gb"), ("kv_cache", "kv_cache_gb"), ("cuda_graph", "graph_gb")):
+            gb = (load.get("memory") or {}).get(key)
+            if gb is not None:
+                memory[tag] = memory.get(tag, 0) + int(gb * (1 << 30))
+    running = sum(int(load.get("num_running_reqs", 0)) for load in loads)
+    return running, sum(int(load.get("num_waiting_reqs", 0)) for load in loads), memory
 
 
 def _version(reported, fallback: int) -> int:
@@ -419,62 +467,6 @@ def _version(reported, fallback: int) -> int:
         return int(reported)
     except (TypeError, ValueError):
         return fallback
-
-
-def _forking_dumps(items: list) -> bytes:
-    """Serialize named tensors as SGLang's MultiprocessingSerializer expects. CUDA tensors go
-    as CUDA IPC handles (ForkingPickler), so the server maps our GPU memory and copies
-    device to device; CPU tensors go by value (an fd-sharing handle would need a shared
-    multiprocessing authkey, which an unrelated server process does not have)."""
-    import io
-    import pickle
-    from multiprocessing.reduction import ForkingPickler
-
-    if not any(getattr(t, "is_cuda", False) for _, t in items):
-        return pickle.dumps(items)
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(items)
-    return buf.getvalue()
-
-
-def server_args(
-    model_path, tp, dp, pp, ep, mem_fraction, context_length, base_gpu_id, port, colocated, backup, extra
-) -> list[str]:
-    """Our config -> ``sglang.launch_server`` arguments."""
-    args = [
-        "--model-path",
-        model_path,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--tp-size",
-        str(tp),
-        "--dp-size",
-        str(dp),
-        "--pp-size",
-        str(pp),
-        "--ep-size",
-        str(ep),
-        "--base-gpu-id",
-        str(base_gpu_id),
-        "--skip-server-warmup",
-    ]
-    if mem_fraction is not None:
-        args += ["--mem-fraction-static", str(mem_fraction)]
-    if context_length is not None:
-        args += ["--context-length", str(context_length)]
-    if colocated:
-        args.append("--enable-memory-saver")
-    if backup:
-        args.append("--enable-weights-cpu-backup")
-    for k, v in extra.items():
-        flag = "--" + k.replace("_", "-")
-        if v is True:
-            args.append(flag)
-        elif v not in (False, None):
-            args += [flag, str(v)]
-    return args
 
 
 def _gpu_free() -> int | None:

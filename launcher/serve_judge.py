@@ -62,13 +62,7 @@ class JudgeEngines:
         inst = self.cfg.genrm[name]
         path = ensure_model(inst.model_path)
         procs = relay.this_host().spawn_procs(per_host={"engines": 1}, name=f"judge-{name}-{index}".replace("_", ""))
-        kw: dict = {"weights_mode": "backup"}
-        if self.cfg.engine == "torch":
-            kw["max_context_len"] = inst.engine_config.get("max_context_len")
-        if self.cfg.device == "cpu":
-            kw["kv_cache_tokens"] = int(inst.engine_config.get("kv_cache_tokens", 8192))
-        else:
-            kw.update(device="cuda", mem_fraction_static=inst.mem_fraction_static or 0.8)
+        kw = judge_engine_options(self.cfg, name, index)
         self.meshes.append(procs)
         self.procs[procs.procs[0].proc_id] = (name, index)
         return procs.spawn("engine", EngineActor, path, self.cfg.engine, **kw)
@@ -114,6 +108,29 @@ class JudgeEngines:
         for procs in self.meshes:
             await procs.stop()
         relay.set_unhandled_fault_hook(self.fallback)
+
+
+def judge_engine_options(cfg: JobConfig, name: str, index: int) -> dict:
+    """The engine options (``engines.interface.ENGINE_OPTIONS``) of engine ``index`` of
+    judge ``name``: weights kept in a CPU backup, no offload (``relay judge`` shares its
+    GPUs with nobody), its GPUs after those of the instances before it (instances at prefix
+    sums, engines of ``num_gpus_per_engine`` each), its engine config."""
+    first = 0
+    for other, inst in cfg.genrm.items():
+        if other == name:
+            break
+        first += inst.num_gpus
+    inst = cfg.genrm[name]
+    first += index * inst.num_gpus_per_engine
+    engine_config = dict(inst.engine_config)
+    kv_tokens = int(engine_config.pop("kv_cache_tokens", 8192))
+    options: dict = {"weights_mode": "backup", "offload": False, "engine_config": engine_config,
+                     "gpu_ids": list(range(first, first + inst.num_gpus_per_engine))}
+    if cfg.device == "cpu":
+        options.update(device="cpu", kv_cache_tokens=kv_tokens)
+    else:
+        options.update(device="cuda", mem_fraction_static=inst.mem_fraction_static or 0.8)
+    return options
 
 
 def secret_file_path(port: int) -> str:

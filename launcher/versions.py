@@ -17,8 +17,10 @@ REQUIRED = {"torch": "2.6", "megatron-core": "0.16", "transformers": "4.45"}
 #: 0.16.1 on both (any 0.16.x counts as tested)
 TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "megatron-core": ("0.16", "0.16"),
           "transformers": ("5.17", "5.24")}
-#: SGLang runs as its own server; the adapter speaks its HTTP API (tested against a fake of it)
-SGLANG_NOTE = "SGLang: any server with the /generate, /release_memory_occupation, /update_weights_* HTTP API"
+#: SGLang runs as its own server; the adapter speaks the pinned version's arguments and HTTP API
+#: (engines/sglang_protocol.json), tested against a fake of it only
+SGLANG_NOTE = ("SGLang: 0.5.15.post1's server arguments and HTTP API (engines/sglang_protocol.json); tested against "
+               "a fake server that follows it, not against a real SGLang server")
 
 
 class VersionError(RuntimeError):

@@ -30,19 +30,20 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
-def layout(named: list) -> tuple[list, int]:
-    """``[(name, tensor)]`` -> (metas, total bytes) of the flat buffer."""
+def layout(named: list, align: int = ALIGN) -> tuple[list, int]:
+    """``[(name, tensor)]`` -> (metas, total bytes) of the flat buffer. ``align`` 1 packs
+    the tensors back to back: SGLang's ``FlattenedTensorBucket`` layout."""
     metas, off = [], 0
     for name, t in named:
         metas.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), off])
-        off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        off += -(-t.numel() * t.element_size() // align) * align
     return metas, off
 
 
-def flatten(named: list, device, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+def flatten(named: list, device, out: torch.Tensor | None = None, align: int = ALIGN) -> tuple[torch.Tensor, list]:
     """Pack ``[(name, tensor)]`` into one ``uint8`` buffer on ``device`` (``out`` reused when
     large enough); returns (buffer, metas)."""
-    metas, total = layout(named)
+    metas, total = layout(named, align)
     buf = (
         out[:total]
         if out is not None and out.numel() >= total
@@ -172,7 +173,14 @@ class BroadcastGroup:
     """A standalone process group (rank 0 = the trainer's sender, 1..n = engines) over its
     own TCPStore: independent of any default group in either process. ``timeout`` bounds
     the rendezvous and (unless ``op_timeout_s`` is given) every collective: a missing peer
-    is an error, not a hang."""
+    is an error, not a hang.
+
+    ``protocol="sglang"`` (rank 0 only): the group an SGLang server joins with
+    ``/init_weights_update_group``, built as SGLang builds its side
+    (``init_custom_process_group``: ``PrefixStore(name)`` over the TCP store, then torch's
+    ``_new_process_group_helper``, which nests its own prefixes); a group made any other way
+    never meets it (tokenspeed#1373). The peers announce nothing beforehand, so the
+    rendezvous is the backend's own (bounded by ``timeout``)."""
 
     def __init__(
         self,
@@ -184,11 +192,13 @@ class BroadcastGroup:
         timeout_s: float,
         name: str,
         op_timeout_s: float | None = None,
+        protocol: str = "relay",
     ):
         import torch.distributed as dist
 
         self.name, self.rank, self.world_size = name, rank, world_size
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.protocol = protocol
         op_timeout = datetime.timedelta(seconds=op_timeout_s or timeout_s)
         try:
             store = dist.TCPStore(
@@ -201,6 +211,10 @@ class BroadcastGroup:
             ) from e
         store = dist.PrefixStore(name, store)
         self._store = store
+        if protocol == "sglang":
+            self.backend = backend
+            self.pg = _sglang_compatible_group(store, rank, world_size, backend, self.timeout, name)
+            return
         # Everyone present before any backend connects (NCCL's communicator set-up has no
         # timeout of its own): a peer that never comes is a TimeoutError here.
         store.set(f"joined/{rank}", "1")
@@ -254,6 +268,14 @@ class BroadcastGroup:
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
+        if self.protocol == "sglang" and pg is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
+                pass
+            return
         for how in ("abort", "shutdown") if self.backend == "nccl" else ("shutdown",):
             if pg is not None and hasattr(pg, how):
                 try:
@@ -261,3 +283,18 @@ class BroadcastGroup:
                     return
                 except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
                     pass
+
+
+def _sglang_compatible_group(store, rank: int, world_size: int, backend: str, timeout, name: str):
+    """What SGLang's ``init_custom_process_group`` makes of ``store`` (its
+    ``PrefixStore(group_name)``) on the other side."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    try:
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=name,
+                                          backend_options=None, timeout=timeout)
+    except (RuntimeError, ValueError) as e:
+        raise TimeoutError(f"weight-sync group {name!r}: rank {rank} of {world_size} did not meet the SGLang "
+                           f"server(s) within {timeout.total_seconds()}s: {e}") from e
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg

@@ -4,8 +4,13 @@ layout and transports: :mod:`engines.weight_sync`).
 
 Transports, per engine: ``ipc`` (CUDA IPC from the trainer rank on the engine's GPU),
 ``distributed`` (a broadcast group of trainer rank 0 and the engines, kept across pushes to
-the same engines) and ``relay`` (CPU tensors as relay frames: CPU engines, and SGLang, which
-takes weights through ``update_weights``). ``auto`` picks them in that order of preference.
+the same engines) and ``relay`` (CPU tensors as relay frames: CPU engines). ``auto`` picks
+them in that order of preference. SGLang engines take the same three, through SGLang's own
+routes (``/update_weights_from_tensor`` with the IPC handles, ``/init_weights_update_group``
++ ``/update_weights_from_distributed``, ``/update_weights_from_tensor`` by value): their
+``weight_sync_info`` says how many group ranks each takes (one per TP rank), the flat
+layout they expect (``align`` 1: SGLang's flattened bucket) and how the group is built
+(``group_protocol`` "sglang").
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import BroadcastGroup, device_uuid, flatten, ipc_handle, release
+from . import ALIGN, BroadcastGroup, device_uuid, flatten, ipc_handle, release
 
 TRANSPORTS = ("auto", "ipc", "distributed", "relay")
+ENGINES = ("torch", "sglang")  # backends whose engines take weights by CUDA IPC or a broadcast group
 TEARDOWN_TIMEOUT = 30.0  # seconds to wait for an engine to leave a broadcast group
 
 
@@ -70,7 +76,7 @@ class WeightSender:
             colocated = next((r for r, u in enumerate(uuids) if u is not None and u == info["uuid"]), None)
             chosen = transport
             if chosen == "auto":
-                if self.device.type != "cuda" or info["device_type"] != "cuda" or info["backend"] != "torch":
+                if self.device.type != "cuda" or info["device_type"] != "cuda" or info["backend"] not in ENGINES:
                     chosen = "relay"
                 else:
                     chosen = "ipc" if colocated is not None else "distributed"
@@ -93,8 +99,8 @@ class WeightSender:
             cross_process = any(r.info.get("pid") != os.getpid() for r in mine if r.transport == "ipc")
             sent += self._push_ipc(by_transport["ipc"], buckets, version, timeout, cross_process)
         if by_transport["distributed"]:
-            ids = tuple(r.info.get("engine_id") for r in mine if r.transport == "distributed")
-            sent += self._push_broadcast(by_transport["distributed"], ids, buckets, version, timeout)
+            infos = [r.info for r in mine if r.transport == "distributed"]
+            sent += self._push_broadcast(by_transport["distributed"], infos, buckets, version, timeout)
         if by_transport["relay"]:
             # copies: the relay may move what it sends into shared memory (never the params)
             cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket} for bucket in buckets]
@@ -144,20 +150,23 @@ class WeightSender:
         torch.cuda.ipc_collect()
         return sent
 
-    def _push_broadcast(self, engines: list, engine_ids: tuple, buckets: list, version: int, timeout: float) -> int:
-        """A broadcast group of this rank (rank 0) and the engines (1..n), one flat buffer per
-        bucket. The group is made on the first push to these engines and kept for the next
-        ones (its set-up is paid once); pushing to another set of engines, a failed push and
-        :meth:`close` tear it down."""
+    def _push_broadcast(self, engines: list, infos: list, buckets: list, version: int, timeout: float) -> int:
+        """A broadcast group of this rank (rank 0) and the engines (1..n; an engine of
+        ``ranks`` TP ranks takes that many), one flat buffer per bucket. The group is made
+        on the first push to these engines and kept for the next ones (its set-up is paid
+        once); pushing to another set of engines, a failed push and :meth:`close` tear it
+        down."""
+        engine_ids = tuple(info.get("engine_id") for info in infos)
         if self._group is not None and (self._group.engine_ids != engine_ids or None in engine_ids):
             self.close(timeout)
         if self._group is None:
-            self._group = _Group(engine_ids, *_join(engines, self.device, timeout), engines)
+            self._group = _Group(engine_ids, *_join(engines, infos, self.device, timeout), engines)
         name, group = self._group.name, self._group.group
+        align = min(int(info.get("align", ALIGN)) for info in infos)
         sent = 0
         try:
             for i, bucket in enumerate(buckets):
-                buffer, metas = flatten(bucket, self.device)
+                buffer, metas = flatten(bucket, self.device, align=align)
                 names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
                 last = i == len(buckets) - 1
                 receives = [
@@ -173,22 +182,29 @@ class WeightSender:
         return sent
 
 
-def _join(engines: list, device: torch.device, timeout: float) -> tuple[str, BroadcastGroup]:
-    """A new broadcast group of this process (rank 0) and ``engines``; its name and group."""
+def _join(engines: list, infos: list, device: torch.device, timeout: float) -> tuple[str, BroadcastGroup]:
+    """A new broadcast group of this process (rank 0) and ``engines`` (each taking
+    ``info["ranks"]`` consecutive ranks); its name and group."""
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")
     name = f"weights-{uuid.uuid4().hex[:12]}"
     backend = "nccl" if device.type == "cuda" else "gloo"
-    size = len(engines) + 1
+    protocols = {info.get("group_protocol", "relay") for info in infos}
+    if len(protocols) > 1:
+        raise ValueError(f"weight sync: one broadcast group cannot serve engines of different kinds ({protocols})")
+    offsets, size = [], 1
+    for info in infos:
+        offsets.append(size)
+        size += int(info.get("ranks", 1))
     joins = [
-        e.init_weights_update_group.call(address, port, i + 1, size, name, backend, timeout)
-        for i, e in enumerate(engines)
+        e.init_weights_update_group.call(address, port, offset, size, name, backend, timeout)
+        for e, offset in zip(engines, offsets)
     ]
     group = None
     try:
-        group = BroadcastGroup(address, port, 0, size, backend, timeout, name)
+        group = BroadcastGroup(address, port, 0, size, backend, timeout, name, protocol=protocols.pop())
         for f in joins:
             f.get(timeout)
     except BaseException:

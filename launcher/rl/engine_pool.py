@@ -59,16 +59,26 @@ def live(engines: list[Engine]) -> list[Engine]:
     return [e for e in engines if e.down is None]
 
 
-def engine_options(cfg, claim, weights_mode: str) -> dict:
-    """The ``EngineActor`` keyword arguments for an engine of ``claim``."""
-    options: dict = {"weights_mode": weights_mode}
-    if claim.role == "genrm" and cfg.engine == "torch":
-        options["max_context_len"] = cfg.genrm[claim.instance].engine_config.get("max_context_len")
+def engine_options(cfg, claim, weights_mode: str, gpu_ids: list[int], offload: bool) -> dict:
+    """The engine options (``engines.interface.ENGINE_OPTIONS``, one contract for both
+    backends) of an engine of ``claim`` on the node GPUs ``gpu_ids``; ``offload``: it sleeps
+    while other roles use its GPUs (every engine of a colocated layout)."""
+    engine_config = dict(cfg.genrm[claim.instance].engine_config) if claim.role == "genrm" else {}
+    options: dict = {"weights_mode": weights_mode, "offload": offload, "gpu_ids": list(gpu_ids),
+                     "engine_config": engine_config}
     if cfg.device == "cpu":
-        options["kv_cache_tokens"] = cfg.kv_cache_tokens
+        engine_config.pop("kv_cache_tokens", None)  # relay train sizes every CPU engine with --kv-cache-tokens
+        options.update(device="cpu", kv_cache_tokens=cfg.kv_cache_tokens)
     else:
         options.update(device="cuda", mem_fraction_static=claim.mem_fraction or cfg.sglang_mem_fraction_static)
     return options
+
+
+def engine_gpus(cfg, claim, engine: Engine) -> list[int]:
+    """The node GPU ids of ``engine``'s slice: ``gpus_per_engine`` from its first bundle
+    (the allocator keeps a slice on one node, with contiguous ids)."""
+    first = engine.bundle % cfg.gpus_per_node
+    return list(range(first, first + claim.gpus_per_engine))
 
 
 def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tuple[str, ...],
@@ -122,11 +132,13 @@ async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocat
     engine.place.update(pids=[r["pid"] for r in ranks], devices=[r["device"] for r in ranks])
 
 
-def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, **extra) -> relay.ActorMesh:
+def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, offload: bool | None = None,
+                 **extra) -> relay.ActorMesh:
     """``engine``'s ``EngineActor`` on ``procs`` (its slice's first worker); await its
     ``initialized``. A colocated rollout engine discards its weights when it sleeps (the
-    trainer pushes them again); every other engine keeps a CPU backup. ``extra``: more
-    engine arguments (``tp_peers``)."""
+    trainer pushes them again); every other engine keeps a CPU backup. In a colocated
+    layout every engine sleeps while the trainer trains (``offload``, by default
+    ``colocate``). ``extra``: more engine arguments (``tp_peers``)."""
     from engines.actor import EngineActor
 
     rollout = claim.role == "rollout"
@@ -134,7 +146,9 @@ def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, **extr
     path = cfg.hf_checkpoint if rollout else cfg.genrm[claim.instance].model_path
     weights_mode = "discard" if (rollout and colocate) else "backup"
     name = f"engine-{claim.role}-{claim.instance or 'policy'}-{engine.index}".replace("_", "")
-    return proc.spawn(name, EngineActor, path, cfg.engine, **engine_options(cfg, claim, weights_mode), **extra)
+    offload = colocate if offload is None else offload
+    options = engine_options(cfg, claim, weights_mode, engine_gpus(cfg, claim, engine), offload)
+    return proc.spawn(name, EngineActor, path, cfg.engine, **options, **extra)
 
 
 def of_role(engines: list[Engine], role: str) -> list[Engine]:

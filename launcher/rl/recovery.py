@@ -87,7 +87,10 @@ class EngineRecovery:
         """``engine``'s successor on ``proc`` takes its place, ready to serve: a rollout
         engine with the trainer's current weights, a judge engine in the judge service."""
         claim = next(c for c in self.plan.claims if c.role == engine.role and c.instance == engine.instance)
-        mesh = spawn_engine(self.cfg, claim, engine, [proc], colocate=False)
+        # weights kept in a CPU backup, as a fresh engine's; it sleeps like the one it replaces (an SGLang
+        # server needs --enable-memory-saver for that)
+        mesh = spawn_engine(self.cfg, claim, engine, [proc], colocate=False,
+                            offload=self.plan.mode.startswith("colocate"))
         await mesh.initialized(timeouts.MODEL_LOAD)
         if engine.role == "rollout":
             await self.push(engine, mesh)

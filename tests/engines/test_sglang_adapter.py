@@ -25,19 +25,16 @@ async def server_info(eng):
         return await r.json()
 
 
-def test_launch_arguments_are_mapped_from_our_config():
+def test_launch_arguments_are_mapped_from_our_config(capfd):
     async def main():
         eng = SGLangEngine(
             "/models/judge",
-            tp_size=2,
-            dp_size=2,
-            ep_size=2,
+            gpu_ids=[4, 5],
+            engine_config={"dp_size": 2, "ep_size": 2, "max_context_len": 8192, "chunked_prefill_size": 4096,
+                           "no_such_argument": 1},
             mem_fraction_static=0.3,
-            context_length=8192,
-            base_gpu_id=4,
-            colocated=True,
-            weights_cpu_backup=True,
-            extra_args={"chunked_prefill_size": 4096},
+            offload=True,
+            weights_mode="backup",
         )
         await eng.start()
         info = await server_info(eng)
@@ -49,7 +46,10 @@ def test_launch_arguments_are_mapped_from_our_config():
     assert a["model_path"] == "/models/judge" and a["tp_size"] == 2 and a["dp_size"] == 2 and a["ep_size"] == 2
     assert a["mem_fraction_static"] == 0.3 and a["context_length"] == 8192 and a["base_gpu_id"] == 4
     assert a["enable_memory_saver"] and a["enable_weights_cpu_backup"]
-    assert a["unknown"] == ["--chunked-prefill-size", "4096"]
+    assert a["cuda_graph_backend_prefill"] == "disabled"  # slime: the breakable prefill graph breaks under the saver
+    assert a["chunked_prefill_size"] == "4096"  # an engine-config key that is a server argument: applied as given
+    assert "no_such_argument" not in a and "'no_such_argument' is not a server argument" in capfd.readouterr().err
+    assert eng.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5"  # node numbering: --base-gpu-id 4 is the 5th
     assert eng.proc.poll() is not None  # the server is gone after close()
 
 
@@ -72,7 +72,7 @@ def test_generate_shapes_and_explicit_max_new_tokens():
 
 def test_sleep_drains_then_releases_and_wake_resumes_in_order():
     async def main():
-        eng = SGLangEngine("/m", colocated=True)
+        eng = SGLangEngine("/m", offload=True)
         await eng.start()
         busy = asyncio.ensure_future(eng.generate([1], {"max_new_tokens": 5000}))
         await asyncio.sleep(0.3)
@@ -99,12 +99,15 @@ def test_sleep_drains_then_releases_and_wake_resumes_in_order():
     # generation continues only after the full wake
     assert "continue" not in [e if isinstance(e, str) else e[0] for e in mid]
     assert kinds[-1] == "continue" and kinds[-2] == "resume"
+    # SGLang's tags: the CUDA graphs go and come back with the KV cache (as slime and relax do)
+    assert [e[1] for e in log if e[0] in ("release", "resume")] == [
+        ["weights", "kv_cache", "cuda_graph"], ["weights"], ["kv_cache", "cuda_graph"]]
 
 
 @pytest.mark.parametrize("backup", [True, False], ids=["judge-backup", "rollout-discard"])
 def test_weights_after_wake(backup):
     async def main():
-        eng = SGLangEngine("/m", colocated=True, weights_cpu_backup=backup)
+        eng = SGLangEngine("/m", offload=True, weights_mode="backup" if backup else "discard")
         await eng.start()
         await eng.sleep()
         await eng.wake()
@@ -126,24 +129,81 @@ def test_weights_after_wake(backup):
         assert [e[1] for e in log if isinstance(e, list) and e[0] == "update_weights_from_tensor"] == [["w"], ["b"]]
 
 
-def test_distributed_weight_update_announces_names_dtypes_shapes():
+def test_distributed_weight_update_joins_the_trainers_group_and_receives_flattened_buckets():
+    """The server joins a group the trainer builds as SGLang does (engines.weight_sync,
+    protocol "sglang") and receives each bucket as one flat buffer, tensors back to back;
+    a live engine is paused (retract) from the first bucket of a version to the last."""
+    from engines.sglang_engine import _free_port as free_port
+    from engines.weight_sync import BroadcastGroup, flatten
+
+    a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    c = torch.full((3,), 7, dtype=torch.int64)
+
     async def main():
-        eng = SGLangEngine("/m", colocated=False)
+        eng = SGLangEngine("/m", device="cpu")
         await eng.start()
-        await eng.init_weights_update_group("10.0.0.1", 29999, 1, 3)
-        sent = []
-        await eng.update_weights_distributed(
-            ["a", "b"], ["bfloat16", "float32"], [[2, 2], [3]], version=2, broadcast=lambda: sent.append(True)
-        )
+        port = free_port()
+        join = asyncio.ensure_future(eng.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo"))
+        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "wg", protocol="sglang")
+        await join
+        for i, bucket in enumerate([[("a", a), ("b", b)], [("c", c)]]):
+            buf, metas = flatten(bucket, "cpu", align=1)
+            names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
+            receive = asyncio.ensure_future(eng.update_weights_from_distributed(names, dtypes, shapes, 3, "wg",
+                                                                                last=i == 1))
+            await asyncio.to_thread(group.broadcast, buf)
+            await receive
+        await eng.destroy_weights_update_group("wg")
+        group.close()
+        r = await eng.generate([4], {"max_new_tokens": 2})
         log = (await server_info(eng))["log"]
         await eng.close()
-        return sent, log, eng
+        return eng, r, log
 
-    sent, log, eng = run(main())
-    assert sent == [True] and eng.weight_version == 2
-    init = next(e for e in log if isinstance(e, list) and e[0] == "init_weights_update_group")[1]
-    assert init["master_address"] == "10.0.0.1" and init["rank_offset"] == 1 and init["world_size"] == 3
-    assert ["update_weights_from_distributed", ["a", "b"]] in log
+    eng, r, log = run(main())
+    assert eng.weight_version == 3 and r.weight_version == 3
+    kinds = [e if isinstance(e, str) else e[0] for e in log]
+    assert kinds == ["init_weights_update_group", "pause", "update_weights_from_distributed",
+                     "update_weights_from_distributed", "continue"]
+    assert log[1] == ["pause", "retract"]
+    init = log[0][1]
+    assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["group_name"] == "wg"
+    assert [e[1] for e in log if e[0:1] == ["update_weights_from_distributed"]] == [["a", "b"], ["c"]]
+
+
+def test_distributed_bucket_contents_arrive_intact(tmp_path, monkeypatch):
+    """The record the fake writes holds each tensor's sum as received over the group."""
+    import json
+
+    from engines.sglang_engine import _free_port as free_port
+    from engines.weight_sync import BroadcastGroup, flatten
+
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(tmp_path))
+    w = torch.linspace(-1, 1, 10, dtype=torch.float32)
+    h = torch.tensor([0.25, 4.0, -8.0], dtype=torch.float16)
+
+    async def main():
+        eng = SGLangEngine("/m", device="cpu")
+        await eng.start()
+        port = free_port()
+        join = asyncio.ensure_future(eng.init_weights_update_group("127.0.0.1", port, 1, 2, "g2", "gloo"))
+        group = await asyncio.to_thread(BroadcastGroup, "127.0.0.1", port, 0, 2, "gloo", 60.0, "g2", protocol="sglang")
+        await join
+        buf, metas = flatten([("h", h), ("w", w)], "cpu", align=1)
+        receive = asyncio.ensure_future(eng.update_weights_from_distributed(
+            [m[0] for m in metas], [m[2] for m in metas], [m[1] for m in metas], 1, "g2"))
+        await asyncio.to_thread(group.broadcast, buf)
+        await receive
+        group.close()
+        await eng.close()
+        return eng
+
+    eng = run(main())
+    with open(tmp_path / f"sglang-{eng.port}.jsonl") as f:
+        entries = [json.loads(line) for line in f]
+    (update,) = [e for e in entries if e.get("path") == "/update_weights_from_distributed"]
+    assert update["tensors"] == {"h": pytest.approx(float(h.double().sum())), "w": pytest.approx(0.0, abs=1e-6)}
+    assert update["body"]["load_format"] == "flattened_bucket" and update["body"]["weight_version"] == "1"
 
 
 def test_a_server_that_dies_at_start_is_reported(monkeypatch):
@@ -188,12 +248,13 @@ def test_rendered_chats_are_tokenized_by_the_actor_and_sent_as_input_ids(tmp_pat
     assert r.token_ids == [(sum(ids) + i) % 100 + 5 for i in range(3)]  # the server was given these ids
 
 
-def test_failures_are_typed_and_a_cancelled_caller_is_aborted_in_the_server():
+def test_failures_are_typed_and_a_cancelled_caller_is_aborted_in_the_server(monkeypatch):
     """A 4xx is the request's own error (ValueError), a 5xx an EngineStepError while the
     server lives, EngineFailed once it exited; a cancelled caller's rid is aborted."""
 
     async def main():
-        eng = SGLangEngine("/m", context_length=64, extra_args={"token_delay": 0.01})
+        monkeypatch.setenv("FAKE_SGLANG_TOKEN_DELAY", "0.01")
+        eng = SGLangEngine("/m", engine_config={"context_length": 64})
         await eng.start()
         out = {}
         try:
