@@ -61,8 +61,12 @@ class JudgeEngines:
         (await ``initialized``)."""
         inst = self.cfg.genrm[name]
         path = ensure_model(inst.model_path)
-        procs = relay.this_host().spawn_procs(per_host={"engines": 1}, name=f"judge-{name}-{index}".replace("_", ""))
         kw = judge_engine_options(self.cfg, name, index)
+        # the built-in engine uses the first GPU it sees: show it its own (SGLang's server
+        # takes the node's GPUs and --base-gpu-id instead)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, kw["gpu_ids"]))} if self.cfg.engine == "torch" else None
+        procs = relay.this_host().spawn_procs(per_host={"engines": 1}, name=f"judge-{name}-{index}".replace("_", ""),
+                                              env=env)
         self.meshes.append(procs)
         self.procs[procs.procs[0].proc_id] = (name, index)
         return procs.spawn("engine", EngineActor, path, self.cfg.engine, **kw)
@@ -175,6 +179,12 @@ def _secret_lines(addr: str, source: str, path: str) -> list[str]:
 async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, ready=None) -> int:
     if not cfg.genrm:
         print("relay judge: the config has no judge (set genrm_model_path or genrm_instances)", file=sys.stderr)
+        return 2
+    wide = [name for name, inst in cfg.genrm.items() if inst.num_gpus_per_engine > 1]
+    if cfg.engine == "torch" and wide:
+        print(f"relay judge: the built-in engine runs on one GPU per engine here, and {', '.join(wide)} asks for "
+              "more (num_gpus_per_engine); run that judge in relay train (engines over several GPUs), or with "
+              "--engine sglang", file=sys.stderr)
         return 2
     try:
         secret_source, detail = _choose_secret()  # detail: the file's path, or the generated secret

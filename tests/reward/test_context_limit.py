@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import interrupt
+from tests.helpers import interrupt, live_pids_by_env
 from tests.launcher.test_launch import free_port, read_until
 from tests.reward.test_original_curl_calls import RELAY, ROOT
 
@@ -32,12 +32,18 @@ def post(port: int, body: dict) -> tuple[int, dict]:
 
 def test_a_judge_request_beyond_max_context_len_gets_400_naming_the_limit(tmp_path):
     port = free_port()
-    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32),
+               RELAY_TEST_TAG="context-limit")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
     p = subprocess.Popen([RELAY, "judge", "--config", "tiny-cpu-split", "--port", str(port), "--genrm-engine-config",
                           '{"max_context_len": 64}'], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         read_until(p, "judge ready", 240)
+        # each of the judge's two engine processes sees its own GPU
+        seen = [e.get(b"CUDA_VISIBLE_DEVICES") for e in live_pids_by_env().values()
+                if e.get(b"RELAY_TEST_TAG") == b"context-limit"]
+        assert sorted(v for v in seen if v is not None) == [b"0", b"1"], seen
         status, body = post(port, {"messages": [{"role": "user", "content": "x" * 200}]})
         assert status == 400, body
         assert "exceeds the engine's max_context_len 64" in body["error"], body
@@ -46,3 +52,11 @@ def test_a_judge_request_beyond_max_context_len_gets_400_naming_the_limit(tmp_pa
         assert status == 200 and "response" in body, body
     finally:
         interrupt(p)
+
+
+def test_relay_judge_says_the_built_in_engine_takes_one_gpu_per_engine_there(tmp_path):
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
+    p = subprocess.run([RELAY, "judge", "--config", "tiny-cpu-split", "--genrm-num-gpus-per-engine", "2"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "the built-in engine runs on one GPU per engine here, and __default__ asks for more" in p.stderr
