@@ -50,10 +50,13 @@ class EngineRecovery:
     def worker_died(self, node: int, bundle: int, failure) -> bool:
         """Take over the failure of bundle ``bundle``'s worker: True when its engines are
         being rebuilt (the job goes on), False when the job must stop (no fault tolerance,
-        or the worker hosted more than engines)."""
+        the worker hosted more than engines, or an engine over several GPUs: its other ranks
+        are in other workers; the global restart takes over)."""
         roles = self.roles_of(bundle)
         engines = [e for e in self.engines if e.bundle == bundle]
         if not self.cfg.fault_tolerant or not roles or not roles <= ENGINE_ROLES or not engines:
+            return False
+        if any(e.place.get("tp", 1) > 1 for e in engines):  # its other ranks live in other workers
             return False
         for engine in engines:
             engine.mark_down(f"its process is gone ({failure.reason})")
