@@ -75,7 +75,7 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _figures(train: list[dict], evals: list[dict], checks: list[dict]) -> list[tuple[str, str, list[tuple]]]:
+def _figures(train: list[dict], evals: list[dict], checks: list[dict] = ()) -> list[tuple[str, str, list[tuple]]]:
     """(file, y label, [(records, key, label, line style)]) per figure. Lines that can
     coincide get distinct styles, and pass@k is drawn only when k > 1 (with k = 1 it equals
     the held-out accuracy and would hide it). ``checks``: the judge self-check records."""
@@ -102,7 +102,7 @@ def _figures(train: list[dict], evals: list[dict], checks: list[dict]) -> list[t
             [
                 (train, "audit/agreement", "judge agrees with the rule grader (audited)", {"linewidth": 2.5}),
                 (train, "audit/rule_accuracy", "rule-graded accuracy (audited)", {"linestyle": "--"}),
-                (sorted(checks + train, key=lambda r: r["step"]), "judge/canary_pass_rate",
+                (sorted([*checks, *train], key=lambda r: r["step"]), "judge/canary_pass_rate",
                  "injection canaries held", {"linestyle": "-."}),
                 (train, "judge/parse_failure_rate", "judge replies not parsed", {"linestyle": ":"}),
                 (train, "audit/alarm", "drift alarm (on = 1)", {"drawstyle": "steps-post", "alpha": 0.6}),

@@ -41,9 +41,15 @@ def test_genrm_engines_lists_place_state_and_load(judge_model, faults):
                 busy = [asyncio.ensure_future(s.post(f"http://127.0.0.1:{port}/genrm/generate", json={
                     "messages": MSG, "sampling_params": {"max_new_tokens": 64, "ignore_eos": True, "seed": k}}))
                         for k in range(16)]
-                await asyncio.sleep(0.3)
-                async with s.get(url) as r:
-                    seen.append((r.status, await r.json()))
+                loaded = None
+                for _ in range(200):  # until both engines show work (or the requests are done)
+                    async with s.get(url) as r:
+                        loaded = (r.status, await r.json())
+                    rows = loaded[1]["instances"]["__default__"]["engines"]
+                    if all(e["in_flight"] + e["running"] > 0 for e in rows) or all(b.done() for b in busy):
+                        break
+                    await asyncio.sleep(0.02)
+                seen.append(loaded)
                 for response in await asyncio.gather(*busy):
                     response.release()
                 await judge.set_awake.call_one("__default__", False).result(10)
