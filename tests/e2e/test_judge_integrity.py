@@ -151,6 +151,6 @@ def test_an_always_one_judge_trips_the_drift_alarm_within_three_steps(data, tmp_
     assert recs[1]["judge/canaries_flipped"] == recs[1]["judge/canaries"] == 16
     assert "the judge said 1 to 16 of 16 injection canaries" in p.stdout
     # relay plot draws the judge's figures side by side
-    plot = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", run_dir], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    relay = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types
+    plot = subprocess.run([relay, "plot", run_dir], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0 and os.path.join(run_dir, "judge.png") in plot.stdout, plot.stdout + plot.stderr

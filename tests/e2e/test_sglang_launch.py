@@ -23,6 +23,8 @@ from engines.sglang_args import protocol
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
+RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -104,7 +106,7 @@ def rollout_step(version: str) -> list[tuple]:
 
 
 def train(tiny: dict, config: str, run_dir: str, record: str, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "launcher.cli", "train", "--config", config, "--engine", "sglang",
+    cmd = [RELAY, "train", "--config", config, "--engine", "sglang",
            "--prompt-data", tiny["train"], "--run-dir", run_dir, "--num-rollout", "2", "--rollout-batch-size", "4",
            "--n-samples-per-prompt", "8", "--global-batch-size", "32", "--rollout-max-response-len", "4",
            "--genrm-gateway-port", "0", "--hf-checkpoint", tiny["policy"], "--genrm-model-path", tiny["judge"],
@@ -202,7 +204,7 @@ def test_relay_judge_starts_one_sglang_server_per_engine_and_serves_through_it(t
     env = fake_env(tiny, record, XDG_CACHE_HOME=str(tmp_path / "xdg"))
     for key in ("RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE", "RELAY_JOB_ID"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "launcher.cli", "judge", "--config", "tiny-cpu-split", "--engine", "sglang",
+    cmd = [RELAY, "judge", "--config", "tiny-cpu-split", "--engine", "sglang",
            "--genrm-model-path", tiny["judge"], "--port", str(port)]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
