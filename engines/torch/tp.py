@@ -65,18 +65,27 @@ class TPGroup:
 
     # ------------------------------------------------------------------ rank 0's operations
 
+    def _bcast(self, t: torch.Tensor) -> None:
+        """Rank 0's ``t`` to every rank, waited on directly (an operation message is on every
+        step's path: no polling; the group's op timeout bounds the wait)."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
     def send(self, op: str, *args) -> None:
         """Rank 0: the followers run ``op(*args)`` next (CPU tensors and plain values)."""
         data = pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)
-        self.group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device))
-        self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+        self._bcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device))
+        self._bcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
 
     def recv(self) -> tuple[str, tuple]:
         """A follower: rank 0's next operation."""
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.group.broadcast(size)
+        self._bcast(size)
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.group.broadcast(buf)
+        self._bcast(buf)
         return pickle.loads(buf.cpu().numpy().tobytes())
 
     def close(self) -> None:
