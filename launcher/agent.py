@@ -47,6 +47,7 @@ class NodeAgent(Actor):
         self.specs: list[BundleSpec] = []
         self.replacements: list = []  # process meshes of workers started again (respawn_worker)
         self.spec_of: dict[str, BundleSpec] = {}  # a worker process's id -> its bundle
+        self.worker_of: dict[int, tuple] = {}  # bundle -> (its process mesh, its current worker's ProcRef)
         self.env: dict = {}
         self.controller = None
         self.done = asyncio.Event()
@@ -80,6 +81,7 @@ class NodeAgent(Actor):
         )
         await self.procs.ready(timeout=120)
         self.spec_of.update((p.proc_id, s) for s, p in zip(specs, self.procs.procs))
+        self.worker_of.update((s.bundle, (self.procs, p)) for s, p in zip(specs, self.procs.procs))
         return [WorkerInfo(s.bundle, self.node, p, s.roles) for s, p in zip(specs, self.procs.procs)]
 
     def _worker_env(self, spec: BundleSpec) -> dict:
@@ -96,16 +98,22 @@ class NodeAgent(Actor):
 
     @endpoint
     async def respawn_worker(self, bundle: int) -> WorkerInfo:
-        """Start bundle ``bundle``'s worker again (its process died); returns the new one's
-        WorkerInfo once it said hello. It is supervised like the first."""
+        """Start bundle ``bundle``'s worker again; returns the new one's WorkerInfo once it
+        said hello. It is supervised like the first. A worker of the bundle still alive (the
+        surviving rank of an engine over several GPUs, whose peer died) is stopped first (at
+        most 2 s, then killed), which is not reported as a failure."""
         spec = next((s for s in self.specs if s.bundle == bundle), None)
         if spec is None:
             raise ValueError(f"node {self.node} has no bundle {bundle}")
+        if bundle in self.worker_of:
+            mesh, ref = self.worker_of.pop(bundle)
+            await mesh.stop(timeout=2.0, procs=[ref])
         procs = relay.this_host().spawn_procs(per_host={"gpus": 1}, env=lambda point: self._worker_env(spec),
                                               name=f"node{self.node}-b{bundle}")
         self.replacements.append(procs)
         await procs.ready(timeout=120)
         self.spec_of[procs.procs[0].proc_id] = spec
+        self.worker_of[bundle] = (procs, procs.procs[0])
         return WorkerInfo(spec.bundle, self.node, procs.procs[0], spec.roles)
 
     async def __supervise__(self, failure: MeshFailure) -> bool:

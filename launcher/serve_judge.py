@@ -29,8 +29,9 @@ import time
 import relay
 from engines.actor import EngineActor
 from engines.model_builder import ensure_model
+from engines.torch.tp import FollowerActor
 from launcher.config import JobConfig
-from relay import job_secret, read_secret_file, write_secret_file
+from relay import ProcMesh, job_secret, read_secret_file, write_secret_file
 from reward.judge import start_judge_service
 
 SECRET_ENV, SECRET_FILE_ENV = "RELAY_JOB_SECRET", "RELAY_JOB_SECRET_FILE"
@@ -51,33 +52,57 @@ class JudgeEngines:
         self.out = out
         self.procs: dict[str, tuple[str, int]] = {}  # an engine process's id -> (instance, index)
         self.meshes: list = []  # every process mesh started, to stop at the end
+        self.engine_procs: dict[tuple[str, int], object] = {}  # (instance, index) -> its processes' mesh
+        self.retired: set[str] = set()  # processes of replaced engines: their exit is no news
         self.respawns: dict[tuple[str, int], int] = {}
         self.tasks: set[asyncio.Task] = set()
         self.service = None  # the JudgeService mesh, once started
         self.closing = False
 
-    def start(self, name: str, index: int):
-        """Spawn engine ``index`` of instance ``name`` in a new process; returns its mesh
-        (await ``initialized``)."""
+    async def start(self, name: str, index: int):
+        """Start engine ``index`` of instance ``name``: one new process per rank (a built-in
+        engine over k GPUs is k processes, each seeing its own GPU: rank 0 the engine, ranks
+        1..k-1 followers; SGLang's server is one process spanning the GPUs, which takes the
+        node's GPUs and ``--base-gpu-id``). Returns the engine's mesh, initialized."""
         inst = self.cfg.genrm[name]
         path = ensure_model(inst.model_path)
         kw = judge_engine_options(self.cfg, name, index)
-        # the built-in engine uses the first GPU it sees: show it its own (SGLang's server
-        # takes the node's GPUs and --base-gpu-id instead)
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, kw["gpu_ids"]))} if self.cfg.engine == "torch" else None
-        procs = relay.this_host().spawn_procs(per_host={"engines": 1}, name=f"judge-{name}-{index}".replace("_", ""),
-                                              env=env)
+        gpus = kw["gpu_ids"]
+        builtin = self.cfg.engine == "torch"
+        ranks = len(gpus) if builtin else 1
+
+        def env(point) -> dict | None:  # each rank sees its own GPU (on CPU, a label)
+            return {"CUDA_VISIBLE_DEVICES": str(gpus[point.coords["engines"]])} if builtin else None
+
+        procs = relay.this_host().spawn_procs(per_host={"engines": ranks}, env=env,
+                                              name=f"judge-{name}-{index}".replace("_", ""))
         self.meshes.append(procs)
-        self.procs[procs.procs[0].proc_id] = (name, index)
-        return procs.spawn("engine", EngineActor, path, self.cfg.engine, **kw)
+        self.procs.update((p.proc_id, (name, index)) for p in procs.procs)
+        self.engine_procs[(name, index)] = procs
+        peers = []
+        for rank, p in enumerate(procs.procs[1:], 1):
+            follower = ProcMesh.attach([p], name=f"judge-{name}-{index}-tp{rank}").spawn(f"engine-tp{rank}",
+                                                                                         FollowerActor)
+            await follower.initialized(60)
+            peers.append(follower)
+        extra = {"tp_peers": peers} if peers else {}
+        engine = ProcMesh.attach(procs.procs[:1], name=f"judge-{name}-{index}").spawn(
+            "engine", EngineActor, path, self.cfg.engine, **kw, **extra)
+        await engine.initialized(ENGINE_LOAD_TIMEOUT)
+        return engine
 
     def on_failure(self, failure) -> None:
         if self.closing:
             return
+        if failure.proc_id in self.retired:
+            return  # another rank of an engine already being replaced
         where = self.procs.pop(failure.proc_id, None)
         if where is None or self.service is None:
             self.fallback(failure)
             return
+        for proc_id in [k for k, v in self.procs.items() if v == where]:
+            del self.procs[proc_id]  # the engine's other ranks go with it (stopped before the new one starts)
+            self.retired.add(proc_id)
         task = asyncio.get_running_loop().create_task(self.respawn(*where, failure))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -93,8 +118,10 @@ class JudgeEngines:
               f"a new one loads", file=self.out, flush=True)
         t0 = time.monotonic()
         try:
-            engine = self.start(name, index)
-            await engine.initialized(ENGINE_LOAD_TIMEOUT)
+            old = self.engine_procs.pop((name, index), None)
+            if old is not None and len(old.procs) > 1:
+                await old.stop(timeout=2.0)  # a tensor-parallel engine's surviving ranks
+            engine = await self.start(name, index)
             await self.service.replace_engine.call_one(name, index, engine).result(60)
         except Exception as e:  # noqa: BLE001 - reported; the slot stays down
             print(f"relay judge: the new engine {index} of {name!r} did not start: {type(e).__name__}: {e}",
@@ -114,22 +141,34 @@ class JudgeEngines:
         relay.set_unhandled_fault_hook(self.fallback)
 
 
-def judge_engine_options(cfg: JobConfig, name: str, index: int) -> dict:
-    """The engine options (``engines.interface.ENGINE_OPTIONS``) of engine ``index`` of
-    judge ``name``: weights kept in a CPU backup, no offload (``relay judge`` shares its
-    GPUs with nobody), its GPUs after those of the instances before it (instances at prefix
-    sums, engines of ``num_gpus_per_engine`` each), its engine config."""
+def judge_engine_gpus(cfg: JobConfig, name: str) -> list[list[int]]:
+    """The GPU ids of each engine of judge ``name``: instances at prefix sums of their
+    ``num_gpus``, engines of ``num_gpus_per_engine`` GPUs each; with the built-in engine and
+    ``engine_config.dp_size`` d, each engine's GPUs split into d replicas (engines of their
+    own, routed to by load)."""
     first = 0
     for other, inst in cfg.genrm.items():
         if other == name:
             break
         first += inst.num_gpus
     inst = cfg.genrm[name]
-    first += index * inst.num_gpus_per_engine
+    per = inst.num_gpus_per_engine
+    dp = inst.engine_config.get("dp_size", 1) if cfg.engine == "torch" else 1
+    out = []
+    for start in range(first, first + inst.num_gpus - per + 1, per):
+        out += [list(range(start + k * per // dp, start + (k + 1) * per // dp)) for k in range(dp)]
+    return out
+
+
+def judge_engine_options(cfg: JobConfig, name: str, index: int) -> dict:
+    """The engine options (``engines.interface.ENGINE_OPTIONS``) of engine ``index`` of
+    judge ``name``: weights kept in a CPU backup, no offload (``relay judge`` shares its
+    GPUs with nobody), its GPUs (:func:`judge_engine_gpus`), its engine config."""
+    inst = cfg.genrm[name]
     engine_config = dict(inst.engine_config)
     kv_tokens = int(engine_config.pop("kv_cache_tokens", 8192))
     options: dict = {"weights_mode": "backup", "offload": False, "engine_config": engine_config,
-                     "gpu_ids": list(range(first, first + inst.num_gpus_per_engine))}
+                     "gpu_ids": judge_engine_gpus(cfg, name)[index]}
     if cfg.device == "cpu":
         options.update(device="cpu", kv_cache_tokens=kv_tokens)
     else:
@@ -180,12 +219,6 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     if not cfg.genrm:
         print("relay judge: the config has no judge (set genrm_model_path or genrm_instances)", file=sys.stderr)
         return 2
-    wide = [name for name, inst in cfg.genrm.items() if inst.num_gpus_per_engine > 1]
-    if cfg.engine == "torch" and wide:
-        print(f"relay judge: the built-in engine runs on one GPU per engine here, and {', '.join(wide)} asks for "
-              "more (num_gpus_per_engine); run that judge in relay train (engines over several GPUs), or with "
-              "--engine sglang", file=sys.stderr)
-        return 2
     try:
         secret_source, detail = _choose_secret()  # detail: the file's path, or the generated secret
     except ValueError as e:
@@ -194,15 +227,17 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     engines = JudgeEngines(cfg, relay.set_unhandled_fault_hook(lambda f: engines.on_failure(f)))
     specs = {}
     for name, inst in cfg.genrm.items():
-        n_engines = inst.num_gpus // inst.num_gpus_per_engine
-        started = [engines.start(name, i) for i in range(n_engines)]
+        slices = judge_engine_gpus(cfg, name)
+        started = await asyncio.gather(*(engines.start(name, i) for i in range(len(slices))))
+        dp = len(slices) // (inst.num_gpus // inst.num_gpus_per_engine)
+        tp = len(slices[0]) if cfg.engine == "torch" else inst.num_gpus_per_engine
         specs[name] = {
             "model_path": ensure_model(inst.model_path),
             "num_gpus": inst.num_gpus,
             "sampling_config": inst.sampling_config,
-            "engines": started,
+            "engines": list(started),
+            "placement": [{"node": 0, "gpus": gpus, "tp": tp, "dp": dp} for gpus in slices],
         }
-        await asyncio.gather(*(e.initialized(ENGINE_LOAD_TIMEOUT) for e in started))
     judge, judge_procs = await start_judge_service(specs, 600)
     engines.service = judge
     try:

@@ -375,12 +375,17 @@ class ProcMesh:
         else:
             state.initialized.set_result(None)
 
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Stop these processes: actors' ``__cleanup__`` runs, then they exit; whatever is
-        left after ``timeout`` is killed. Calls in flight fail with SupervisionError."""
+    async def stop(self, timeout: float = 10.0, procs: list[ProcRef] | None = None) -> None:
+        """Stop these processes (or only ``procs``, some of them): actors' ``__cleanup__``
+        runs, then they exit; whatever is left after ``timeout`` is killed. A stopped process
+        is not a failure. Calls in flight fail with SupervisionError."""
         if not self._owned:
             raise RuntimeError(f"proc mesh {self._name!r} was not spawned by this process; stop it through its owner")
-        await self._rt.procs.stop_procs(self._view.members, timeout)
+        members = self._view.members
+        if procs is not None:
+            ids = {r.proc_id for r in procs}
+            members = [r for r in members if r.proc_id in ids]
+        await self._rt.procs.stop_procs(members, timeout)
 
     @classmethod
     def attach(cls, procs: list[ProcRef], name: str = "attached", dims: dict[str, int] | None = None) -> ProcMesh:

@@ -401,6 +401,8 @@ class TorchEngine(Engine):
         """Abort what is in flight and release the KV cache and the weights."""
         await self.abort()
         loop = asyncio.get_running_loop()
+        if self.tp is not None:
+            self.tp.closing = True
         try:
             await loop.run_in_executor(self._exec, self.runner.sleep, ("kv_cache",))
             if self.tp is not None:

@@ -13,7 +13,9 @@ shard). The collectives inside a forward (all-reduce after the O and down projec
 all-gather of a split LM head's logits) keep the ranks in lock step. NCCL on GPU, gloo on CPU.
 
 The group's operations wait up to :data:`IDLE_TIMEOUT` (an engine may stay idle that long
-between steps); a follower that dies leaves rank 0's next collective failing after it.
+between steps). A follower that dies fails rank 0's next collective (gloo at once; NCCL may
+wait, until the launcher stops the engine's processes), and rank 0's process then exits: the
+engine is rebuilt whole (``--use-fault-tolerance``, ``relay judge``) or the job stops.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import os
 import pickle
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -32,6 +35,7 @@ log = logging.getLogger("relay.engine")
 
 IDLE_TIMEOUT = 24 * 3600.0  # seconds a follower waits for rank 0's next operation
 JOIN_TIMEOUT = 600.0  # seconds the ranks have to meet
+EXIT_GROUP_BROKEN = 70  # rank 0's exit code when a collective fails (a rank is gone)
 
 
 class TPGroup:
@@ -47,21 +51,42 @@ class TPGroup:
         self.group = BroadcastGroup(address, port, rank, size, backend, join_timeout, f"engine-tp-{port}",
                                     op_timeout_s=IDLE_TIMEOUT)
         self.pg = self.group.pg
+        self.closing = False  # rank 0 is closing the engine: a failed collective is no reason to exit
 
     # ------------------------------------------------------------------ the model's collectives
 
+    @contextmanager
+    def _intact(self):
+        """Rank 0: a collective that fails means a rank is gone and the group can never run
+        in lock step again, so this engine's process exits (code :data:`EXIT_GROUP_BROKEN`,
+        the reason logged): its callers see it gone, as any dead engine, and the launcher
+        rebuilds the engine whole or stops the job. Not while closing (a follower may have
+        stopped first); a follower's error ends its loop (:func:`follow`)."""
+        try:
+            yield
+        except Exception as e:
+            if self.rank != 0 or self.closing:
+                raise
+            log.critical("tensor-parallel engine rank 0 of %d: a collective failed (%r): a rank is gone and the "
+                         "engine cannot go on; its process exits", self.size, e)
+            logging.shutdown()
+            os._exit(EXIT_GROUP_BROKEN)
+
     def all_reduce(self, x: torch.Tensor) -> None:
-        self.pg.allreduce([x]).wait()
+        with self._intact():
+            self.pg.allreduce([x]).wait()
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` side by side along the last dimension, in rank order."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.pg.allgather([parts], [x.contiguous()]).wait()
+        with self._intact():
+            self.pg.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, buf: torch.Tensor) -> None:
         """Rank 0's ``buf`` into every follower's (same size)."""
-        self.group.broadcast(buf)
+        with self._intact():
+            self.group.broadcast(buf)
 
     # ------------------------------------------------------------------ rank 0's operations
 
@@ -72,7 +97,8 @@ class TPGroup:
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        with self._intact():
+            self.pg.broadcast([t], opts).wait()
 
     def send(self, op: str, *args) -> None:
         """Rank 0: the followers run ``op(*args)`` next (CPU tensors and plain values)."""

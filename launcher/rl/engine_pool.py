@@ -97,7 +97,8 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
                             "bundles": [b.index for b in bundles], "tp": len(bundles), "dp": dp}
             engines.append(engine)
             if cfg.engine == "torch" and len(bundles) > 1:
-                pending.append(spawn_tensor_parallel(cfg, claim, engine, procs_of(bundles), colocate))
+                pending.append(_tensor_parallel_into(engine, spawn_tensor_parallel(cfg, claim, engine,
+                                                                                 procs_of(bundles), colocate)))
                 continue
             engine.mesh = spawn_engine(cfg, claim, engine, procs_of(bundles[:1]), colocate)
             pending.append(engine.mesh.initialized(timeouts.MODEL_LOAD))
@@ -114,10 +115,11 @@ def replicas(cfg, claim, slices: list[list]) -> list[list]:
     return [bundles[k * len(bundles) // dp : (k + 1) * len(bundles) // dp] for bundles in slices for k in range(dp)]
 
 
-async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocate: bool) -> None:
+async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocate: bool,
+                                offload: bool | None = None) -> relay.ActorMesh:
     """A built-in engine over its slice's GPUs (engines/torch/tp.py): a follower rank on each
-    worker of the slice but the first, then the engine itself (rank 0) on the first; sets
-    ``engine.mesh`` and returns once every rank loaded its shard."""
+    worker of the slice but the first, then the engine itself (rank 0) on the first. Returns
+    its mesh once every rank loaded its shard (the ranks' pids and devices in ``engine.place``)."""
     from engines.torch.tp import FollowerActor
 
     followers = [ProcMesh.attach([p], name=f"{claim.label()}-e{engine.index}-tp{rank}")
@@ -125,11 +127,16 @@ async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocat
                  for rank, p in enumerate(procs[1:], 1)]
     for follower in followers:
         await follower.initialized(timeouts.CONTROL)
-    engine.mesh = spawn_engine(cfg, claim, engine, procs[:1], colocate, tp_peers=followers)
-    await engine.mesh.initialized(timeouts.MODEL_LOAD)
-    ranks = [await engine.mesh.stats.call_one().result(timeouts.CONTROL)]
+    mesh = spawn_engine(cfg, claim, engine, procs[:1], colocate, offload, tp_peers=followers)
+    await mesh.initialized(timeouts.MODEL_LOAD)
+    ranks = [await mesh.stats.call_one().result(timeouts.CONTROL)]
     ranks += [await f.status.call_one().result(timeouts.CONTROL) for f in followers]
     engine.place.update(pids=[r["pid"] for r in ranks], devices=[r["device"] for r in ranks])
+    return mesh
+
+
+async def _tensor_parallel_into(engine: Engine, spawning: Awaitable) -> None:
+    engine.mesh = await spawning
 
 
 def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, offload: bool | None = None,

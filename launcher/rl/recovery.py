@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from . import timeouts
-from .engine_pool import Engine, spawn_engine
+from .engine_pool import Engine, spawn_engine, spawn_tensor_parallel
 
 ENGINE_ROLES = frozenset({"rollout", "genrm"})
 REBUILD_ATTEMPTS = 3
@@ -43,6 +43,7 @@ class EngineRecovery:
         self.out = out
         self.tasks: set[asyncio.Task] = set()
         self.rebuilt = 0  # engines built anew so far
+        self.rebuilding: set[Engine] = set()  # engines whose rebuild is under way
 
     def roles_of(self, bundle: int) -> set[str]:
         return {claim.role for claim in self.plan.claims for b in self.plan.bundles_of(claim) if b.index == bundle}
@@ -50,51 +51,65 @@ class EngineRecovery:
     def worker_died(self, node: int, bundle: int, failure) -> bool:
         """Take over the failure of bundle ``bundle``'s worker: True when its engines are
         being rebuilt (the job goes on), False when the job must stop (no fault tolerance,
-        the worker hosted more than engines, or an engine over several GPUs: its other ranks
-        are in other workers; the global restart takes over)."""
-        roles = self.roles_of(bundle)
-        engines = [e for e in self.engines if e.bundle == bundle]
-        if not self.cfg.fault_tolerant or not roles or not roles <= ENGINE_ROLES or not engines:
+        or a worker of the engines' GPUs hosted more than engines). An engine over several
+        GPUs is rebuilt whole: the workers of its other ranks are started again too."""
+        if not self.cfg.fault_tolerant:
             return False
-        if any(e.place.get("tp", 1) > 1 for e in engines):  # its other ranks live in other workers
+        engines = [e for e in self.engines if bundle in _bundles(e)]
+        if engines and all(e in self.rebuilding for e in engines):
+            return True  # a rank of an engine already being rebuilt (its worker is started again)
+        bundles = sorted({b for e in engines for b in _bundles(e)})
+        roles = set().union(*(self.roles_of(b) for b in bundles)) if bundles else set()
+        if not engines or not roles or not roles <= ENGINE_ROLES:
             return False
+        engines = [e for e in self.engines if set(_bundles(e)) & set(bundles)]
         for engine in engines:
             engine.mark_down(f"its process is gone ({failure.reason})")
+            self.rebuilding.add(engine)
+        others = [b for b in bundles if b != bundle]
         print(f"relay: bundle {bundle} on node {node} ({', '.join(sorted(roles))} engines) died: {failure.reason}; "
-              "building its engines anew while the others go on", file=self.out, flush=True)
-        task = asyncio.get_running_loop().create_task(self._rebuild(node, bundle, engines))
+              f"building its engines anew{f' (with bundles {others}: the same engine)' if others else ''} while "
+              "the others go on", file=self.out, flush=True)
+        task = asyncio.get_running_loop().create_task(self._rebuild(node, bundle, bundles, engines))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return True
 
-    async def _rebuild(self, node: int, bundle: int, engines: list[Engine]) -> None:
+    async def _rebuild(self, node: int, bundle: int, bundles: list[int], engines: list[Engine]) -> None:
         started = time.monotonic()
-        for attempt in range(1, REBUILD_ATTEMPTS + 1):
-            try:
-                worker = await self.respawn(node, bundle)
-                for engine in engines:
-                    if engine.down is not None:  # a previous attempt may have brought some back
-                        await self._build(engine, worker.proc)
-                break
-            except Exception as e:  # noqa: BLE001 - tried again, then reported on the engines
-                why = f"rebuild attempt {attempt} of {REBUILD_ATTEMPTS} failed: {type(e).__name__}: {e}"
-                print(f"relay: bundle {bundle}: {why}", file=self.out, flush=True)
-                for engine in engines:
-                    engine.down = f"{engine.down}; {why}"
-        else:
-            return
+        try:
+            for attempt in range(1, REBUILD_ATTEMPTS + 1):
+                try:
+                    workers = {b: await self.respawn(node, b) for b in bundles}
+                    for engine in engines:
+                        if engine.down is not None:  # a previous attempt may have brought some back
+                            await self._build(engine, [workers[b].proc for b in _bundles(engine)])
+                    break
+                except Exception as e:  # noqa: BLE001 - tried again, then reported on the engines
+                    why = f"rebuild attempt {attempt} of {REBUILD_ATTEMPTS} failed: {type(e).__name__}: {e}"
+                    print(f"relay: bundle {bundle}: {why}", file=self.out, flush=True)
+                    for engine in engines:
+                        engine.down = f"{engine.down}; {why}"
+            else:
+                return
+        finally:
+            self.rebuilding.difference_update(engines)
         print(f"relay: bundle {bundle}: {len(engines)} engine(s) back in {time.monotonic() - started:.1f} s",
               file=self.out, flush=True)
 
-    async def _build(self, engine: Engine, proc) -> None:
-        """``engine``'s successor on ``proc`` takes its place, ready to serve: a rollout
-        engine with the trainer's current weights, a judge engine in the judge service."""
+    async def _build(self, engine: Engine, procs: list) -> None:
+        """``engine``'s successor on ``procs`` (a worker per GPU of its slice) takes its place,
+        ready to serve: a rollout engine with the trainer's current weights, a judge engine
+        in the judge service."""
         claim = next(c for c in self.plan.claims if c.role == engine.role and c.instance == engine.instance)
         # weights kept in a CPU backup, as a fresh engine's; it sleeps like the one it replaces (an SGLang
         # server needs --enable-memory-saver for that)
-        mesh = spawn_engine(self.cfg, claim, engine, [proc], colocate=False,
-                            offload=self.plan.mode.startswith("colocate"))
-        await mesh.initialized(timeouts.MODEL_LOAD)
+        offload = self.plan.mode.startswith("colocate")
+        if len(procs) > 1:
+            mesh = await spawn_tensor_parallel(self.cfg, claim, engine, procs, colocate=False, offload=offload)
+        else:
+            mesh = spawn_engine(self.cfg, claim, engine, procs, colocate=False, offload=offload)
+            await mesh.initialized(timeouts.MODEL_LOAD)
         if engine.role == "rollout":
             await self.push(engine, mesh)
         else:
@@ -121,3 +136,8 @@ class EngineRecovery:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _bundles(engine: Engine) -> list[int]:
+    """The bundles of ``engine``'s GPUs (several for an engine over several GPUs)."""
+    return list(engine.place.get("bundles") or [engine.bundle])

@@ -103,3 +103,41 @@ def test_a_killed_engine_worker_is_rebuilt_and_the_run_matches_an_uninterrupted_
         assert a["sync/probe_logprobs"] == pytest.approx([expected] * len(a["sync/probe_logprobs"]), abs=1e-5)
     time.sleep(0.5)
     assert _job_pids(run_dir) == {}  # no worker left behind
+
+
+def test_a_tensor_parallel_engine_is_rebuilt_whole_when_one_of_its_ranks_dies(data, uninterrupted, tmp_path):
+    """The rollout's one engine spans bundles 1 and 2 (``--rollout-num-gpus-per-engine 2``):
+    its follower rank's worker (bundle 2) is killed after step 1. Rank 0's process exits too
+    (its group is broken), both bundles' workers are started again, the engine is built
+    anew over them with the trainer's current weights, and the run (generation waits for
+    it) ends as the uninterrupted one with one-GPU engines does."""
+    run_dir = str(tmp_path / "run")
+    cmd = [RELAY, *train_cmd("tiny-cpu-async", data, run_dir, *LAYOUT, "--rollout-num-gpus-per-engine", "2")[3:]]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, RELAY_CACHE=data["cache"]), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while _steps_logged(run_dir) < 2:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        workers = _job_pids(run_dir)
+        os.kill(workers[2], signal.SIGKILL)
+        out, err = p.communicate(timeout=400)
+    finally:
+        reap([p])
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    assert "started 1 rollout engine(s)" in out and "shut down cleanly" in out
+    assert "relay: bundle 2 on node 0 (rollout engines) died: was killed by signal SIGKILL" in out, out
+    assert "(with bundles [1]: the same engine)" in out and "relay: bundle 2: 1 engine(s) back in" in out, out
+    got = records(run_dir)
+    assert [r["step"] for r in got] == list(range(STEPS))
+    assert all(r["reward/judged"] == r["samples"] == 32 for r in got)
+    (recovery,) = records(run_dir, "recovery")
+    assert recovery["engines/rebuilt"] == 1 and recovery["engines/down"] == [], recovery
+    assert recovery["sync/engine_versions"] == [STEPS] == recovery["sync/probe_versions"]
+    # the rebuilt engine holds the trainer's weights: the same greedy answer as the uninterrupted run's engines
+    assert recovery["sync/probe_logprobs"][0] == pytest.approx(uninterrupted[-1]["sync/probe_logprobs"][0], abs=1e-4)
+    for a, b in zip(got, uninterrupted):
+        assert a["reward/mean"] == b["reward/mean"], (a["step"], a, b)
+    time.sleep(0.5)
+    assert _job_pids(run_dir) == {}

@@ -52,11 +52,3 @@ def test_a_judge_request_beyond_max_context_len_gets_400_naming_the_limit(tmp_pa
         assert status == 200 and "response" in body, body
     finally:
         interrupt(p)
-
-
-def test_relay_judge_says_the_built_in_engine_takes_one_gpu_per_engine_there(tmp_path):
-    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
-    p = subprocess.run([RELAY, "judge", "--config", "tiny-cpu-split", "--genrm-num-gpus-per-engine", "2"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "the built-in engine runs on one GPU per engine here, and __default__ asks for more" in p.stderr
