@@ -1,5 +1,5 @@
 """The built-in engine's own forward pass for the Qwen2, Qwen3 (qk-norm) and Llama dense
-families, over a paged KV cache. Parameter names are the HF checkpoint names, so
+families and Qwen3-MoE (mixture-of-experts MLPs; engines/moe.py), over a paged KV cache. Parameter names are the HF checkpoint names, so
 ``load_state_dict`` takes safetensors as they are and weight updates address HF names.
 """
 
@@ -37,6 +37,22 @@ class ModelConfig:
     eos_token_ids: list[int]
     tp_size: int = 1  # tensor-parallel ranks of an engine (shard_for); the model holds its rank's shard
     tp_rank: int = 0
+    # mixture of experts (qwen3_moe and the VL-MoE text model); num_experts 0: every MLP dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple = ()
+    router_aux_loss_coef: float = 0.0
+    ep_size: int = 1  # expert-parallel ranks (the seam for an engine's expert parallelism)
+    ep_rank: int = 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i``'s MLP is a mixture of experts (HF qwen3_moe's rule)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % max(1, self.decoder_sparse_step) == 0)
 
     def shard_for(self, tp_size: int, tp_rank: int) -> ModelConfig:
         """This config for rank ``tp_rank`` of an engine over ``tp_size`` GPUs (Megatron-style:
@@ -85,12 +101,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> ModelConfig:
+        """The config of an HF ``config.json`` (a VL checkpoint: its text model's, nested in
+        ``text_config``). Raises ValueError naming an unsupported model type."""
+        outer = d.get("model_type", "")
+        if outer in VL_TEXT_TYPES:
+            d = {**d["text_config"], "eos_token_id": d["text_config"].get("eos_token_id", d.get("eos_token_id")),
+                 "tie_word_embeddings": d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings"))}
         model_type = d.get("model_type", "")
-        arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.get(model_type)
+        arch = ARCHS.get(model_type)
         if arch is None:
             raise ValueError(
-                f"model_type {model_type!r} is not supported by the built-in engine (qwen2, qwen3, llama dense); use "
-                f"--engine sglang"
+                f"model_type {outer!r} is not supported by the built-in engine (qwen2, qwen3, llama, qwen3_moe, and the "
+                f"text model of qwen3_vl and qwen3_vl_moe); use --engine sglang"
             )
         rope = d.get("rope_parameters") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -112,16 +134,38 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            **_moe_fields(d),
         )
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             return cls.from_hf(json.load(f))
+
+
+#: HF model types the built-in engine and trainer build, and the family each belongs to
+ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe",
+         "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
+#: VL checkpoints whose text model is served (their config nests it in ``text_config``)
+VL_TEXT_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
+
+def _moe_fields(d: dict) -> dict:
+    """The mixture-of-experts fields of an HF config (none for a dense one). HF configs name
+    the expert count ``num_experts`` (checkpoints) or ``num_local_experts`` (transformers 5)."""
+    experts = d.get("num_experts", d.get("num_local_experts", 0)) or 0
+    if not experts:
+        return {}
+    return {"num_experts": experts, "num_experts_per_tok": d["num_experts_per_tok"],
+            "moe_intermediate_size": d["moe_intermediate_size"], "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size", 0) or 0,
+            "decoder_sparse_step": d.get("decoder_sparse_step", 1) or 1,
+            "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
+            "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.0) or 0.0)}
 
 
 class RMSNorm(nn.Module):

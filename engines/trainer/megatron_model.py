@@ -48,6 +48,8 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32):
             "the Megatron trainer does not support rope scaling (llama3-style) yet; the built-in "
             "engine does. Use a checkpoint without rope_scaling for training"
         )
+    if cfg.num_experts:
+        raise ValueError(f"the Megatron trainer does not build mixture-of-experts models ({cfg.arch}) yet")
     return GPTModel(
         config=transformer_config(cfg, tp, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm),
