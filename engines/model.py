@@ -1,6 +1,7 @@
 """The built-in engine's own forward pass for the Qwen2, Qwen3 (qk-norm) and Llama dense
-families and Qwen3-MoE (mixture-of-experts MLPs; engines/moe.py), over a paged KV cache. Parameter names are the HF checkpoint names, so
-``load_state_dict`` takes safetensors as they are and weight updates address HF names.
+families and Qwen3-MoE (mixture-of-experts MLPs; engines/moe.py), over a paged KV cache.
+Parameter names are the HF checkpoint names, so ``load_state_dict`` takes safetensors as
+they are and weight updates address HF names.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ class ModelConfig:
         arch = ARCHS.get(model_type)
         if arch is None:
             raise ValueError(
-                f"model_type {outer!r} is not supported by the built-in engine (qwen2, qwen3, llama, qwen3_moe, and the "
-                f"text model of qwen3_vl and qwen3_vl_moe); use --engine sglang"
+                f"model_type {outer!r} is not supported by the built-in engine (qwen2, qwen3, llama, qwen3_moe, and "
+                f"the text model of qwen3_vl and qwen3_vl_moe); use --engine sglang"
             )
         rope = d.get("rope_parameters") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -437,27 +438,24 @@ def shard_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Ten
 
 
 def load_weights(model: CausalLM, path: str) -> None:
-    """Load every ``*.safetensors`` file of an HF checkpoint directory (strict names)."""
-    from safetensors.torch import load_file
+    """Load every ``*.safetensors`` file of an HF checkpoint directory (strict names; a
+    block-FP8 checkpoint's weights dequantized: engines/checkpoint.py)."""
+    from .checkpoint import checkpoint_tensors
 
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
     params = dict(model.named_parameters())
     seen = set()
-    for f in files:
-        for name, tensor in load_file(os.path.join(path, f)).items():
-            if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-                continue
-            if name not in params:
-                raise KeyError(f"{path}/{f}: unexpected tensor {name!r} for a {model.cfg.arch} model")
-            p = params[name]
-            tensor = shard_tensor(model.cfg, name, tensor)
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(tensor.to(p.dtype))
-            seen.add(name)
+    for f, name, tensor in checkpoint_tensors(path):
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        if name not in params:
+            raise KeyError(f"{path}/{f}: unexpected tensor {name!r} for a {model.cfg.arch} model")
+        p = params[name]
+        tensor = shard_tensor(model.cfg, name, tensor)
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor.to(p.dtype))
+        seen.add(name)
     missing = set(model.hf_names()) - seen
     if missing:
         raise KeyError(f"{path}: missing tensors {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")

@@ -136,6 +136,17 @@ def _sbatch(args: argparse.Namespace) -> int:
 def _make_model(args: argparse.Namespace) -> int:
     from engines.model_builder import make_model
 
+    if args.fp8_block:
+        import tempfile
+
+        from engines.checkpoint import quantize_fp8
+
+        with tempfile.TemporaryDirectory() as full:
+            make_model(args.arch, args.size, full, seed=args.seed, dtype=args.dtype)
+            path = quantize_fp8(full, args.out, (args.fp8_block, args.fp8_block))
+        print(f"wrote a random-weight {args.arch} ({args.size}) checkpoint, its projection weights block-FP8 "
+              f"({args.fp8_block}x{args.fp8_block} blocks), to {path}")
+        return 0
     path = make_model(args.arch, args.size, args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote a random-weight {args.arch} ({args.size}) checkpoint to {path}")
     return 0
@@ -343,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mm.add_argument("--out", required=True, help="output directory")
     mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--fp8-block", type=int, default=0, metavar="N",
+                    help="store the projection weights block-quantized to FP8 e4m3 in NxN blocks, as large FP8 judges "
+                         "ship (the real ones use 128)")
     mm.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     mm.set_defaults(func=_make_model)
     return p
