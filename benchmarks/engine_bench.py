@@ -8,6 +8,12 @@ and sleep/wake seconds (sleep_s_backup, wake_s_backup, sleep_s_discard, pinned_c
 
     python benchmarks/engine_bench.py                      # CPU: tiny Qwen3, prompt 16, 32 new
     python benchmarks/engine_bench.py --size 0.6b --device cuda --prompt 128 --new 256
+    python benchmarks/engine_bench.py --arch qwen3_moe --size 30b-a3b --batches 64,256 --no-swap
+
+For a mixture-of-experts model the roofline's weight bytes are those a decode step must read:
+every non-expert weight, and in each MoE layer the experts the batch's tokens are routed to
+(expected distinct experts of b tokens choosing k of E uniformly: E (1 - (1 - k/E)^b); random
+weights route about uniformly), plus the KV.
 """
 
 from __future__ import annotations
@@ -106,8 +112,23 @@ async def swap_times(path: str, device: str, dtype: str) -> dict:
     return out
 
 
+def decode_weight_bytes(cfg, weight_bytes: int, batch: int) -> tuple[float, float]:
+    """(weight bytes a decode step of ``batch`` tokens reads, parameters each token
+    multiplies by) of a bf16 model: all of a dense one; for an MoE one the non-expert
+    weights plus the expected distinct experts each MoE layer's batch is routed to."""
+    if not cfg.num_experts:
+        return weight_bytes, weight_bytes / 2
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    dense_bytes = weight_bytes - moe_layers * e * expert_bytes
+    touched = e * (1 - (1 - k / e) ** batch)
+    return dense_bytes + moe_layers * touched * expert_bytes, dense_bytes / 2 + moe_layers * k * expert_bytes / 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompt", type=int, default=None)
@@ -135,13 +156,13 @@ def main() -> None:
     new = a.new or (256 if dev == "cuda" else 32)
     dtype = "bfloat16" if dev == "cuda" else "float32"
     tmp = tempfile.mkdtemp(prefix="engine-bench-")
-    path = make_model("qwen3", a.size, tmp, seed=0, dtype=dtype, init_device=dev)
+    path = make_model(a.arch, a.size, tmp, seed=0, dtype=dtype, init_device=dev)
     import transformers
 
     result = {
         "bench": "engine",
         "device": dev,
-        "model": f"qwen3-{a.size}",
+        "model": f"{a.arch}-{a.size}",
         "dtype": dtype,
         "prompt": prompt,
         "new_tokens": new,
@@ -216,13 +237,15 @@ def main() -> None:
         # Roofline of a decode step at the mean context: the bytes it must read (weights +
         # KV) at the READ bandwidth measured above, and its FLOPs at the measured matmul rate.
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        params = weight_bytes / 2
         for b in (64, 256):
             if b in builtin:
                 step_s = b / builtin[b]
                 ctx = prompt + new / 2
-                bytes_step = weight_bytes + b * ctx * kv_per_token
-                flops_step = 2 * params * b + 4 * b * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
+                read_bytes, flop_params = decode_weight_bytes(cfg, weight_bytes, b)
+                bytes_step = read_bytes + b * ctx * kv_per_token
+                flops_step = 2 * flop_params * b + 4 * b * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
+                if cfg.num_experts:
+                    result[f"active_weight_gb_b{b}"] = round(read_bytes / 1e9, 2)
                 result[f"step_ms_b{b}"] = round(step_s * 1e3, 2)
                 result[f"roofline_frac_b{b}"] = round(bytes_step / step_s / (result["read_gb_s"] * 1e9), 3)
                 result[f"flops_frac_b{b}"] = round(flops_step / step_s / (result["matmul_tflops"] * 1e12), 4)
