@@ -226,9 +226,13 @@ def test_a_vl_checkpoint_answers_a_text_prompt_as_transformers_does(tmp_path, ar
     assert any(n.startswith("model.language_model.") for n in names)
     messages = [{"role": "user", "content": "What is 12 + 30? Answer briefly."}]
 
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image", "image": "x"}]}]
+
     async def main():
         eng = TorchEngine(path, kv_cache_tokens=2048)
         res = await eng.generate(messages, {**GREEDY, "max_new_tokens": 12})
+        with pytest.raises(ValueError, match="serves text only"):
+            await eng.generate(image, GREEDY)
         await eng.close()
         return res
 
