@@ -335,3 +335,16 @@ def test_configs_of_moe_and_vl_checkpoints(tmp_path):
         hf_config("qwen3", "30b-a3b")
     vl = ModelConfig.from_hf(hf_config("qwen3_vl_moe", "tiny").to_dict())
     assert vl.arch == "qwen3_moe" and vl.norm_topk_prob and not vl.tie_word_embeddings  # HF's VL router renormalises
+
+
+def test_relay_make_model_writes_moe_and_vl_moe_checkpoints(tmp_path, capsys):
+    from launcher.cli import main
+
+    for arch in ("qwen3_moe", "qwen3_vl_moe"):
+        assert main(["make-model", "--arch", arch, "--size", "tiny", "--out", str(tmp_path / arch), "--seed", "3"]) == 0
+        with open(tmp_path / arch / "config.json") as f:
+            assert json.load(f)["model_type"] == arch
+        cfg = ModelConfig.from_dir(str(tmp_path / arch))
+        assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+            "qwen3_moe", 4, 2, 32)
+    assert "qwen3_vl_moe (tiny) checkpoint" in capsys.readouterr().out
