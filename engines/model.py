@@ -1,7 +1,8 @@
 """The built-in engine's own forward pass for the Qwen2, Qwen3 (qk-norm) and Llama dense
-families and Qwen3-MoE (mixture-of-experts MLPs; engines/moe.py), over a paged KV cache.
-Parameter names are the HF checkpoint names, so ``load_state_dict`` takes safetensors as
-they are and weight updates address HF names.
+families, Qwen3-MoE (mixture-of-experts MLPs: engines/moe.py) and the text model of Qwen3-VL
+(-MoE), over a paged KV cache. Parameter names are the HF checkpoint names (stacked experts
+aside: engines/weight_names.py maps checkpoint names onto the parameters, at load and in
+weight updates).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import norm_rope, paged_decode_attention, rms_norm, silu_mul, triton_usable
+from .moe import SparseMoE, check_moe_shardable, expert_names, shard_expert_tensor
 
 
 @dataclass
@@ -64,6 +66,8 @@ class ModelConfig:
 
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid")
+        if self.num_experts:
+            check_moe_shardable(self, tp_size)
         if tp_size > 1:
             for what, n in (("attention heads", self.num_heads), ("intermediate size", self.intermediate_size)):
                 if n % tp_size:
@@ -162,7 +166,8 @@ def _moe_fields(d: dict) -> dict:
     if not experts:
         return {}
     return {"num_experts": experts, "num_experts_per_tok": d["num_experts_per_tok"],
-            "moe_intermediate_size": d["moe_intermediate_size"], "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "moe_intermediate_size": d["moe_intermediate_size"], "norm_topk_prob": bool(d.get("norm_topk_prob", False))
+            or d.get("model_type") == "qwen3_vl_moe_text",  # HF's VL-MoE router always renormalises
             "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size", 0) or 0,
             "decoder_sparse_step": d.get("decoder_sparse_step", 1) or 1,
             "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
@@ -231,19 +236,19 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, i: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg)
 
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -265,7 +270,8 @@ class CausalLM(nn.Module):
         return x
 
     def hf_names(self) -> list[str]:
-        names = [n for n, _ in self.named_parameters()]
+        """The checkpoint names of the parameters (stacked experts: each expert's)."""
+        names = [e for n, _ in self.named_parameters() for e in (expert_names(self.cfg, n) or [n])]
         if self.cfg.tie_word_embeddings and "lm_head.weight" in names:
             names.remove("lm_head.weight")
         return names
@@ -405,7 +411,10 @@ class CausalLM(nn.Module):
                 residual=residual,
             )
             mlp = layer.mlp
-            x = self._reduce(mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden))))
+            if isinstance(mlp, SparseMoE):
+                x = self._reduce(mlp(hidden))
+            else:
+                x = self._reduce(mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden))))
         hidden, _ = rms_norm(x, self.model.norm.weight, eps, residual=residual)
         return self._vocab(self.lm_head(hidden))
 
@@ -417,6 +426,8 @@ def shard_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Ten
     where it can be; the tensor itself without tensor parallelism."""
     if cfg.tp_size == 1:
         return tensor
+    if ".mlp.experts." in name or ".mlp.shared_expert." in name:  # engines/moe.py: by the experts' sizes
+        return shard_expert_tensor(cfg, name, tensor)
     r, d = cfg.tp_rank, cfg.head_dim
     leaf = name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
     if leaf == "q_proj":
@@ -435,27 +446,3 @@ def shard_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Ten
             rows = torch.cat([rows, rows.new_zeros(cfg.local_vocab - rows.shape[0], *rows.shape[1:])])
         return rows
     return tensor
-
-
-def load_weights(model: CausalLM, path: str) -> None:
-    """Load every ``*.safetensors`` file of an HF checkpoint directory (strict names; a
-    block-FP8 checkpoint's weights dequantized: engines/checkpoint.py)."""
-    from .checkpoint import checkpoint_tensors
-
-    params = dict(model.named_parameters())
-    seen = set()
-    for f, name, tensor in checkpoint_tensors(path):
-        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-            continue
-        if name not in params:
-            raise KeyError(f"{path}/{f}: unexpected tensor {name!r} for a {model.cfg.arch} model")
-        p = params[name]
-        tensor = shard_tensor(model.cfg, name, tensor)
-        if tuple(p.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor.to(p.dtype))
-        seen.add(name)
-    missing = set(model.hf_names()) - seen
-    if missing:
-        raise KeyError(f"{path}: missing tensors {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")

@@ -13,7 +13,11 @@ import string
 
 import relay
 
-ARCHS = ("qwen3", "qwen2", "llama")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+#: mixture-of-experts architectures (their sizes add MOE_SIZES' fields)
+MOE_ARCHS = ("qwen3_moe", "qwen3_vl_moe")
+#: VL architectures: the text model is served; a tiny vision tower is written (skipped at load)
+VL_ARCHS = ("qwen3_vl", "qwen3_vl_moe")
 
 #: Model shapes. "tiny"/"small" are for CPU tests; the others copy real architectures'
 #: shapes (random weights) for benchmarks.
@@ -54,7 +58,27 @@ SIZES: dict[str, dict] = {
         head_dim=128,
         vocab_size=151936,
     ),
+    "30b-a3b": dict(  # Qwen3-30B-A3B (MoE archs only)
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+    ),
 }
+
+#: The experts of each size of a MoE architecture (norm_topk_prob as Qwen3-30B-A3B)
+MOE_SIZES: dict[str, dict] = {
+    "tiny": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "small": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+    "30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+}
+
+#: The vision tower of a tiny VL checkpoint (never run by the engine: it only has to load in transformers)
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                   temporal_patch_size=2, deepstack_visual_indexes=[0], num_position_embeddings=16)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -91,9 +115,14 @@ def hf_config(arch: str, size: str, **overrides):
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    fits = [s for s in SIZES if s in ("tiny", "small") or (s in MOE_SIZES) == (arch in MOE_ARCHS)]
+    if size not in fits:
+        raise ValueError(f"size {size!r} is not made for {arch}; choose one of {', '.join(fits)}")
     import transformers
 
     dims = dict(SIZES[size])
+    if arch in MOE_ARCHS:
+        dims.update(MOE_SIZES[size])
     dims.update(overrides)
     common = dict(
         max_position_embeddings=4096 if size in ("tiny", "small") else 40960,
@@ -106,6 +135,8 @@ def hf_config(arch: str, size: str, **overrides):
     common.update({k: v for k, v in dims.items()})
     if arch == "qwen3":
         return transformers.Qwen3Config(**common)
+    if arch in MOE_ARCHS or arch in VL_ARCHS:
+        return _qwen3_family_config(arch, common)
     head_dim = common.pop("head_dim")
     if arch == "qwen2":
         if head_dim != common["hidden_size"] // common["num_attention_heads"]:
@@ -113,6 +144,24 @@ def hf_config(arch: str, size: str, **overrides):
         return transformers.Qwen2Config(**common)
     common["tie_word_embeddings"] = False  # Llama checkpoints usually keep a separate head
     return transformers.LlamaConfig(head_dim=head_dim, **common)
+
+
+def _qwen3_family_config(arch: str, common: dict):
+    """Qwen3-MoE, or a Qwen3-VL(-MoE) whose text model has ``common``'s shape (an untied LM head, as
+    Qwen3-30B-A3B and the Qwen3-VL-MoE checkpoints)."""
+    import transformers
+
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**{**common, "tie_word_embeddings": False})
+    text = {k: v for k, v in common.items() if k != "tie_word_embeddings"}
+    half = text["head_dim"] // 2  # text-only positions are equal in mrope's three sections: plain RoPE
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                               "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]}
+    if arch == "qwen3_vl_moe":
+        text.pop("norm_topk_prob", None)  # HF's VL-MoE router always renormalises
+    vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"])
+    cls = transformers.Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else transformers.Qwen3VLConfig
+    return cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
 def make_model(
@@ -135,10 +184,19 @@ def make_model(
         "qwen3": transformers.Qwen3ForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "llama": transformers.LlamaForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
     }[arch]
     torch.manual_seed(seed)
-    with torch.device(init_device):
-        model = cls(cfg).to(getattr(torch, dtype))
+    default = torch.get_default_dtype()
+    if size not in ("tiny", "small"):  # built in the target dtype (30B-A3B in float32 would not fit)
+        torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(init_device):
+            model = cls(cfg).to(getattr(torch, dtype))
+    finally:
+        torch.set_default_dtype(default)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     build_tokenizer().save_pretrained(out)

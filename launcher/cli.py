@@ -345,12 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     mm = sub.add_parser(
         "make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)"
     )
-    mm.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen2", "llama"))
+    mm.add_argument("--arch", default="qwen3",
+                    choices=("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"))
     mm.add_argument(
         "--size",
         default="tiny",
-        choices=("tiny", "small", "0.6b", "4b"),
-        help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes",
+        choices=("tiny", "small", "0.6b", "4b", "30b-a3b"),
+        help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes (dense archs), 30b-a3b Qwen3-30B-A3B's (MoE archs)",
     )
     mm.add_argument("--out", required=True, help="output directory")
     mm.add_argument("--seed", type=int, default=0)

@@ -10,6 +10,12 @@ class BadMessages(ValueError):
     """The 'messages' value is malformed (HTTP 422, as in the original); other bad requests are 400."""
 
 
+@relay.register(name="reward.TextOnly")
+class TextOnly(ValueError):
+    """A message holds an image or video part: the judge serves text only (HTTP 400; a VL
+    checkpoint's vision tower is not loaded)."""
+
+
 @relay.register(name="reward.UnknownRouteKey")
 class UnknownRouteKey(ValueError):
     """No judge instance is registered under the request's ``route_key`` (HTTP 400)."""

@@ -8,7 +8,7 @@ import math
 
 from engines.interface import MAX_INT64, short_repr
 
-from .errors import BadMessages
+from .errors import BadMessages, TextOnly
 
 DEFAULT_ROUTE = "__default__"  # the instance of the legacy single-judge flags
 SAMPLING_DEFAULTS = {"temperature": 0.1, "top_p": 1.0, "top_k": -1, "max_response_len": 4096}
@@ -16,6 +16,8 @@ MAX_MESSAGES = 256
 MAX_ROLE_CHARS = 64  # any role the judge's chat template accepts (system, user, assistant, tool, ...)
 MAX_CONTENT_PARTS = 64  # OpenAI-style content parts of one message
 TEXT_PART_JOIN = "\n"  # the text parts of one message are joined with this
+#: content part types of images and videos (OpenAI's, and those of VL chat templates): refused with TextOnly
+MEDIA_PARTS = frozenset({"image", "image_url", "video", "video_url"})
 MAX_PROMPT_CHARS = 4 << 20  # a native payload's ``text``
 MAX_INPUT_IDS = 1 << 18  # a native payload's ``input_ids``
 MAX_TOKEN_ID = 2**31 - 1  # above: never a token id (the instance's vocabulary is checked too)
@@ -51,11 +53,13 @@ def check_request(messages, sampling_params, route_key) -> tuple[list, dict | No
     """``messages`` a non-empty list of at most ``MAX_MESSAGES`` ``{role, content}`` objects:
     ``role`` a string of 1 to ``MAX_ROLE_CHARS`` characters (the chat template decides which
     roles it knows), ``content`` a string or a list of at most ``MAX_CONTENT_PARTS`` OpenAI
-    text parts ``{"type": "text", "text": str}`` (joined with ``TEXT_PART_JOIN``; any other
-    part type is refused: only text is supported); ``sampling_params`` an object or null (its
+    text parts ``{"type": "text", "text": str}`` (joined with ``TEXT_PART_JOIN``; an image or
+    video part is :class:`TextOnly`, HTTP 400; any other part type is refused: only text is
+    supported); ``sampling_params`` an object or null (its
     ``chat_template_kwargs``: :func:`check_template_kwargs`), ``route_key`` a short string or
     null. Returns them, the messages with plain string contents (a copy where parts were
-    joined); raises :class:`BadMessages` or ValueError naming what is wrong."""
+    joined); raises :class:`BadMessages`, :class:`TextOnly` or ValueError naming what is
+    wrong."""
     if not isinstance(messages, list) or not messages:
         raise BadMessages("'messages' must be a non-empty list of {role, content} objects")
     if len(messages) > MAX_MESSAGES:
@@ -92,6 +96,11 @@ def _text_of_parts(i: int, content) -> str:
     for j, part in enumerate(content):
         if type(part) is not dict or type(part.get("type")) is not str:
             raise BadMessages(f"messages[{i}].content[{j}] must be an object with a 'type', got {short_repr(part)}")
+        if part["type"] in MEDIA_PARTS:
+            raise TextOnly(
+                f"messages[{i}].content[{j}] has type {part['type']!r}: this backend serves text only (images and "
+                'videos are not supported; send {"type": "text", "text": "..."} parts or a string)'
+            )
         if part["type"] != "text":
             raise BadMessages(
                 f"messages[{i}].content[{j}] has type {short_repr(part['type'])}: only text is supported "

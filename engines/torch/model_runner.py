@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..interface import SamplingParams
-from ..model import CausalLM, ModelConfig, _inv_freq, load_weights
+from ..model import CausalLM, ModelConfig, _inv_freq
+from ..weight_names import load_weights
 from .block_manager import BlockManager
 from .scheduler import StepPlan
 from .sequence import Sequence

@@ -12,7 +12,8 @@ import uuid
 
 import torch
 
-from ..model import ModelConfig, shard_tensor
+from ..model import ModelConfig
+from ..weight_names import place_weight
 
 
 class Weights:
@@ -111,18 +112,8 @@ class Weights:
             self.mirror("weights_in", metas, buf.numel())
             self.model.tp.broadcast(buf)
         params = dict(self.model.named_parameters())
-        for name, tensor in items:
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            p = params.get(name)
-            if p is None:
-                raise KeyError(f"update_weights: unknown tensor {name!r}")
-            tensor = shard_tensor(self.cfg, name, tensor)
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(tensor.to(device=self.device, dtype=p.dtype))
-            self.seen.add(name)
+        for name, tensor in items:  # per-expert or fused expert tensors, VL names: engines/weight_names.py
+            self.seen.update(place_weight(self.model, params, name, tensor, "update_weights"))
 
     def finish_version(self, version: int) -> None:
         """The update of ``version`` is complete (over one or several calls). After a

@@ -20,7 +20,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("arch,tp", [("qwen3", 2), ("qwen3", 4), ("llama", 2)])
+@pytest.mark.parametrize("arch,tp", [("qwen3", 2), ("qwen3", 4), ("llama", 2), ("qwen3_moe", 2)])
 def test_the_shards_of_every_tensor_put_together_are_the_tensor(tmp_path, arch, tp):
     path = make_model(arch, "tiny", str(tmp_path / "m"), seed=3)
     cfg = ModelConfig.from_dir(path)
@@ -50,10 +50,12 @@ def test_a_model_that_does_not_divide_over_the_ranks_is_refused_naming_the_dimen
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch,tp,fused", [("qwen3", 2, False), ("llama", 2, False), ("qwen3", 4, False),
-                                           ("qwen3", 2, True)])
+                                           ("qwen3", 2, True), ("qwen3_moe", 2, False)])
 def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, tp, fused):
     """``fused``: decode through the fused Triton kernels (the GPU path: residual RMSNorm,
-    norm+rope, paged attention), run by Triton's interpreter on CPU."""
+    norm+rope, paged attention), run by Triton's interpreter on CPU. ``qwen3_moe``: each expert's
+    intermediate dimension split over the ranks, the weight update naming experts one by one (its
+    fused path over TP shards: tests/engines/test_moe.py, at the layer)."""
     policy = make_model(arch, "tiny", str(tmp_path / "p"), seed=1)
     other = make_model(arch, "tiny", str(tmp_path / "o"), seed=2)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 45))]

@@ -65,6 +65,10 @@ def test_parts_roles_and_native_payloads_reach_the_engine_as_the_chat_would(judg
                     "image": await _post(
                         s, gen, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
                     ),
+                    "video": await _post(s, gen, {"messages": [*MSG[:-1], {"role": "user", "content": [
+                        {"type": "text", "text": "Is 2+2=4?"}, {"type": "video", "video": "clip.mp4"}]}]}),
+                    "audio": await _post(s, gen, {"messages": [
+                        {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}),
                     "text": await _post(s, gen, {"text": rendered, "sampling_params": {"max_new_tokens": 4}}),
                     "ids": await _post(s, gen, {"input_ids": ids, "route_key": "__default__"}),
                     "oov": await _post(s, gen, {"input_ids": [*ids, len(tok)]}),
@@ -81,7 +85,12 @@ def test_parts_roles_and_native_payloads_reach_the_engine_as_the_chat_would(judg
     assert got["parts"][1] == got["joined"][1]  # parts joined with a newline, greedy: the same answer
     # the native prompt is exactly the chat's: the same greedy answer (max_new_tokens 4 as configured)
     assert got["text"][1] == got["ids"][1] == got["chat"][1]
-    assert got["image"][0] == 422 and "only text is supported" in got["image"][1]["error"]
+    # an image or video part (alone, or beside text parts): 400, this backend serves text only
+    for key, where in (("image", "messages[0].content[0] has type 'image_url'"),
+                       ("video", f"messages[{len(MSG) - 1}].content[1] has type 'video'")):
+        assert got[key][0] == 400 and "this backend serves text only" in got[key][1]["error"], got[key]
+        assert where in got[key][1]["error"], got[key]
+    assert got["audio"][0] == 422 and "only text is supported" in got["audio"][1]["error"]  # malformed, as before
     assert got["oov"][0] == 400 and "not in the judge's vocabulary" in got["oov"][1]["error"]
     assert got["huge"][0] == 400 and "input_ids[0]" in got["huge"][1]["error"]
     assert got["both"][0] == 400 and "unknown fields ['text']" in got["both"][1]["error"]
@@ -167,7 +176,7 @@ def test_openai_client_models_chat_completions_and_metrics_of_two_instances(judg
     status, body = got["unknown"]
     assert status == 404 and body["code"] == "model_not_found" and body["param"] == "model"
     assert "'nope' does not exist" in body["message"] and "['quality', 'safety']" in body["message"]
-    assert got["image"][0] == 422 and "only text is supported" in got["image"][1]["message"]
+    assert got["image"][0] == 400 and "this backend serves text only" in got["image"][1]["message"]
     assert got["top_p"][0] == 400 and "top_p" in got["top_p"][1]["message"]
     assert got["stream"][0] == 400 and "stream=True is not supported" in got["stream"][1]["message"]
     m = got["metrics"]

@@ -424,7 +424,7 @@ def test_generated_requests_over_the_zeromq_client_fail_only_themselves(judge, r
     assert p.returncode == 0, p.stderr[-3000:]
     outcomes = [json.loads(line) for line in p.stdout.splitlines()]
     assert len(outcomes) == len(requests)
-    own = {"ValueError", "TypeError", "BadMessages", "UnknownRouteKey"}
+    own = {"ValueError", "TypeError", "BadMessages", "TextOnly", "UnknownRouteKey"}
     for out, req in zip(outcomes, requests):
         assert out["ok"] or out["type"] in own, (out, json.dumps(req)[:300])
         if not out["ok"]:

@@ -160,7 +160,8 @@ BAD_BODIES = [
     (b'{"messages": [{"role": 5, "content": "x"}]}', 422),
     (b'{"messages": [{"role": "", "content": "x"}]}', 422),  # any role the template takes, but not none
     (json.dumps({"messages": [{"role": "r" * 65, "content": "x"}]}).encode(), 422),
-    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 422),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 400),
+    (b'{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}', 422),
     (b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', 422),
     (b'{"messages": [{"role": "user", "content": []}]}', 422),
     (b'{"text": "hi", "input_ids": [1]}', 400),

@@ -1,0 +1,90 @@
+"""HF checkpoint tensors into the built-in engine's parameters, by HF name: at load
+(``load_weights``) and in weight updates (``place_weight``, engines/torch/weights.py).
+
+- A VL checkpoint (Qwen3-VL, Qwen3-VL-MoE) stores its text model under
+  ``model.language_model.`` (served as ``model.``) and its vision tower under
+  ``model.visual.`` (skipped: the engine serves text only).
+- MoE experts are held stacked (engines/moe.py) and addressed by the names checkpoints
+  use: per expert (``...mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``: real
+  Qwen3-MoE checkpoints and what transformers' ``save_pretrained`` writes for them) or fused
+  (``...mlp.experts.gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] as transformers 5
+  holds them, or transposed, [E, H, 2I] and [E, I, H], as Qwen3-VL-MoE checkpoints store them;
+  a square tensor is taken as it is, as transformers does).
+- Every tensor is cut to this rank's tensor-parallel shard (``shard_tensor``).
+
+The names a full update must cover are ``CausalLM.hf_names()`` (stacked experts listed per
+expert); a fused tensor covers all of its experts' names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import CausalLM, shard_tensor
+from .moe import FUSED, PER_EXPERT, expert_names
+
+VL_TEXT_PREFIX = "model.language_model."
+VL_VISION_PREFIX = "model.visual."
+
+
+def engine_name(name: str) -> str | None:
+    """The engine's name of checkpoint tensor ``name``; None for one it does not load."""
+    if name.startswith(VL_TEXT_PREFIX):
+        return "model." + name[len(VL_TEXT_PREFIX):]
+    if name.startswith(VL_VISION_PREFIX):
+        return None
+    return name
+
+
+def place_weight(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, where: str) -> list[str]:
+    """Copy the full HF tensor ``name`` (any device and dtype) into ``model``'s parameters
+    (``params``: its ``named_parameters()``), this rank's shard of it. Returns the
+    ``hf_names()`` it covered (none for a tensor the engine skips: a tied LM head, a vision
+    tower). Raises KeyError for an unknown name, ValueError for a wrong shape (``where``
+    leads the message)."""
+    cfg = model.cfg
+    name = engine_name(name)
+    if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        return []
+    per, fused = PER_EXPERT.match(name), FUSED.match(name)
+    covered = [name]
+    if per is not None:
+        base, e, leaf = per.group(1), int(per.group(2)), per.group(3)
+        p = params.get(f"{base}.{'down_proj' if leaf == 'down_proj' else 'gate_up_proj'}")
+        if p is None or e >= cfg.num_experts:
+            raise KeyError(f"{where}: unknown tensor {name!r} for a {cfg.arch} model")
+        n = p.shape[2] if leaf == "down_proj" else p.shape[1] // 2
+        dst = p[e] if leaf == "down_proj" else p[e, (leaf == "up_proj") * n:(leaf == "up_proj") * n + n]
+    elif fused is not None and name in params:
+        dst = params[name]
+        full = (cfg.num_experts, dst.shape[1] * cfg.tp_size, dst.shape[2])
+        if fused.group(2) == "down_proj":
+            full = (full[0], full[1] // cfg.tp_size, full[2] * cfg.tp_size)
+        if tuple(tensor.shape) != full and tuple(tensor.shape) == (full[0], full[2], full[1]):
+            tensor = tensor.transpose(1, 2)  # a Qwen3-VL-MoE checkpoint's layout
+        covered = expert_names(cfg, name)
+    else:
+        dst = params.get(name)
+        if dst is None:
+            raise KeyError(f"{where}: unknown tensor {name!r} for a {cfg.arch} model")
+    tensor = shard_tensor(cfg, name, tensor)
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+    return covered
+
+
+def load_weights(model: CausalLM, path: str) -> None:
+    """Load every ``*.safetensors`` file of an HF checkpoint directory (strict names: every
+    tensor known, every parameter covered; a block-FP8 checkpoint's weights dequantized:
+    engines/checkpoint.py)."""
+    from .checkpoint import checkpoint_tensors
+
+    params = dict(model.named_parameters())
+    seen = set()
+    for f, name, tensor in checkpoint_tensors(path):
+        seen.update(place_weight(model, params, name, tensor, f"{path}/{f}"))
+    missing = set(model.hf_names()) - seen
+    if missing:
+        raise KeyError(f"{path}: missing tensors {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}")
