@@ -47,16 +47,16 @@ def _dequantized_by_hand(weight: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     return out
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
-    full = make_model("qwen3", "tiny", str(root / "full"), seed=3)
-    fp8 = str(root / "fp8")
-    p = subprocess.run([RELAY, "make-model", "--arch", "qwen3", "--size", "tiny", "--seed", "3", "--fp8-block",
+def _build(root, arch: str) -> dict[str, str]:
+    """``relay make-model --arch ARCH --fp8-block 24``, its full-precision original and its
+    twin (the FP8 checkpoint dequantized by hand, in float32)."""
+    full = make_model(arch, "tiny", str(root / f"{arch}-full"), seed=3)
+    fp8 = str(root / f"{arch}-fp8")
+    p = subprocess.run([RELAY, "make-model", "--arch", arch, "--size", "tiny", "--seed", "3", "--fp8-block",
                         str(BLOCK), "--out", fp8], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "block-FP8 (24x24 blocks)" in p.stdout
-    twin = str(root / "twin")  # the FP8 checkpoint dequantized by hand, in float32
+    twin = str(root / f"{arch}-twin")
     os.makedirs(twin)
     raw = _raw(fp8)
     save_file({k: (_dequantized_by_hand(v, raw[k + "_scale_inv"]) if v.dtype == torch.float8_e4m3fn else v)
@@ -70,6 +70,18 @@ def checkpoints(tmp_path_factory):
     with open(os.path.join(twin, "config.json"), "w") as f:
         json.dump(config, f)
     return {"full": full, "fp8": fp8, "twin": twin}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("fp8"), "qwen3")
+
+
+async def _answers(path):
+    eng = TorchEngine(path, kv_cache_tokens=4096)
+    res = await asyncio.gather(*(eng.generate(p, GREEDY) for p in PROMPTS))
+    await eng.close()
+    return res
 
 
 def test_the_checkpoint_is_block_fp8_as_real_ones_are(checkpoints):
@@ -89,15 +101,20 @@ def test_the_checkpoint_is_block_fp8_as_real_ones_are(checkpoints):
 
 
 def test_the_engine_answers_as_the_dequantized_twin(checkpoints):
-    async def answers(path):
-        eng = TorchEngine(path, kv_cache_tokens=4096)
-        res = await asyncio.gather(*(eng.generate(p, GREEDY) for p in PROMPTS))
-        await eng.close()
-        return res
-
-    fp8, twin = run(answers(checkpoints["fp8"])), run(answers(checkpoints["twin"]))
+    fp8, twin = run(_answers(checkpoints["fp8"])), run(_answers(checkpoints["twin"]))
     for a, b in zip(fp8, twin):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bit for bit
+
+
+def test_an_fp8_mixture_of_experts_checkpoint_answers_as_its_twin(tmp_path):
+    """Each expert's projections quantized block by block (the router stays full precision)."""
+    built = _build(tmp_path, "qwen3_moe")
+    raw = _raw(built["fp8"])
+    assert raw["model.layers.0.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert raw["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    fp8, twin = run(_answers(built["fp8"])), run(_answers(built["twin"]))
+    for a, b in zip(fp8, twin):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 def test_an_fp8_weight_without_its_scale_is_refused_by_name(checkpoints, tmp_path):
