@@ -71,8 +71,8 @@ class JudgeEngines:
         builtin = self.cfg.engine == "torch"
         ranks = len(gpus) if builtin else 1
 
-        def env(point) -> dict | None:  # each rank sees its own GPU (on CPU, a label)
-            return {"CUDA_VISIBLE_DEVICES": str(gpus[point.coords["engines"]])} if builtin else None
+        def env(point) -> dict:  # each rank sees its own GPU (on CPU, a label); SGLang's server takes the node's
+            return {"CUDA_VISIBLE_DEVICES": str(gpus[point.coords["engines"]])} if builtin else {}
 
         procs = relay.this_host().spawn_procs(per_host={"engines": ranks}, env=env,
                                               name=f"judge-{name}-{index}".replace("_", ""))

@@ -148,11 +148,12 @@ def test_killing_an_agent_stops_the_job_within_10_s():
 
 
 def read_until(p: subprocess.Popen, needle: str, timeout: float) -> str:
-    """Read p's stdout until a line contains ``needle`` (the job is then fully up)."""
+    """Read p's stdout until a line contains ``needle`` (the job is then fully up). Fails at
+    once, with the process's stderr, when it exits first."""
     import threading
 
     seen: list[str] = []
-    found = threading.Event()
+    found, ended = threading.Event(), threading.Event()
 
     def pump():
         for line in p.stdout:
@@ -160,9 +161,17 @@ def read_until(p: subprocess.Popen, needle: str, timeout: float) -> str:
             if needle in line:
                 found.set()
                 return
+        ended.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    assert found.wait(timeout), f"{needle!r} not printed: {''.join(seen)[-2000:]}"
+    deadline = time.monotonic() + timeout
+    while not found.wait(0.2) and not ended.is_set() and time.monotonic() < deadline:
+        pass
+    if not found.is_set() and ended.is_set():
+        rc = p.wait(30)
+        err = p.stderr.read() if p.stderr is not None else ""
+        raise AssertionError(f"{needle!r} not printed; the process exited {rc}: {''.join(seen)[-2000:]}\n{err[-3000:]}")
+    assert found.is_set(), f"{needle!r} not printed in {timeout} s: {''.join(seen)[-2000:]}"
     return "".join(seen)
 
 
