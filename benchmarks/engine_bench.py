@@ -8,7 +8,7 @@ and sleep/wake seconds (sleep_s_backup, wake_s_backup, sleep_s_discard, pinned_c
 
     python benchmarks/engine_bench.py                      # CPU: tiny Qwen3, prompt 16, 32 new
     python benchmarks/engine_bench.py --size 0.6b --device cuda --prompt 128 --new 256
-    python benchmarks/engine_bench.py --arch qwen3_moe --size 30b-a3b --batches 64,256 --no-swap
+    python benchmarks/engine_bench.py --arch qwen3_moe --size 30b-a3b --batches 64,256 --no-swap [--layers 24]
 
 For a mixture-of-experts model the roofline's weight bytes are those a decode step must read:
 every non-expert weight, and in each MoE layer the experts the batch's tokens are routed to
@@ -130,6 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--size", default="tiny")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="reduced depth: this many decoder layers of the size's shape (per-step ratios are per layer)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompt", type=int, default=None)
     ap.add_argument("--new", type=int, default=None)
@@ -156,13 +158,14 @@ def main() -> None:
     new = a.new or (256 if dev == "cuda" else 32)
     dtype = "bfloat16" if dev == "cuda" else "float32"
     tmp = tempfile.mkdtemp(prefix="engine-bench-")
-    path = make_model(a.arch, a.size, tmp, seed=0, dtype=dtype, init_device=dev)
+    depth = {"num_hidden_layers": a.layers} if a.layers else {}
+    path = make_model(a.arch, a.size, tmp, seed=0, dtype=dtype, init_device=dev, **depth)
     import transformers
 
     result = {
         "bench": "engine",
         "device": dev,
-        "model": f"{a.arch}-{a.size}",
+        "model": f"{a.arch}-{a.size}" + (f"-{a.layers}layers" if a.layers else ""),
         "dtype": dtype,
         "prompt": prompt,
         "new_tokens": new,
@@ -211,8 +214,8 @@ def main() -> None:
                         graph.replay()
                     sync(dev)
                     out[f"graph_ms_b{b}"] = (time.perf_counter() - t) / 20 * 1e3
+        weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())  # before close releases them
         await eng.close()
-        weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         return out, weights, eng.cfg
 
     builtin, weight_bytes, cfg = asyncio.run(run_builtin())

@@ -212,17 +212,26 @@ def builds_on_first_use(path: str) -> bool:
     return os.path.abspath(path).startswith(cache + os.sep)
 
 
+def first_use_arch(path: str) -> str:
+    """The architecture :func:`ensure_model` builds at ``path``, by its folder's name: a name
+    holding ``vl-moe`` gets ``qwen3_vl_moe``, one holding ``moe`` ``qwen3_moe``, any other
+    ``qwen3`` (``tiny-moe-policy``, ``tiny-vl-moe-judge``, ``tiny-policy``)."""
+    name = os.path.basename(os.path.normpath(path))
+    return "qwen3_vl_moe" if "vl-moe" in name else "qwen3_moe" if "moe" in name else "qwen3"
+
+
 def ensure_model(path: str, seed: int = 7) -> str:
     """``path`` if it holds a checkpoint; else, when ``path`` lies under the cache directory
-    (``$RELAY_CACHE``, default ``.cache``), build a tiny random Qwen3 there (the tiny configs'
-    models: no download) and return it. Anything else is a FileNotFoundError."""
+    (``$RELAY_CACHE``, default ``.cache``), build a tiny random model there (the tiny configs'
+    models: no download; its architecture from the folder's name, :func:`first_use_arch`) and
+    return it. Anything else is a FileNotFoundError."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     if not builds_on_first_use(path):
         cache = os.path.abspath(relay.settings().cache)
         raise FileNotFoundError(f"model {path!r} not found (only models under {cache} are built on first use)")
     tmp = path + f".tmp{os.getpid()}"
-    make_model("qwen3", "tiny", tmp, seed=seed)
+    make_model(first_use_arch(path), "tiny", tmp, seed=seed)
     if os.path.exists(os.path.join(path, "config.json")):
         import shutil
 

@@ -24,7 +24,7 @@ def _demo(args: argparse.Namespace) -> int:
         return run_relay_demo(procs=args.procs)
     from launcher.demo import run_demo
 
-    return run_demo(fresh=args.fresh, steps=args.steps)
+    return run_demo(fresh=args.fresh, steps=args.steps, arch=args.arch)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--fresh", action="store_true", help="rebuild everything (the trained judge is cached otherwise)")
     d.add_argument("--steps", type=int, help="GRPO steps (default: the demo-grpo config's num_rollout, 60)")
+    d.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3_moe"),
+                   help="the policy's and judge's architecture (qwen3_moe: tiny mixture-of-experts models; their demo "
+                        "lives in $RELAY_CACHE/qwen3_moe/demo)")
     d.add_argument(
         "--runtime",
         action="store_true",

@@ -31,15 +31,23 @@ TARGET_RISE = 0.10
 JUDGE_TARGET = 0.85
 
 
-def _root() -> str:
-    return os.path.abspath(os.path.join(relay.settings().cache, "demo"))
+#: ``relay demo --arch``: the architectures the demo's policy and judge can have
+DEMO_ARCHS = ("qwen3", "qwen3_moe")
 
 
-def _run(title: str, argv: list[str], log_path: str) -> None:
+def _root(arch: str = "qwen3") -> str:
+    """The demo's folder: ``$RELAY_CACHE/demo``; another architecture's demo lives apart, in
+    ``$RELAY_CACHE/<arch>/demo`` (its jobs run with that ``RELAY_CACHE``, so the demo configs'
+    paths land there)."""
+    base = relay.settings().cache if arch == "qwen3" else os.path.join(relay.settings().cache, arch)
+    return os.path.abspath(os.path.join(base, "demo"))
+
+
+def _run(title: str, argv: list[str], log_path: str, root: str) -> None:
     """Run one job (a ``relay`` subcommand) as a process; its output goes to the terminal
     (progress lines) and to ``log_path``; a failure stops the demo with the log's tail."""
     print(f"\n== {title}\n$ relay {' '.join(argv)}", flush=True)
-    env = dict(os.environ, RELAY_CACHE=os.path.dirname(_root()), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, RELAY_CACHE=os.path.dirname(root), PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", *argv],
@@ -68,13 +76,17 @@ def _last_eval(run_dir: str, key: str = "eval/accuracy") -> float | None:
     return vals[-1] if vals else None
 
 
-def run_demo(fresh: bool = False, steps: int | None = None) -> int:
+def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3") -> int:
+    """The demo with a policy and a judge of architecture ``arch`` (:data:`DEMO_ARCHS`:
+    ``qwen3_moe``: tiny Qwen3-MoE models, 4 experts, top 2); exit status 1 below the bar."""
     from engines.model_builder import make_model
 
     from .demo_task import write_demo_data
 
+    if arch not in DEMO_ARCHS:
+        raise SystemExit(f"relay demo: --arch {arch!r} is not one of {', '.join(DEMO_ARCHS)}")
     t0 = time.monotonic()
-    root = _root()
+    root = _root(arch)
     if fresh and os.path.isdir(root):
         shutil.rmtree(root)
     logs = os.path.join(root, "logs")
@@ -83,8 +95,8 @@ def run_demo(fresh: bool = False, steps: int | None = None) -> int:
     write_demo_data(os.path.join(root, "data"))
     for name, seed in (("policy-base", 1), ("judge-base", 7)):
         if not os.path.exists(os.path.join(root, name, "config.json")):
-            make_model("qwen3", "tiny", os.path.join(root, name), seed=seed)
-    print("built the tiny tokenizer, policy and judge (random Qwen3 shapes, 2 layers, hidden 64)", flush=True)
+            make_model(arch, "tiny", os.path.join(root, name), seed=seed)
+    print(f"built the tiny tokenizer, policy and judge (random {arch} shapes, 2 layers, hidden 64)", flush=True)
 
     judge_acc = _last_eval(os.path.join(root, "runs", "judge-sft"))
     if judge_acc is None or not os.path.exists(os.path.join(root, "judge", "config.json")):
@@ -93,6 +105,7 @@ def run_demo(fresh: bool = False, steps: int | None = None) -> int:
             "1/3 teach the judge (SFT: reply 1 if the answer matches the reference, else 0)",
             ["sft", "--config", "demo-judge-sft"],
             os.path.join(logs, "judge-sft.log"),
+            root,
         )
         judge_acc = _last_eval(os.path.join(root, "runs", "judge-sft"))
     else:
@@ -114,12 +127,14 @@ def run_demo(fresh: bool = False, steps: int | None = None) -> int:
         "2/3 warm the policy up (brief SFT on 'What is N mod 10?')",
         ["sft", "--config", "demo-policy-sft"],
         os.path.join(logs, "policy-sft.log"),
+        root,
     )
     extra = ["--num-rollout", str(steps)] if steps else []
     _run(
         "3/3 GRPO with --rm-type dapo-genrm, colocate Split (rollout engine | judge engine; trainer on both)",
         ["train", "--config", "demo-grpo", *extra],
         os.path.join(logs, "grpo.log"),
+        root,
     )
 
     from .metrics import plot, read_metrics
