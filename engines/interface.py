@@ -39,15 +39,17 @@ def backend_options(backend: str, options: dict) -> dict:
     built-in engine can always sleep and spans several GPUs through follower ranks the
     launcher starts in those GPUs' workers (``tp_peers``, passed on), so it takes no
     ``gpu_ids`` or ``offload``; of ``engine_config`` it takes ``max_context_len`` (judges)
-    as its own argument (``kv_cache_tokens`` and ``dp_size`` are resolved by the launcher)."""
+    and ``ep_size`` (a MoE model's expert-parallel groups) as its own arguments
+    (``kv_cache_tokens`` and ``dp_size`` are resolved by the launcher)."""
     options = dict(options)
     if backend == "sglang":
         return options
     options.pop("gpu_ids", None)
     options.pop("offload", None)
     engine_config = options.pop("engine_config", None) or {}
-    if "max_context_len" in engine_config:
-        options.setdefault("max_context_len", engine_config["max_context_len"])
+    for key in ("max_context_len", "ep_size"):
+        if key in engine_config:
+            options.setdefault(key, engine_config[key])
     return options
 
 

@@ -49,7 +49,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: tuple = ()
     router_aux_loss_coef: float = 0.0
-    ep_size: int = 1  # expert-parallel ranks (the seam for an engine's expert parallelism)
+    ep_size: int = 1  # expert-parallel groups of an engine's ranks (shard_for; engines/moe.py)
     ep_rank: int = 0
 
     def is_moe_layer(self, i: int) -> bool:
@@ -57,17 +57,20 @@ class ModelConfig:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % max(1, self.decoder_sparse_step) == 0)
 
-    def shard_for(self, tp_size: int, tp_rank: int) -> ModelConfig:
+    def shard_for(self, tp_size: int, tp_rank: int, ep_size: int = 1) -> ModelConfig:
         """This config for rank ``tp_rank`` of an engine over ``tp_size`` GPUs (Megatron-style:
         attention heads, the MLP's intermediate size and an untied vocabulary split across
-        ranks; KV heads split too, or replicated when there are fewer than ranks). Raises
-        ValueError naming the dimension that does not divide."""
+        ranks; KV heads split too, or replicated when there are fewer than ranks), a MoE
+        model's experts in ``ep_size`` expert-parallel groups of ranks (engines/moe.py; a
+        dense model ignores ``ep_size``, as SGLang does). Raises ValueError naming the
+        dimension that does not divide."""
         import dataclasses
 
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid")
+        ep = ep_size if self.num_experts else 1
         if self.num_experts:
-            check_moe_shardable(self, tp_size)
+            check_moe_shardable(self, tp_size, ep)
         if tp_size > 1:
             for what, n in (("attention heads", self.num_heads), ("intermediate size", self.intermediate_size)):
                 if n % tp_size:
@@ -76,7 +79,8 @@ class ModelConfig:
             if kv % tp_size and tp_size % kv:
                 raise ValueError(f"KV heads ({kv}) and {tp_size} tensor-parallel GPUs per engine: one must divide "
                                  "the other")
-        return dataclasses.replace(self, tp_size=tp_size, tp_rank=tp_rank)
+        return dataclasses.replace(self, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep,
+                                   ep_rank=tp_rank // (tp_size // ep))
 
     @property
     def local_heads(self) -> int:

@@ -26,7 +26,12 @@ Two paths compute the experts, same contract:
 
 Tensor parallel: each expert's intermediate dimension (and the shared expert's) is split
 across the ranks like the dense MLP's; the layer's output is a partial sum that the model
-all-reduces. Expert parallelism (``ep_size`` > 1) is not built.
+all-reduces. Expert parallel (``ep_size`` > 1, dividing the engine's ``tp_size``, as SGLang's
+``--ep-size``): the ranks form ``ep_size`` groups of ``tp_size / ep_size``; group ``g`` holds
+experts ``[g * E / ep, (g + 1) * E / ep)`` whole or split over its ranks; the router is whole
+on every rank, each rank computes only the (token, expert) assignments of its own experts
+(the others are a sentinel expert whose blocks are skipped) and the same all-reduce sums
+the layer. The shared expert stays split over all ranks.
 """
 
 from __future__ import annotations
@@ -47,39 +52,61 @@ PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_pr
 FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
+def expert_tp(cfg) -> tuple[int, int]:
+    """(ranks each expert is split over, this rank's index among them): ``tp_size / ep_size``."""
+    n = cfg.tp_size // cfg.ep_size
+    return n, cfg.tp_rank % n
+
+
+def local_experts(cfg) -> tuple[int, int]:
+    """(first expert, number of experts) this rank holds."""
+    per = cfg.num_experts // cfg.ep_size
+    return cfg.ep_rank * per, per
+
+
 def local_moe_intermediate(cfg) -> int:
-    return cfg.moe_intermediate_size // cfg.tp_size
+    return cfg.moe_intermediate_size // expert_tp(cfg)[0]
 
 
-def check_moe_shardable(cfg, tp_size: int) -> None:
-    """Raise ValueError when a MoE model cannot run over ``tp_size`` ranks (or asks for expert
-    parallelism, not built)."""
-    if cfg.ep_size > 1:
-        raise ValueError(f"expert parallelism (ep_size {cfg.ep_size}) is not supported by the built-in engine yet; "
-                         "its experts are split over the tensor-parallel ranks instead (ep_size 1)")
-    for what, n in (("MoE intermediate size", cfg.moe_intermediate_size),
-                    ("shared expert intermediate size", cfg.shared_expert_intermediate_size)):
-        if n % tp_size:
-            raise ValueError(f"{what} ({n}) does not divide over {tp_size} tensor-parallel GPUs per engine")
+def check_moe_shardable(cfg, tp_size: int, ep_size: int = 1) -> None:
+    """Raise ValueError, naming what to change, when a MoE model cannot run over ``tp_size``
+    ranks with ``ep_size`` expert-parallel groups."""
+    if ep_size < 1 or tp_size % ep_size:
+        raise ValueError(f"ep_size {ep_size} must divide the engine's {tp_size} GPUs (tensor-parallel ranks): "
+                         "expert parallelism splits an engine's ranks into ep_size groups")
+    if cfg.num_experts % ep_size:
+        raise ValueError(f"{cfg.num_experts} experts do not divide over ep_size {ep_size}")
+    for what, n, ranks in (("MoE intermediate size", cfg.moe_intermediate_size, tp_size // ep_size),
+                           ("shared expert intermediate size", cfg.shared_expert_intermediate_size, tp_size)):
+        if n % ranks:
+            raise ValueError(f"{what} ({n}) does not divide over {ranks} tensor-parallel GPUs per "
+                             f"{'expert' if ranks != tp_size else 'engine'}")
 
 
-def shard_expert_tensor(cfg, name: str, tensor: torch.Tensor) -> torch.Tensor:
+def shard_expert_tensor(cfg, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
     """This rank's part of an expert or shared-expert tensor ``name`` (engine names: one
     expert's projection, the stacked ``experts.gate_up_proj`` [E, 2I, H] and
-    ``experts.down_proj`` [E, H, I], or a shared expert's projections); any other tensor whole."""
-    r, t = cfg.tp_rank, cfg.tp_size
+    ``experts.down_proj`` [E, H, I], or a shared expert's projections); None for one expert
+    that another expert-parallel group holds; any other tensor whole."""
+    t, r = expert_tp(cfg)
+    first, count = local_experts(cfg)
     per = PER_EXPERT.match(name)
     if per is not None:  # one expert's [I, H] gate or up, [H, I] down
+        if not first <= int(per.group(2)) < first + count:
+            return None
         n = cfg.moe_intermediate_size // t
         return tensor.narrow(1, r * n, n) if per.group(3) == "down_proj" else tensor.narrow(0, r * n, n)
     if name.endswith(".mlp.experts.gate_up_proj"):
+        tensor = tensor[first:first + count]
         i = tensor.shape[1] // 2
         n = i // t
         return torch.cat([tensor[:, r * n:(r + 1) * n], tensor[:, i + r * n:i + (r + 1) * n]], 1)
     if name.endswith(".mlp.experts.down_proj"):
+        tensor = tensor[first:first + count]
         n = tensor.shape[2] // t
         return tensor[:, :, r * n:(r + 1) * n]
     if ".mlp.shared_expert." in name:
+        r, t = cfg.tp_rank, cfg.tp_size
         n = cfg.shared_expert_intermediate_size // t
         if name.endswith(("gate_proj.weight", "up_proj.weight")):
             return tensor.narrow(0, r * n, n)
@@ -114,7 +141,7 @@ class GatedMLP(nn.Module):
 class Experts(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        e, i, h = cfg.num_experts, local_moe_intermediate(cfg), cfg.hidden_size
+        e, i, h = local_experts(cfg)[1], local_moe_intermediate(cfg), cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
@@ -130,6 +157,8 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.first_expert, self.local_count = local_experts(cfg)
+        self.expert_parallel = cfg.ep_size > 1
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights [T, k] (model dtype) and expert ids [T, k] of tokens ``x`` [T, H]."""
@@ -145,8 +174,12 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
+        if self.expert_parallel:  # this rank's experts by their local index; the others: the sentinel
+            ids = ids - self.first_expert
+            ids = torch.where((ids >= 0) & (ids < self.local_count), ids, self.local_count)
         if fused if fused is not None else triton_usable(x.device):
-            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                            sentinel=self.expert_parallel)
         else:
             out = moe_reference(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.shared:
@@ -156,7 +189,8 @@ class SparseMoE(nn.Module):
 
 def moe_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     """Sum over each token's experts of ``weight * down(silu(gate(x)) * up(x))``: ``x`` [T, H],
-    ``gate_up`` [E, 2I, H], ``down`` [E, H, I], ``weights`` and ``ids`` [T, k]."""
+    ``gate_up`` [E, 2I, H], ``down`` [E, H, I], ``weights`` and ``ids`` [T, k]; an id of E (an
+    expert another rank holds) contributes nothing."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -164,7 +198,7 @@ def moe_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     w = weights.reshape(-1)
     out = torch.zeros_like(x)
     start = 0
-    for e, c in enumerate(counts):
+    for e, c in enumerate(counts[:gate_up.shape[0]]):
         if not c:
             continue
         sel = order[start:start + c]
@@ -251,17 +285,21 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, weights, row_div: int, sc
     )
 
 
-def fused_moe(x, gate_up, down, weights, ids, block_m: int | None = None) -> torch.Tensor:
-    """``moe_reference`` through the Triton grouped GEMMs (CUDA, or Triton's interpreter)."""
+def fused_moe(x, gate_up, down, weights, ids, block_m: int | None = None, sentinel: bool = False) -> torch.Tensor:
+    """``moe_reference`` through the Triton grouped GEMMs (CUDA, or Triton's interpreter).
+    ``sentinel``: ``ids`` may hold E (an expert of another rank): its blocks are skipped and
+    its rows of the output stay zero."""
     t, k = ids.shape
     e, two_i, _ = gate_up.shape
     if block_m is None:
         block_m = 16 if t * k <= 16 * e else 64  # decode: few rows per expert
-    sorted_ids, block_expert = moe_align(ids, e, block_m)
+    sorted_ids, block_expert = moe_align(ids, e + sentinel, block_m)
+    if sentinel:
+        block_expert = torch.where(block_expert == e, -1, block_expert)
     x = x.contiguous()
     h1 = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, h1, sorted_ids, block_expert, weights, k, False, block_m)
     act = silu_mul(h1[:, : two_i // 2], h1[:, two_i // 2:])
-    h2 = torch.empty((t * k, down.shape[1]), dtype=x.dtype, device=x.device)
+    h2 = (torch.zeros if sentinel else torch.empty)((t * k, down.shape[1]), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, h2, sorted_ids, block_expert, weights.reshape(-1).contiguous(), 1, True, block_m)
     return h2.view(t, k, -1).sum(dim=1)

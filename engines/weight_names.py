@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .model import CausalLM, shard_tensor
-from .moe import FUSED, PER_EXPERT, expert_names
+from .moe import FUSED, PER_EXPERT, expert_names, expert_tp, local_experts
 
 VL_TEXT_PREFIX = "model.language_model."
 VL_VISION_PREFIX = "model.visual."
@@ -53,13 +53,18 @@ def place_weight(model: CausalLM, params: dict, name: str, tensor: torch.Tensor,
         p = params.get(f"{base}.{'down_proj' if leaf == 'down_proj' else 'gate_up_proj'}")
         if p is None or e >= cfg.num_experts:
             raise KeyError(f"{where}: unknown tensor {name!r} for a {cfg.arch} model")
+        first, count = local_experts(cfg)
+        if not first <= e < first + count:
+            return covered  # an expert another expert-parallel group holds
         n = p.shape[2] if leaf == "down_proj" else p.shape[1] // 2
+        e -= first
         dst = p[e] if leaf == "down_proj" else p[e, (leaf == "up_proj") * n:(leaf == "up_proj") * n + n]
     elif fused is not None and name in params:
         dst = params[name]
-        full = (cfg.num_experts, dst.shape[1] * cfg.tp_size, dst.shape[2])
+        split = expert_tp(cfg)[0]
+        full = (cfg.num_experts, dst.shape[1] * split, dst.shape[2])
         if fused.group(2) == "down_proj":
-            full = (full[0], full[1] // cfg.tp_size, full[2] * cfg.tp_size)
+            full = (full[0], full[1] // split, full[2] * split)
         if tuple(tensor.shape) != full and tuple(tensor.shape) == (full[0], full[2], full[1]):
             tensor = tensor.transpose(1, 2)  # a Qwen3-VL-MoE checkpoint's layout
         covered = expert_names(cfg, name)

@@ -66,17 +66,22 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
 
 def check_builtin_engine_config(cfg: JobConfig) -> None:
     """What the built-in engine does with a judge's ``engine_config``: ``dp_size`` replicas
-    of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide); ``pp_size`` and
-    ``ep_size`` (SGLang's) are not used by it: a warning says so."""
+    of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide); ``ep_size`` groups of
+    each replica's GPUs share out a MoE model's experts (it must divide them; a dense model
+    ignores it); ``pp_size`` (SGLang's) is not used by it: a warning says so."""
     for name, inst in cfg.genrm.items():
         where = f"GenRM instance {name!r} (engine_config)"
         dp, pp, ep = (inst.engine_config.get(k, 1) for k in ("dp_size", "pp_size", "ep_size"))
         for key, value in (("dp_size", dp), ("pp_size", pp), ("ep_size", ep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
-        if pp > 1 or ep > 1:
-            log.warning("%s: pp_size %s / ep_size %s are for --engine sglang; the built-in engine runs each engine "
-                        "tensor-parallel over its GPUs (expert parallelism comes with MoE models)", where, pp, ep)
+        if pp > 1:
+            log.warning("%s: pp_size %s is for --engine sglang; the built-in engine runs each engine "
+                        "tensor-parallel over its GPUs", where, pp)
         if inst.num_gpus_per_engine % dp:
             raise ConfigError(f"{where}: dp_size {dp} does not divide the engine's {inst.num_gpus_per_engine} GPUs "
                               "(--genrm-num-gpus-per-engine): each replica takes num_gpus_per_engine / dp_size")
+        if (inst.num_gpus_per_engine // dp) % ep:
+            raise ConfigError(f"{where}: ep_size {ep} does not divide each replica's {inst.num_gpus_per_engine // dp} "
+                              "GPUs (num_gpus_per_engine / dp_size): expert parallelism splits a replica's GPUs into "
+                              "ep_size groups")

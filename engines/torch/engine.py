@@ -61,11 +61,14 @@ class TorchEngine(Engine):
         cpu_threads: int | None = None,
         tp: tuple[str, int, int] | None = None,
         max_context_len: int | None = None,
+        ep_size: int = 1,
     ):
         """``tp``: (address, port, size) of the tensor-parallel group whose rank 0 this engine
         is (engines/torch/tp.py: :func:`~.tp.start_engine` starts the followers first).
         ``max_context_len``: prompt + max_new_tokens of a request at most (else it is refused
-        with a ValueError naming the limit; the judge's ``engine_config.max_context_len``)."""
+        with a ValueError naming the limit; the judge's ``engine_config.max_context_len``).
+        ``ep_size``: a MoE model's experts in that many expert-parallel groups of the
+        engine's ranks (``engine_config.ep_size``; engines/moe.py)."""
         self.max_context_len = max_context_len
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) "
@@ -87,7 +90,8 @@ class TorchEngine(Engine):
             self.tp = TPGroup(tp[0], tp[1], 0, tp[2], self.device)
         self.runner = ModelRunner(model_path, self.blocks, device=self.device, dtype=self.dtype,
                                   weights_mode=weights_mode, name=name, kv_cache_tokens=kv_cache_tokens,
-                                  mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph, tp=self.tp)
+                                  mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph, tp=self.tp,
+                                  ep_size=ep_size)
         self.cfg = self.runner.cfg
         self.model = self.runner.model
         self.weights = self.runner.weights
@@ -391,6 +395,7 @@ class TorchEngine(Engine):
             "pid": os.getpid(),
             "device": str(self.device),
             "tp_size": 1 if self.tp is None else self.tp.size,
+            "ep_size": self.cfg.ep_size,
             "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],  # captured batch sizes
             "weight_update_groups": sorted(self.weights.groups),
             "asleep": [t for t, present in (("weights", self.weights.present), ("kv_cache", kv_present))

@@ -23,7 +23,7 @@ class ModelRunner:
 
     def __init__(self, model_path: str, blocks: BlockManager, *, device: torch.device, dtype: torch.dtype,
                  weights_mode: str, name: str, kv_cache_tokens: int | None, mem_fraction_static: float,
-                 cuda_graph: bool, tp=None):
+                 cuda_graph: bool, tp=None, ep_size: int = 1):
         self.blocks = blocks
         self.device = device
         self.dtype = dtype
@@ -33,8 +33,8 @@ class ModelRunner:
         self.use_cuda_graph = cuda_graph and device.type == "cuda"
         self.tp = tp
         self.cfg = ModelConfig.from_dir(model_path)
-        if tp is not None:
-            self.cfg = self.cfg.shard_for(tp.size, tp.rank)
+        if tp is not None or ep_size != 1:  # ep_size > 1 on one GPU is refused there, naming it
+            self.cfg = self.cfg.shard_for(1 if tp is None else tp.size, 0 if tp is None else tp.rank, ep_size)
         with torch.device("meta"):
             model = CausalLM(self.cfg)
         model = model.to_empty(device=device).to(dtype)

@@ -185,9 +185,9 @@ class Follower:
 
 
 #: the engine keyword arguments a follower's runner takes (the rest concern rank 0 alone)
-_RUNNER_KEYS = ("weights_mode", "name", "kv_cache_tokens", "mem_fraction_static", "cuda_graph")
+_RUNNER_KEYS = ("weights_mode", "name", "kv_cache_tokens", "mem_fraction_static", "cuda_graph", "ep_size")
 _RUNNER_DEFAULTS = {"weights_mode": "discard", "name": "engine", "kv_cache_tokens": None,
-                    "mem_fraction_static": 0.5, "cuda_graph": True}
+                    "mem_fraction_static": 0.5, "cuda_graph": True, "ep_size": 1}
 
 
 class FollowerActor(Actor):

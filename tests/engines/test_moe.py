@@ -323,8 +323,8 @@ def test_sleep_wake_and_weight_updates_with_expert_tensors(tmp_path):
 def test_configs_of_moe_and_vl_checkpoints(tmp_path):
     cfg = ModelConfig.from_dir(make_model("qwen3_moe", "tiny", str(tmp_path / "m"), seed=0))
     assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 4, 2, 32)
-    with pytest.raises(ValueError, match=r"expert parallelism \(ep_size 2\) is not supported"):
-        ModelConfig(**{**cfg.__dict__, "ep_size": 2}).shard_for(1, 0)
+    with pytest.raises(ValueError, match=r"4 experts do not divide over ep_size 3"):  # expert parallel over 3 ranks
+        ModelConfig(**{**cfg.__dict__, "num_heads": 6, "num_kv_heads": 3}).shard_for(3, 0, 3)
     with pytest.raises(ValueError, match=r"MoE intermediate size \(32\) does not divide over 3"):
         ModelConfig(**{**cfg.__dict__, "num_heads": 6, "num_kv_heads": 3, "intermediate_size": 120}).shard_for(3, 0)
     big = hf_config("qwen3_moe", "30b-a3b")  # Qwen3-30B-A3B's shape (config only, no weights)

@@ -41,6 +41,33 @@ def test_the_shards_of_every_tensor_put_together_are_the_tensor(tmp_path, arch, 
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2)])
+def test_expert_parallel_ranks_hold_their_groups_experts_and_together_every_expert(tmp_path, tp, ep):
+    path = make_model("qwen3_moe", "tiny", str(tmp_path / "m"), seed=3)
+    cfg = ModelConfig.from_dir(path)
+    per_group, split = cfg.num_experts // ep, tp // ep
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    stacked = torch.randn(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    for r in range(tp):
+        c = cfg.shard_for(tp, r, ep)
+        assert (c.ep_size, c.ep_rank) == (ep, r // split)
+        mine = shard_tensor(c, name, stacked)
+        assert mine.shape == (per_group, 2 * cfg.moe_intermediate_size // split, cfg.hidden_size)
+        first = c.ep_rank * per_group
+        gate = stacked[first:first + per_group, :cfg.moe_intermediate_size].chunk(split, 1)[r % split]
+        assert torch.equal(mine[:, :gate.shape[1]], gate)
+        for e in range(cfg.num_experts):  # one expert's tensor: only its group's ranks take it
+            one = shard_tensor(c, f"model.layers.0.mlp.experts.{e}.down_proj.weight", stacked[e, :cfg.hidden_size])
+            assert (one is not None) == (first <= e < first + per_group)
+    with pytest.raises(ValueError, match="ep_size 3 must divide the engine's 2 GPUs"):
+        cfg.shard_for(2, 0, 3)
+    with pytest.raises(ValueError, match="ep_size 2 must divide the engine's 1 GPUs"):
+        cfg.shard_for(1, 0, 2)
+    dense = ModelConfig.from_dir(make_model("qwen3", "tiny", str(tmp_path / "d"), seed=3))
+    assert dense.shard_for(2, 1, 2).ep_size == 1  # a dense model ignores ep_size, as SGLang does
+
+
+@pytest.mark.unit
 def test_a_model_that_does_not_divide_over_the_ranks_is_refused_naming_the_dimension(tmp_path):
     cfg = ModelConfig.from_dir(make_model("qwen3", "tiny", str(tmp_path / "m"), seed=3))
     with pytest.raises(ValueError, match=r"attention heads \(4\) do not divide over 3 tensor-parallel GPUs"):
@@ -49,13 +76,16 @@ def test_a_model_that_does_not_divide_over_the_ranks_is_refused_naming_the_dimen
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch,tp,fused", [("qwen3", 2, False), ("llama", 2, False), ("qwen3", 4, False),
-                                           ("qwen3", 2, True), ("qwen3_moe", 2, False)])
-def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, tp, fused):
+@pytest.mark.parametrize("arch,tp,fused,ep", [("qwen3", 2, False, 1), ("llama", 2, False, 1), ("qwen3", 4, False, 1),
+                                              ("qwen3", 2, True, 1), ("qwen3_moe", 2, False, 1),
+                                              ("qwen3_moe", 2, False, 2), ("qwen3_moe", 2, True, 2)])
+def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, tp, fused, ep):
     """``fused``: decode through the fused Triton kernels (the GPU path: residual RMSNorm,
-    norm+rope, paged attention), run by Triton's interpreter on CPU. ``qwen3_moe``: each expert's
-    intermediate dimension split over the ranks, the weight update naming experts one by one (its
-    fused path over TP shards: tests/engines/test_moe.py, at the layer)."""
+    norm+rope, paged attention, the MoE grouped GEMMs), run by Triton's interpreter on CPU.
+    ``qwen3_moe``: each expert's intermediate dimension split over the ranks (``ep`` 1) or each
+    rank holding half the experts whole (``ep`` 2, expert parallel: the other half's
+    assignments skipped), the weight update naming experts one by one (its fused path over TP
+    shards: tests/engines/test_moe.py, at the layer)."""
     policy = make_model(arch, "tiny", str(tmp_path / "p"), seed=1)
     other = make_model(arch, "tiny", str(tmp_path / "o"), seed=2)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 45))]
@@ -79,7 +109,8 @@ def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, 
         followers = [procs.slice(gpus=1 + r).spawn(f"f{r}", FollowerActor) for r in range(1, tp)]
         for f in followers:
             await f.initialized(timeout=60)
-        sharded = procs.slice(gpus=1).spawn("sharded", EngineActor, policy, "torch", tp_peers=followers, **options)
+        sharded = procs.slice(gpus=1).spawn("sharded", EngineActor, policy, "torch", tp_peers=followers, **options,
+                                            **({"engine_config": {"ep_size": ep}} if ep > 1 else {}))
         await one.initialized(timeout=120)
         await sharded.initialized(timeout=120)
         first = await generate(sharded)
@@ -89,6 +120,7 @@ def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, 
         cfg = ModelConfig.from_dir(policy).shard_for(tp, 0)  # rank 0 holds its share of the KV heads
         assert stats[1]["bytes"]["kv_cache"] * cfg.num_kv_heads == stats[0]["bytes"]["kv_cache"] * cfg.local_kv_heads
         assert stats[1]["bytes"]["weights"] < stats[0]["bytes"]["weights"]
+        assert stats[1]["ep_size"] == ep
         # sleep, wake and a weight update (the full tensors reach every rank; each keeps its shard)
         tensors = load_file(f"{other}/model.safetensors")
         for engine in (one, sharded):

@@ -26,15 +26,18 @@ def test_dp_size_splits_each_engine_into_replicas_of_its_gpus():
     assert replicas(config("{}"), claim, [["b2", "b3"]]) == [["b2", "b3"]]  # one engine over both
 
 
-def test_pipeline_and_expert_sizes_are_sglangs_and_the_built_in_engine_says_so(caplog):
-    check_job(config('{"pp_size": 2, "ep_size": 8}'))
-    assert "pp_size 2 / ep_size 8 are for --engine sglang; the built-in engine runs each engine tensor-parallel" \
-        in caplog.text
+def test_the_pipeline_size_is_sglangs_and_the_built_in_engine_says_so(caplog):
+    check_job(config('{"pp_size": 2, "ep_size": 2}'))  # ep_size 2 over the engine's 2 GPUs: its expert groups
+    assert "pp_size 2 is for --engine sglang; the built-in engine runs each engine tensor-parallel" in caplog.text
+    assert "ep_size" not in caplog.text
 
 
 @pytest.mark.parametrize("engine_config,says", [
     ('{"dp_size": 3}', "dp_size 3 does not divide the engine's 2 GPUs"),
     ('{"dp_size": 0}', "dp_size must be a positive integer, got 0"),
+    ('{"ep_size": 0}', "ep_size must be a positive integer, got 0"),
+    ('{"ep_size": 4}', "ep_size 4 does not divide each replica's 2 GPUs"),
+    ('{"dp_size": 2, "ep_size": 2}', "ep_size 2 does not divide each replica's 1 GPUs"),
 ])
 def test_a_bad_dp_size_is_refused_naming_the_key(engine_config, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
