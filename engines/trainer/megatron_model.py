@@ -266,12 +266,15 @@ def token_logprobs(
     mask: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs of ``targets`` under the model, vocab-parallel (no full-vocab
-    gather across TP): ``-vocab_parallel_cross_entropy(logits / T, targets)``."""
+    gather across TP): ``-vocab_parallel_cross_entropy(logits / T, targets)``. ``padding_mask``
+    (MoE models only; True on padding) keeps padding out of the routing statistics."""
     from megatron.core import tensor_parallel
 
-    logits = model(input_ids, position_ids, mask)  # [b, s, V/tp]
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+    logits = model(input_ids, position_ids, mask, **extra)  # [b, s, V/tp]
     if temperature != 1.0:
         logits = logits / temperature
     return -tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), targets)
