@@ -10,7 +10,9 @@ import asyncio
 import pytest
 import torch
 
+from engines.checkpoint import checkpoint_tensors
 from engines.model_builder import make_model
+from engines.torch import TorchEngine
 from relay import setup_torch_distributed, this_host
 from tests.helpers import run
 from tests.trainer.actors import GradTrainer, MegatronCheck
@@ -102,3 +104,105 @@ def test_ep2_same_losses_and_gradients_as_ep1(moe):
             assert max(abs(p - q) for p, q in zip(x, y)) <= 1e-5
     assert any("local_experts" in n for n in g1[0]) and any("router" in n for n in g1[0])
     assert all(torch.equal(g1[0][n], g1[1][n]) for n in g1[0])  # both DP ranks hold the same gradients
+
+
+async def engine_generate(path: str, buckets: list, prompt: list):
+    """Greedy tokens of a built-in engine of the tiny MoE after a weight update with ``buckets``."""
+    eng = TorchEngine(path, kv_cache_tokens=2048, weights_mode="discard")
+    try:
+        await eng.sleep(["weights"])
+        await eng.wake(["weights"])
+        await eng.update_weights(buckets, version=1)
+        return await eng.generate(prompt, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    finally:
+        await eng.close()
+
+
+def merged(buckets: list) -> dict:
+    out = {}
+    for b in buckets:
+        out.update(b)
+    return out
+
+
+def test_grpo_step_moves_moe_logprobs_and_export_equals_checkpoint(moe):
+    """TP = EP = 1: the export before any step is the checkpoint, bit for bit (HF names,
+    experts per expert); a GRPO step raises the positive-advantage sequence's log-probs and
+    lowers the negative one's; the load-balancing loss is reported."""
+
+    async def main():
+        procs, t = await start(moe, lr=1e-2)
+        exported = merged(await t.export_hf.call_one(4096))
+        before = await t.compute_logprobs.call_one(SEQS[:2])
+        stats = await t.train_step.call_one(SEQS[:2], MASKS[:2], ADV[:2]).result(120)
+        after = await t.compute_logprobs.call_one(SEQS[:2])
+        await stop(procs, t)
+        return exported, before, stats, after
+
+    exported, before, stats, after = run(main(), 390)
+    ckpt = {name: t for _, name, t in checkpoint_tensors(moe)}
+    assert sorted(exported) == sorted(ckpt)
+    assert all(torch.equal(exported[n], ckpt[n]) for n in ckpt)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in exported and "model.layers.1.mlp.gate.weight" in exported
+    resp = lambda lp, i: sum(lp[i][3:])  # noqa: E731 (the response tokens' log-probs)
+    assert resp(after, 0) > resp(before, 0) and resp(after, 1) < resp(before, 1)
+    assert stats["moe_load_balancing_loss"] > 0
+
+
+def test_ep2_distributed_optimizer_export_and_resume(moe, tmp_path):
+    """DP = 2 with Megatron's distributed optimizer: EP=2 steps like EP=1 (grad norm, the
+    exported weights after the step); under EP=2 the export before a step is the checkpoint,
+    the exported weights make a built-in MoE engine reproduce the trainer's log-probs, and a
+    checkpoint (one file per EP rank) resumes to the same next step."""
+    ckpt = str(tmp_path / "ckpt")
+    args = [shard_args(s) for s in SHARDS]
+
+    async def one(ep):
+        procs, t = await start(moe, 2, ep=ep, lr=1e-2, micro_batch_tokens=40)
+        info = (await t.optimizer_info.call().result(60)).values()
+        initial = merged((await t.export_hf.call(4096).result(120)).values()[0])
+        first = await each_rank(t, "train_step", args)
+        if ep == 2:
+            await t.save_checkpoint.call(ckpt).result(120)
+        second = await each_rank(t, "train_step", args)
+        exported = (await t.export_hf.call(4096).result(120)).values()
+        lp = (await t.compute_logprobs.call(SEQS).result(120)).values()
+        engine = None
+        if ep == 2:  # the stepped weights into a built-in MoE engine: it reproduces the trainer
+            r = await engine_generate(moe, exported[0], SEQS[2][:6])
+            trainer_lp = (await t.compute_logprobs.call([SEQS[2][:6] + r.token_ids]).result(120)).values()[0][0][5:]
+            engine = (r, trainer_lp)
+        await stop(procs, t)
+        return info, initial, first, second, exported, lp, engine
+
+    async def resume():
+        procs, t = await start(moe, 2, ep=2, lr=1e-2, micro_batch_tokens=40)
+        steps = (await t.load_checkpoint.call(ckpt).result(120)).values()
+        again = await each_rank(t, "train_step", args)
+        await stop(procs, t)
+        return steps, again
+
+    async def main():
+        ep1, ep2 = await one(1), await one(2)
+        steps, again = await resume()
+        return ep1, ep2, steps, again
+
+    ep1, ep2, steps, again = run(main(), 390)
+    info, initial, first, second, exported, lp, engine = ep2
+    assert all(i["kind"] == "megatron" for i in info)
+    ckpt_hf = {name: t for _, name, t in checkpoint_tensors(moe)}
+    assert sorted(initial) == sorted(ckpt_hf) and all(torch.equal(initial[n], ckpt_hf[n]) for n in ckpt_hf)
+    for r in range(2):
+        assert first[r]["grad_norm"] == pytest.approx(ep1[2][r]["grad_norm"], rel=1e-5)
+        assert second[r]["loss"] == pytest.approx(ep1[3][r]["loss"], abs=1e-5)
+    full1, full2 = merged(ep1[4][0]), merged(exported[0])
+    assert merged(exported[1]).keys() == full2.keys() == full1.keys()
+    # two Adam steps at lr 1e-2 amplify the gradients' float rounding (reduction order differs)
+    assert max(float((full1[n] - full2[n]).abs().max()) for n in full1) < 1e-4
+    assert steps == [1, 1]
+    for r in range(2):
+        assert again[r] == second[r]  # the resumed step is the same step
+    assert lp[0] == lp[1]
+    r, trainer_lp = engine
+    assert r.weight_version == 1 and len(r.token_ids) == 8
+    assert max(abs(x - y) for x, y in zip(r.logprobs, trainer_lp)) < 1e-4
