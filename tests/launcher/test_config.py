@@ -254,3 +254,26 @@ def test_an_empty_value_unsets_an_optional_text_key_set_in_yaml():
     assert load_config("tiny-cpu-defer").custom_reward_post_process_path is not None
     with pytest.raises(ConfigError, match="--rm-type must be one of"):
         load_config(None, ["--rm-type", "nonsense"])
+
+
+def test_expert_parallel_flags_and_their_errors(tmp_path):
+    """--expert-model-parallel-size and --moe-aux-loss-coeff (the original's Megatron flag
+    names): EP must divide the data-parallel size and the checkpoint's experts."""
+    flags = ["--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"]
+    c = load_config(None, {**BASE, **parse_overrides(flags)})
+    assert c.expert_model_parallel_size == 2 and c.moe_aux_loss_coeff == 0.01
+    assert cfg().expert_model_parallel_size == 1 and cfg().moe_aux_loss_coeff == 0.0  # the original's defaults
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 3 must divide the trainer's data-parallel "
+                                          r"size 4 \(8 actor GPUs / --tensor-model-parallel-size 2\)"):
+        cfg(expert_model_parallel_size=3, tensor_model_parallel_size=2)
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for d, n in ((moe, 6), (dense, 0)):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": n}))
+    assert cfg(expert_model_parallel_size=2, hf_checkpoint=str(moe)).expert_model_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 4 must divide the 6 experts of"):
+        cfg(expert_model_parallel_size=4, hf_checkpoint=str(moe))
+    with pytest.raises(ConfigError, match=r"is a dense model \(no experts\); use 1"):
+        cfg(expert_model_parallel_size=2, hf_checkpoint=str(dense))
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size must be >= 1, got 0"):
+        cfg(expert_model_parallel_size=0)
