@@ -206,3 +206,37 @@ def test_ep2_distributed_optimizer_export_and_resume(moe, tmp_path):
     r, trainer_lp = engine
     assert r.weight_version == 1 and len(r.token_ids) == 8
     assert max(abs(x - y) for x, y in zip(r.logprobs, trainer_lp)) < 1e-4
+
+
+def test_ep2_push_weights_relay_and_broadcast_reach_moe_engines(moe):
+    """Expert-parallel trainer (EP=2 over 2 ranks) -> two built-in qwen3_moe engines, one by
+    the relay path (auto on CPU), one by a gloo broadcast group, in many small buckets: both
+    engines then greedy-decode the same tokens with the trainer's log-probs."""
+    from engines.actor import EngineActor
+
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+    async def main():
+        procs, t = await start(moe, 2, ep=2, lr=1e-2)
+        eprocs = this_host().spawn_procs(per_host={"gpus": 2})
+        engines = eprocs.spawn("rollout", EngineActor, moe, "torch", kv_cache_tokens=1024, weights_mode="discard")
+        await engines.initialized(240)
+        await each_rank(t, "train_step", [shard_args(s) for s in SHARDS])  # weights now differ from the checkpoint
+        await engines.sleep.call(["weights", "kv_cache"]).result(60)
+        await engines.wake.call(["weights"]).result(60)
+        e0, e1 = engines.slice(gpus=0), engines.slice(gpus=1)
+        await t.push_weights.call([e0], 1, 4096).result(120)
+        await t.push_weights.call([e1], 1, 4096, 60.0, "distributed").result(120)
+        await engines.wake.call(["kv_cache"]).result(60)
+        outs = (await engines.generate.call(SEQS[0][:6], greedy).result(60)).values()
+        seq = SEQS[0][:6] + outs[0].token_ids
+        trainer_lp = (await t.compute_logprobs.call([seq]).result(60)).values()[0][0][5:]
+        await stop(procs, t)
+        await eprocs.stop()
+        return outs, trainer_lp
+
+    outs, trainer_lp = run(main(), 390)
+    assert all(r.weight_version == 1 for r in outs)
+    assert outs[0].token_ids == outs[1].token_ids
+    assert max(abs(a - b) for a, b in zip(outs[0].logprobs, trainer_lp)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(outs[1].logprobs, trainer_lp)) < 1e-4
