@@ -240,3 +240,24 @@ def test_ep2_push_weights_relay_and_broadcast_reach_moe_engines(moe):
     assert outs[0].token_ids == outs[1].token_ids
     assert max(abs(a - b) for a, b in zip(outs[0].logprobs, trainer_lp)) < 1e-4
     assert max(abs(a - b) for a, b in zip(outs[1].logprobs, trainer_lp)) < 1e-4
+
+
+def test_tp2_moe_logprobs_and_export_equal_tp1(moe):
+    """Tensor parallel 2 on a MoE model (experts' intermediate dimension split like the dense
+    MLP's, router replicated): the same log-probs as TP=1, and the export is the checkpoint."""
+
+    async def main():
+        out = []
+        for tp in (1, 2):
+            procs, t = await start(moe, tp, tp=tp)
+            lp = (await t.compute_logprobs.call(SEQS).result(120)).values()
+            exported = merged((await t.export_hf.call(4096).result(120)).values()[0])
+            await stop(procs, t)
+            out.append((lp, exported))
+        return out
+
+    (lp1, _), (lp2, exported) = run(main(), 390)
+    ckpt = {name: t for _, name, t in checkpoint_tensors(moe)}
+    assert sorted(exported) == sorted(ckpt) and all(torch.equal(exported[n], ckpt[n]) for n in ckpt)
+    for rank_lp in lp2:
+        assert max(abs(a - b) for ra, rb in zip(lp1[0], rank_lp) for a, b in zip(ra, rb)) < 1e-5
