@@ -261,3 +261,27 @@ def test_tp2_moe_logprobs_and_export_equal_tp1(moe):
     assert sorted(exported) == sorted(ckpt) and all(torch.equal(exported[n], ckpt[n]) for n in ckpt)
     for rank_lp in lp2:
         assert max(abs(a - b) for ra, rb in zip(lp1[0], rank_lp) for a, b in zip(ra, rb)) < 1e-5
+
+
+def test_aux_loss_coefficient_adds_the_load_balancing_gradient(moe):
+    """--moe-aux-loss-coeff reaches the loss (Megatron adds the aux loss's gradient in
+    backward): with it the routers' gradients change while the last layer's experts' do
+    not (the aux loss depends on routing only); with 0 nothing is reported."""
+    opts = dict(lr=1e-2, clip_grad=0.0, optimizer="torch")
+
+    async def main():
+        out = []
+        for coeff in (0.0, 0.5):
+            procs, t = await start(moe, moe_aux_loss_coeff=coeff, **opts)
+            stats = await t.train_step.call_one(SEQS[:3], MASKS[:3], ADV[:3]).result(120)
+            grads = (await t.full_grads.call().result(120)).values()[0]
+            await stop(procs, t)
+            out.append((stats, grads))
+        return out
+
+    (s0, g0), (s1, g1) = run(main(), 390)
+    assert "moe_load_balancing_loss" not in s0 and s1["moe_load_balancing_loss"] > 0
+    last = "decoder.layers.1.mlp."
+    routers = [n for n in g0 if n.endswith("mlp.router.weight")]
+    assert len(routers) == 2 and all(not torch.allclose(g0[n], g1[n], atol=1e-6) for n in routers)
+    assert all(torch.equal(g0[n], g1[n]) for n in g0 if n.startswith(last + "experts."))
