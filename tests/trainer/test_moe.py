@@ -79,7 +79,8 @@ def test_moe_roundtrip_bit_exact_and_logits_match_transformers(tmp_path):
 def test_ep2_same_losses_and_gradients_as_ep1(moe):
     """Two DP ranks with different data (different widths and micro-batch counts), torch
     AdamW without clipping: the step's statistics (policy and load-balancing loss, grad
-    norm) and every parameter's DP-averaged gradient agree between EP=1 and EP=2."""
+    norm) and every parameter's DP-averaged gradient agree between EP=1 and EP=2; so do the
+    log-probs after the step, an SFT step and greedy_match."""
     opts = dict(lr=1e-2, clip_grad=0.0, optimizer="torch", micro_batch_tokens=40, moe_aux_loss_coeff=0.1)
 
     async def one(ep):
@@ -87,13 +88,18 @@ def test_ep2_same_losses_and_gradients_as_ep1(moe):
         stats = await each_rank(t, "train_step", [shard_args(s) for s in SHARDS])
         grads = (await t.full_grads.call().result(120)).values()
         after = await each_rank(t, "compute_logprobs", [([SEQS[i] for i in s],) for s in SHARDS])
+        sft = await each_rank(t, "sft_step", [shard_args(s)[:2] for s in SHARDS])
+        greedy = await each_rank(t, "greedy_match", [shard_args(s)[:2] for s in SHARDS])
         await stop(procs, t)
-        return stats, grads, after
+        return stats, grads, after, sft, greedy
 
     async def main():
         return await one(1), await one(2)
 
-    (s1, g1, a1), (s2, g2, a2) = run(main(), 390)
+    (s1, g1, a1, sft1, gm1), (s2, g2, a2, sft2, gm2) = run(main(), 390)
+    assert gm1 == gm2 and [len(g) for g in gm1] == [3, 2]
+    for x, y in zip(sft1, sft2):  # the SFT step under the same EP-aligned micro-batches
+        assert x.keys() == y.keys() and all(abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(x[k])) for k in x)
     for r in range(2):
         assert s1[r].keys() == s2[r].keys() and "moe_load_balancing_loss" in s1[r]
         for k in s1[r]:
