@@ -25,6 +25,32 @@ import torch
 from . import cpu_shim
 
 
+def sum_tp_partial_grads(model, attr: str = "grad") -> None:
+    """Sum over the tensor-parallel group the gradients that each TP rank holds only in part:
+    the q/k layernorm weights (shared by all heads; each rank normalises its own heads), as
+    Megatron's ``finalize_model_grads`` does. Without it the TP replicas of those weights get
+    different (partial) gradients and drift apart. ``attr``: ``grad`` or ``main_grad``."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1 or not model.config.qk_layernorm:
+        return
+    import torch.distributed as dist
+
+    grads = [
+        getattr(p, attr)
+        for n, p in model.named_parameters()
+        if ("q_layernorm" in n or "k_layernorm" in n) and getattr(p, attr, None) is not None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    off = 0
+    for g in grads:
+        g.copy_(flat[off : off + g.numel()].view_as(g))
+        off += g.numel()
+
+
 def _is_expert(p) -> bool:
     """A MoE expert's parameter (Megatron sets ``allreduce = False`` on them)."""
     return not getattr(p, "allreduce", True)
@@ -201,6 +227,7 @@ class TorchAdamW(_Optimizer):
         """Average gradients over DP, clip to ``clip_grad`` (0: no clipping), step; returns
         the gradient norm before clipping."""
         self._reduce_grads()
+        sum_tp_partial_grads(self.model)
         norm = self._clip()
         self.opt.step()
         return norm
@@ -294,6 +321,7 @@ class MegatronAdamW(_Optimizer):
         all-gather the params; returns the gradient norm before clipping."""
         with cpu_shim.megatron_cuda_calls():
             self.ddp.finish_grad_sync()
+            sum_tp_partial_grads(self.model, "main_grad")
             ok, norm, _ = self.opt.step()
         if not ok:
             raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")

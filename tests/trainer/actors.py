@@ -146,3 +146,8 @@ class GradTrainer(TrainerActor):
 
         grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
         return {n: g.cpu() for n, g in gather_experts(grads, self.cfg.num_experts, self.ep_group).items()}
+
+    @endpoint
+    def local_weights(self, contains: str) -> dict:
+        """This rank's own parameters whose names contain ``contains`` (replicas: compare ranks)."""
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if contains in n}
