@@ -290,11 +290,12 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
 def check_expert_parallel(cfg: JobConfig) -> None:
     """``--expert-model-parallel-size`` must divide the trainer's data-parallel size (actor
     GPUs / tensor parallel size) and, where the policy checkpoint's config.json is readable
-    now, its expert count (a dense checkpoint takes only 1). A clear ConfigError otherwise."""
+    now, its expert count (a dense checkpoint takes only 1); a MoE policy trains with TP 1.
+    A clear ConfigError otherwise."""
     import os
 
     ep, tp = cfg.expert_model_parallel_size, cfg.tensor_model_parallel_size
-    if ep == 1:
+    if ep == 1 and tp == 1:
         return
     actor = cfg.actor_total
     if actor and actor % tp == 0 and (actor // tp) % ep:
@@ -309,6 +310,12 @@ def check_expert_parallel(cfg: JobConfig) -> None:
         d = json.load(f)
     d = d.get("text_config", d)
     experts = d.get("num_experts", d.get("num_local_experts", 0)) or 0
+    if experts and tp > 1:
+        from engines.trainer.actor import MOE_TP_TRAINING
+
+        raise ConfigError(f"{cfg.hf_checkpoint} is a mixture-of-experts model: {MOE_TP_TRAINING}")
+    if ep == 1:
+        return
     if not experts:
         raise ConfigError(
             f"--expert-model-parallel-size {ep}: {cfg.hf_checkpoint} is a dense model (no experts); use 1"

@@ -27,6 +27,12 @@ from .batching import micro_batches  # noqa: F401 (re-exported: its home was thi
 from .dist_init import _init_process_group
 from .loss import LossConfig, policy_loss
 
+MOE_TP_TRAINING = (
+    "training a mixture-of-experts model with tensor parallelism needs Megatron's sequence parallelism, which "
+    "needs TransformerEngine or Apex norms (the local spec's torch norm refuses it): train MoE models with "
+    "--tensor-model-parallel-size 1 and --expert-model-parallel-size instead (TP > 1 serves log-probs and export)"
+)
+
 #: torch.distributed and Megatron's parallel state are per process; two trainers in one
 #: process (policy and reference) must not create groups concurrently (group creation is a
 #: collective: the order must be the same on every rank).
@@ -172,6 +178,8 @@ class TrainerActor(Actor):
     def _begin_step(self) -> None:
         if self.offloaded:
             raise RuntimeError("the trainer is offloaded; onload() before training")
+        if self.cfg.num_experts and self.tp > 1:
+            raise ValueError(MOE_TP_TRAINING)
         self.model.train()
         self.opt.zero_grad(self._lr())
 

@@ -275,5 +275,9 @@ def test_expert_parallel_flags_and_their_errors(tmp_path):
         cfg(expert_model_parallel_size=4, hf_checkpoint=str(moe))
     with pytest.raises(ConfigError, match=r"is a dense model \(no experts\); use 1"):
         cfg(expert_model_parallel_size=2, hf_checkpoint=str(dense))
+    with pytest.raises(ConfigError, match=r"is a mixture-of-experts model: training .* needs Megatron's sequence "
+                                          r"parallelism"):
+        cfg(tensor_model_parallel_size=2, hf_checkpoint=str(moe))
+    assert cfg(tensor_model_parallel_size=2, hf_checkpoint=str(dense)).tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match="--expert-model-parallel-size must be >= 1, got 0"):
         cfg(expert_model_parallel_size=0)
