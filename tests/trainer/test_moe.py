@@ -301,3 +301,26 @@ def test_aux_loss_coefficient_adds_the_load_balancing_gradient(moe):
     routers = [n for n in g0 if n.endswith("mlp.router.weight")]
     assert len(routers) == 2 and all(not torch.allclose(g0[n], g1[n], atol=1e-6) for n in routers)
     assert all(torch.equal(g0[n], g1[n]) for n in g0 if n.startswith(last + "experts."))
+
+
+@pytest.mark.unit
+def test_fused_expert_layouts_convert_like_per_expert_ones(tmp_path):
+    """Checkpoints holding experts fused (transformers 5: ``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]; Qwen3-VL-MoE: transposed) give the same Megatron tensors."""
+    from engines.model import ModelConfig
+    from engines.trainer.megatron_model import hf_to_megatron
+
+    path = make_model("qwen3_moe", "tiny", str(tmp_path / "m"), seed=1, moe_intermediate_size=16)  # 2I != H
+    cfg = ModelConfig.from_dir(path)
+    hf = {name: t for _, name, t in checkpoint_tensors(path)}
+    want = hf_to_megatron(cfg, hf)
+    for transposed in (False, True):
+        fused = {n: t for n, t in hf.items() if ".mlp.experts." not in n}
+        for i in range(cfg.num_layers):
+            x = f"model.layers.{i}.mlp.experts."
+            ups = [torch.cat([hf[f"{x}{j}.gate_proj.weight"], hf[f"{x}{j}.up_proj.weight"]]) for j in range(4)]
+            gate_up, down = torch.stack(ups), torch.stack([hf[f"{x}{j}.down_proj.weight"] for j in range(4)])
+            fused[x + "gate_up_proj"] = gate_up.transpose(1, 2) if transposed else gate_up
+            fused[x + "down_proj"] = down.transpose(1, 2) if transposed else down
+        got = hf_to_megatron(cfg, fused)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
