@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
@@ -266,6 +267,8 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, allowed):
             raise ConfigError(f"{flag} must be {kind}, got {value!r}")
         value = base(value)
+        if base is float and not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value!r}")
     elif base is dict:
         if isinstance(value, str):
             try:

@@ -281,3 +281,26 @@ def test_expert_parallel_flags_and_their_errors(tmp_path):
     assert cfg(tensor_model_parallel_size=2, hf_checkpoint=str(dense)).tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match="--expert-model-parallel-size must be >= 1, got 0"):
         cfg(expert_model_parallel_size=0)
+
+
+@pytest.mark.parametrize("flag", ["--expert-model-parallel-size", "--moe-aux-loss-coeff"])
+def test_hostile_moe_flag_values_give_a_config_or_a_config_error(flag):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.one_of(st.text(max_size=12), st.integers(-10**6, 10**6).map(str), st.floats().map(repr)))
+    def check(value):
+        try:
+            c = load_config(None, {**BASE, **parse_overrides([flag, value])})
+        except ConfigError:
+            return
+        assert c.expert_model_parallel_size >= 1 and 8 % c.expert_model_parallel_size == 0  # divides DP = 8
+        assert 0 <= c.moe_aux_loss_coeff < float("inf")
+
+    check()
+    for bad in ("nan", "inf", "-inf", "1e400"):  # no float flag takes a non-finite value (--lr nan neither)
+        with pytest.raises(ConfigError, match="must be a finite number"):
+            load_config(None, {**BASE, **parse_overrides(["--moe-aux-loss-coeff", bad])})
+        with pytest.raises(ConfigError, match="--lr must be a finite number"):
+            load_config(None, {**BASE, "lr": float(bad)})
