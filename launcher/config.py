@@ -23,6 +23,7 @@ from .config_rules import (
     REFUSED_FLAGS,
     ConfigError,
     GenRMInstance,
+    check_expert_parallel,
     check_judge_audit,
     check_resource,
     check_sampling,
@@ -205,6 +206,16 @@ class JobConfig:
     tensor_model_parallel_size: int = _opt(
         1, help="trainer tensor parallel size (the rest of the actor GPUs is data parallel)", minimum=1
     )
+    expert_model_parallel_size: int = _opt(
+        1,
+        help="trainer expert parallel size (MoE models): the experts split over this many data-parallel ranks; "
+        "divides the experts and the data-parallel size",
+        minimum=1,
+    )
+    moe_aux_loss_coeff: float = _opt(
+        0.0, help="trainer (MoE): coefficient of the router's load-balancing loss (Switch aux loss; 0 = off)",
+        minimum=0.0,
+    )
     # ---- optimizer
     optimizer: str = _opt("adam", help="optimizer", choices=("adam", "adamw"))
     lr: float = _opt(1e-6, help="learning rate", minimum=0.0)
@@ -382,6 +393,7 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             raise ConfigError(str(e)) from None
     check_sampling(cfg)
     check_judge_audit(cfg)
+    check_expert_parallel(cfg)
     return cfg
 
 

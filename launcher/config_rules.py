@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
@@ -266,6 +267,8 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, allowed):
             raise ConfigError(f"{flag} must be {kind}, got {value!r}")
         value = base(value)
+        if base is float and not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value!r}")
     elif base is dict:
         if isinstance(value, str):
             try:
@@ -285,3 +288,42 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
     if minimum is not None and isinstance(value, (int, float)) and value < minimum:
         raise ConfigError(f"{flag} must be >= {minimum:g}, got {value!r}")
     return value
+
+
+def check_expert_parallel(cfg: JobConfig) -> None:
+    """``--expert-model-parallel-size`` must divide the trainer's data-parallel size (actor
+    GPUs / tensor parallel size) and, where the policy checkpoint's config.json is readable
+    now, its expert count (a dense checkpoint takes only 1); a MoE policy trains with TP 1.
+    A clear ConfigError otherwise."""
+    import os
+
+    ep, tp = cfg.expert_model_parallel_size, cfg.tensor_model_parallel_size
+    if ep == 1 and tp == 1:
+        return
+    actor = cfg.actor_total
+    if actor and actor % tp == 0 and (actor // tp) % ep:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} must divide the trainer's data-parallel size {actor // tp} "
+            f"({actor} actor GPUs / --tensor-model-parallel-size {tp}): experts split over data-parallel ranks"
+        )
+    path = os.path.join(cfg.hf_checkpoint or "", "config.json")
+    if not cfg.hf_checkpoint or not os.path.isfile(path):
+        return  # built on first use, or checked when the trainer loads it
+    with open(path) as f:
+        d = json.load(f)
+    d = d.get("text_config", d)
+    experts = d.get("num_experts", d.get("num_local_experts", 0)) or 0
+    if experts and tp > 1:
+        from engines.trainer.actor import MOE_TP_TRAINING
+
+        raise ConfigError(f"{cfg.hf_checkpoint} is a mixture-of-experts model: {MOE_TP_TRAINING}")
+    if ep == 1:
+        return
+    if not experts:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep}: {cfg.hf_checkpoint} is a dense model (no experts); use 1"
+        )
+    if experts % ep:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} must divide the {experts} experts of {cfg.hf_checkpoint}"
+        )

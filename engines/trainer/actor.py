@@ -3,7 +3,9 @@ they run on the actor's thread, so the process's event loop and heartbeats stay 
 
 Expects torch.distributed's env (MASTER_ADDR, RANK, WORLD_SIZE, ...) from
 ``relay.setup_torch_distributed``. Tensor parallel size ``tp`` divides the world; the rest is
-data parallel. CPU (gloo) and CUDA (NCCL).
+data parallel. Mixture-of-experts models (qwen3_moe) split their experts over ``ep`` expert-
+parallel ranks within data parallel (``ep`` divides the DP size and the expert count). CPU
+(gloo) and CUDA (NCCL).
 """
 
 from __future__ import annotations
@@ -16,91 +18,25 @@ import threading
 
 import torch
 
-import relay
 from engines import weight_sync
 from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
 
+from . import batching
+from .batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
+from .dist_init import _init_process_group
 from .loss import LossConfig, policy_loss
+
+MOE_TP_TRAINING = (
+    "training a mixture-of-experts model with tensor parallelism needs Megatron's sequence parallelism, which "
+    "needs TransformerEngine or Apex norms (the local spec's torch norm refuses it): train MoE models with "
+    "--tensor-model-parallel-size 1 and --expert-model-parallel-size instead (TP > 1 serves log-probs and export)"
+)
 
 #: torch.distributed and Megatron's parallel state are per process; two trainers in one
 #: process (policy and reference) must not create groups concurrently (group creation is a
 #: collective: the order must be the same on every rank).
 _PROCESS_SETUP = threading.Lock()
-
-
-def _init_process_group(dist, backend: str) -> None:
-    """Join the trainer's torch.distributed group (MASTER_ADDR/PORT, RANK, WORLD_SIZE from
-    relay.setup_torch_distributed; rank 0 hosts the store). The rendezvous is bounded by
-    ``RELAY_DIST_INIT_TIMEOUT`` seconds (default 60): every rank announces itself in the
-    store, and a rank that cannot see all of them in time raises, naming itself and the
-    ranks (bundle, node, host) that never came, instead of waiting out torch's 30-minute
-    default. Collectives afterwards keep torch's long default timeout."""
-    import datetime
-    import time
-
-    from torch.distributed import TCPStore
-
-    env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-    cfg = relay.settings()
-    limit = cfg.dist_init_timeout
-    me = f"bundle {cfg.bundle}, node {cfg.node}, host {cfg.host}"
-    where = f"trainer rank {rank} of {world} ({me})"
-    hint = (
-        "Check that every node is up and reaches that address (RELAY_HOST / the network interface); "
-        "RELAY_DIST_INIT_TIMEOUT sets the limit"
-    )
-    deadline = time.monotonic() + limit
-    try:
-        store = TCPStore(
-            addr, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=limit), wait_for_workers=False
-        )
-    except Exception as e:  # noqa: BLE001 (re-raised with who and where)
-        raise RuntimeError(
-            f"{where}: torch.distributed did not form within {limit:g} s: could not join the store of rank 0 at "
-            f"{addr}:{port} "
-            f"({e}). {hint}"
-        ) from None
-    store.set(f"relay/joined/{rank}", where)
-    while True:
-        missing = [r for r in range(world) if not store.check([f"relay/joined/{r}"])]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            expected = "; ".join(f"rank {r}" for r in missing)
-            raise RuntimeError(
-                f"{where}: torch.distributed did not form within {limit:g} s: not every rank joined the store at "
-                f"{addr}:{port} "
-                f"(missing: {expected}; the controller's placement table says which bundle each rank is). {hint}"
-            )
-        time.sleep(0.05)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-
-
-def micro_batches(seqs: list, budget: int) -> list[list[int]]:
-    """Consecutive index groups whose padded size (count x longest) stays within ``budget``
-    tokens (a longer single sequence is a micro-batch of its own)."""
-    out, cur, width = [], [], 0
-    for i, s in enumerate(seqs):
-        w = max(width, len(s))
-        if cur and w * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur, w = [], len(s)
-        cur.append(i)
-        width = w
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _aligned(base: torch.Tensor, rows: list) -> torch.Tensor:
-    """``base`` with each row's leading entries replaced by the given values."""
-    out = base.clone()
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, device=base.device, dtype=base.dtype)
-    return out
 
 
 class TrainerActor(Actor):
@@ -119,9 +55,13 @@ class TrainerActor(Actor):
         micro_batch_tokens: int = 8192,
         bf16: bool = False,
         optimizer: str = "auto",
+        ep: int = 1,
+        moe_aux_loss_coeff: float | None = None,
     ):
         self.model_path = model_path
         self.tp = tp
+        self.ep = ep  # expert-parallel size (MoE models)
+        self.aux_loss_coeff = moe_aux_loss_coeff  # None: the checkpoint's router_aux_loss_coef
         self.opt_args = dict(lr=lr, weight_decay=weight_decay)
         self.clip_grad = clip_grad
         self.schedule = (lr_decay_style, lr_warmup_iters, total_iters)
@@ -140,12 +80,13 @@ class TrainerActor(Actor):
 
     def setup(self) -> None:
         import torch.distributed as dist
-        from safetensors.torch import load_file
 
+        from engines.checkpoint import checkpoint_tensors
         from engines.model import ModelConfig
 
         from . import cpu_shim
         from .megatron_model import build_gpt, hf_to_megatron, shard_for_rank
+        from .moe_convert import select_local_experts
 
         cpu_shim.install()
         self.device = (
@@ -154,14 +95,11 @@ class TrainerActor(Actor):
         with _PROCESS_SETUP:
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)
-        self.model = build_gpt(self.cfg, tp=self.tp, dtype=torch.bfloat16 if self.bf16 else torch.float32).to(
-            self.device
-        )
-        files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
-        hf = {}
-        for f in files:
-            hf.update(load_file(os.path.join(self.model_path, f)))
-        state = shard_for_rank(hf_to_megatron(self.cfg, hf), self.tp, self.tp_rank)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.model = build_gpt(self.cfg, self.tp, dtype, self.ep, self.aux_loss_coeff).to(self.device)
+        hf = {name: t for _, name, t in checkpoint_tensors(self.model_path)}  # FP8 dequantized
+        full = select_local_experts(hf_to_megatron(self.cfg, hf), self.cfg.num_experts, self.ep, self.ep_rank)
+        state = shard_for_rank(full, self.tp, self.tp_rank)
         missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
@@ -188,6 +126,7 @@ class TrainerActor(Actor):
                 device=self.device,
                 tp_group=self.tp_group,
                 tp_size=self.tp,
+                ep_groups=(self.ep_group, self.expert_dp_group) if self.ep > 1 else None,
                 **self.opt_args,
             )
 
@@ -199,18 +138,28 @@ class TrainerActor(Actor):
 
         if not dist.is_initialized():
             _init_process_group(dist, "nccl" if self.device.type == "cuda" else "gloo")
+        dp = dist.get_world_size() // self.tp
+        if self.ep > 1 and dp % self.ep:
+            raise ValueError(f"expert parallel size {self.ep} does not divide the data-parallel size {dp} "
+                             f"({dist.get_world_size()} ranks / tensor parallel {self.tp})")
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
-        elif parallel_state.get_tensor_model_parallel_world_size() != self.tp:
-            raise ValueError(
-                f"this process already runs tensor parallel size "
-                f"{parallel_state.get_tensor_model_parallel_world_size()}, not {self.tp}"
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp, expert_model_parallel_size=self.ep
             )
+        held = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if held != (self.tp, self.ep):
+            raise ValueError(f"this process already runs tensor / expert parallel sizes {held}, not {self.tp, self.ep}")
         model_parallel_cuda_manual_seed(self.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.ep_group = parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.ep > 1 else None
         self.rank = dist.get_rank()
         self.sender = WeightSender(self.rank, self.device)
 
@@ -229,6 +178,8 @@ class TrainerActor(Actor):
     def _begin_step(self) -> None:
         if self.offloaded:
             raise RuntimeError("the trainer is offloaded; onload() before training")
+        if self.cfg.num_experts and self.tp > 1:
+            raise ValueError(MOE_TP_TRAINING)
         self.model.train()
         self.opt.zero_grad(self._lr())
 
@@ -238,10 +189,10 @@ class TrainerActor(Actor):
         self.step += 1
         return norm
 
-    def _batch(self, seqs: list):
+    def _batch(self, seqs: list, width: int | None = None):
         from .megatron_model import causal_mask
 
-        width = max(len(s) for s in seqs)
+        width = width or max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
@@ -250,18 +201,24 @@ class TrainerActor(Actor):
         pos = torch.arange(s, device=self.device)[None].expand(len(seqs), -1)
         return ids[:, :-1], pos, causal_mask(s).to(self.device), ids[:, 1:]
 
-    def _mask(self, seqs: list, response_masks: list) -> torch.Tensor:
+    def _mask(self, seqs: list, response_masks: list, width: int | None = None) -> torch.Tensor:
         """0/1 over tokens 1..n of each (right-padded) sequence: 1 on response tokens."""
-        mask = torch.zeros(len(seqs), max(len(s) for s in seqs) - 1, device=self.device)
+        mask = torch.zeros(len(seqs), (width or max(len(s) for s in seqs)) - 1, device=self.device)
         for i, m in enumerate(response_masks):
             mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
         return mask
 
-    def _logprobs(self, seqs, temperature: float = 1.0) -> torch.Tensor:
+    def _logprobs(self, seqs, temperature: float = 1.0, width: int | None = None) -> torch.Tensor:
         from .megatron_model import token_logprobs
 
-        ids, pos, mask, tgt = self._batch(seqs)
-        return token_logprobs(self.model, ids, pos, mask, tgt, temperature)
+        ids, pos, mask, tgt = self._batch(seqs, width)
+        pad = batching.padding_mask(seqs, ids.shape[1] + 1, self.device) if self.cfg.num_experts else None
+        return token_logprobs(self.model, ids, pos, mask, tgt, temperature, padding_mask=pad)
+
+    def _micro(self, seqs: list) -> list:
+        """``(indices, width)`` per micro-batch; with EP > 1 the schedule the EP group shares
+        (dummy rows: None; engines/trainer/batching.py)."""
+        return batching.aligned_micro_batches(seqs, self.micro_batch_tokens, self.ep_group)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -271,11 +228,12 @@ class TrainerActor(Actor):
         self.model.eval()
         out: list = [None] * len(seqs)
         with torch.no_grad():
-            for idx in micro_batches(seqs, self.micro_batch_tokens):
-                part = [seqs[i] for i in idx]
-                lp = self._logprobs(part, temperature).cpu()
+            for idx, width in self._micro(seqs):
+                part = batching.rows(seqs, idx)
+                lp = self._logprobs(part, temperature, width).cpu()
                 for i, row, sq in zip(idx, lp, part):
-                    out[i] = row[: len(sq) - 1].tolist()
+                    if i is not None:
+                        out[i] = row[: len(sq) - 1].tolist()
         return out
 
     @endpoint
@@ -297,20 +255,28 @@ class TrainerActor(Actor):
         stats: dict = {}
         # Micro-batches under the token budget; each one's loss is weighted by its share of
         # the batch (tokens or samples), so the summed gradient equals the whole batch's.
-        for idx in micro_batches(seqs, self.micro_batch_tokens):
-            part = [seqs[i] for i in idx]
-            mask = self._mask(part, [response_masks[i] for i in idx])
+        plan = self._micro(seqs)
+        for idx, width in plan:
+            part = batching.rows(seqs, idx)
+            mask = self._mask(part, batching.pick(response_masks, idx, []), width)
             with torch.no_grad():
-                old = self._logprobs(part, temperature)
-            rollout = _aligned(old, [rollout_logprobs[i] for i in idx]) if rollout_logprobs is not None else None
-            ref = _aligned(old, [ref_logprobs[i] for i in idx]) if ref_logprobs is not None else None
-            logp = self._logprobs(part, temperature)
-            adv = torch.tensor([advantages[i] for i in idx], device=self.device, dtype=torch.float32)
+                old = self._logprobs(part, temperature, width)
+            rollout = batching.pick(rollout_logprobs, idx, [])
+            ref = batching.pick(ref_logprobs, idx, [])
+            rollout = batching.aligned(old, rollout) if rollout is not None else None
+            ref = batching.aligned(old, ref) if ref is not None else None
+            real = sum(i is not None for i in idx)
+            share = (float(mask.sum()) if token_level else real) / max(total, 1)
+            batching.set_aux_loss_scale(self.cfg, self.model.config, idx, share)
+            logp = self._logprobs(part, temperature, width)
+            adv = torch.tensor(batching.pick(advantages, idx, 0.0), device=self.device, dtype=torch.float32)
             loss, st = policy_loss(logp, old, adv, mask, self.loss_cfg, ref_logp=ref, rollout_logp=rollout)
+            # sample-level aggregation averages over every row, dummies (EP) included
             weight = (float(mask.sum()) if token_level else len(idx)) / max(total, 1)
             (loss * weight).backward()
             for k, v in st.items():
                 stats[k] = stats.get(k, 0.0) + v * weight
+        stats.update(batching.aux_loss_stats(self.cfg, plan))
         stats["grad_norm"] = self._finish_step()
         stats["lr"] = self.opt.lr
         return stats
@@ -322,14 +288,18 @@ class TrainerActor(Actor):
         self._begin_step()
         total = max(1, sum(sum(m) for m in response_masks))
         loss_sum = 0.0
-        for idx in micro_batches(seqs, self.micro_batch_tokens):
-            part = [seqs[i] for i in idx]
-            mask = self._mask(part, [response_masks[i] for i in idx])
-            loss = -(self._logprobs(part) * mask).sum() / total
+        plan = self._micro(seqs)
+        for idx, width in plan:
+            part = batching.rows(seqs, idx)
+            mask = self._mask(part, batching.pick(response_masks, idx, []), width)
+            batching.set_aux_loss_scale(self.cfg, self.model.config, idx, float(mask.sum()) / total)
+            loss = -(self._logprobs(part, 1.0, width) * mask).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
-        grad_norm = self._finish_step()
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": self.opt.lr}
+        stats = {"loss": loss_sum}
+        stats.update(batching.aux_loss_stats(self.cfg, plan))
+        stats.update(grad_norm=self._finish_step(), lr=self.opt.lr)
+        return stats
 
     @endpoint
     def greedy_match(self, seqs: list, response_masks: list) -> list:
@@ -337,11 +307,12 @@ class TrainerActor(Actor):
         forced)? For a one-token answer this is exactly greedy decoding's accuracy."""
         self.model.eval()
         out: list = [False] * len(seqs)
-        for idx in micro_batches(seqs, self.micro_batch_tokens):
-            part = [seqs[i] for i in idx]
-            ids, pos, mask, tgt = self._batch(part)
+        for idx, width in self._micro(seqs):
+            part = batching.rows(seqs, idx)
+            ids, pos, mask, tgt = self._batch(part, width)
+            pad = {"padding_mask": batching.padding_mask(part, width or ids.shape[1] + 1, self.device)}
             with torch.no_grad():
-                logits = self.model(ids, pos, mask)
+                logits = self.model(ids, pos, mask, **(pad if self.cfg.num_experts else {}))
                 if self.tp > 1:
                     from megatron.core.tensor_parallel import (
                         gather_from_tensor_model_parallel_region,
@@ -349,10 +320,11 @@ class TrainerActor(Actor):
 
                     logits = gather_from_tensor_model_parallel_region(logits)
                 pred = logits.argmax(-1)
-            rmask = self._mask(part, [response_masks[i] for i in idx]).bool()
+            rmask = self._mask(part, batching.pick(response_masks, idx, []), width).bool()
             ok = ((pred == tgt) | ~rmask).all(dim=1)
             for i, x in zip(idx, ok.cpu()):
-                out[i] = bool(x)
+                if i is not None:
+                    out[i] = bool(x)
         return out
 
     @contextlib.contextmanager
@@ -363,7 +335,10 @@ class TrainerActor(Actor):
         from .megatron_model import gather_full, megatron_to_hf
 
         with self.opt.params_present():
-            yield megatron_to_hf(self.cfg, gather_full(self.model, self.tp_group if self.tp > 1 else None, copy=copy))
+            full = gather_full(
+                self.model, self.tp_group if self.tp > 1 else None, copy, self.ep_group, self.cfg.num_experts
+            )
+            yield megatron_to_hf(self.cfg, full)
 
     @endpoint
     def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
@@ -407,18 +382,24 @@ class TrainerActor(Actor):
         self.opt.onload()
         self.offloaded = False
 
+    def _shard_file(self) -> str:
+        return f"trainer-tp{self.tp_rank}.pt" if self.ep == 1 else f"trainer-tp{self.tp_rank}-ep{self.ep_rank}.pt"
+
     @endpoint
     def save_checkpoint(self, path: str) -> None:
         """Weights (this rank's shard), optimizer, step and RNG states; written to a temporary
         name and renamed, so a crash never leaves a half-written checkpoint. Data-parallel
         replicas hold the same weights: only DP rank 0 of each TP rank writes (the
-        distributed optimizer's shards are gathered there first: every rank must call)."""
+        distributed optimizer's shards are gathered there first: every rank must call). With
+        expert parallelism, expert-DP rank 0 of each (TP, EP) rank writes ``trainer-tp{t}-ep{e}.pt``
+        (its experts and their optimizer state; EP rank 0's file also the dense weights' state)."""
         from megatron.core import parallel_state
 
         if self.offloaded:
             raise RuntimeError("the trainer is offloaded; onload() before saving a checkpoint")
         opt_state = self.opt.state_dict()
-        if parallel_state.get_data_parallel_rank() != 0:
+        ps = parallel_state
+        if (ps.get_expert_data_parallel_rank() if self.ep > 1 else ps.get_data_parallel_rank()) != 0:
             return
         os.makedirs(path, exist_ok=True)
         state = {
@@ -428,18 +409,18 @@ class TrainerActor(Actor):
             "step": self.step,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
-        final = os.path.join(path, f"trainer-tp{self.tp_rank}.pt")
+        final = os.path.join(path, self._shard_file())
         tmp = final + ".tmp"
         torch.save(state, tmp)
         os.replace(tmp, final)
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
-        """Every rank reads its TP rank's file (a collective over DP with the distributed
+        """Every rank reads its (TP, EP) rank's file (a collective over DP with the distributed
         optimizer)."""
         if self.offloaded:
             raise RuntimeError("the trainer is offloaded; onload() before loading a checkpoint")
-        state = torch.load(os.path.join(path, f"trainer-tp{self.tp_rank}.pt"), weights_only=False)
+        state = torch.load(os.path.join(path, self._shard_file()), weights_only=False)
         if state.get("optimizer", "torch") != self.opt.kind:
             raise ValueError(
                 f"checkpoint holds {state.get('optimizer', 'torch')!r} optimizer state; this trainer runs "

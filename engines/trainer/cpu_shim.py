@@ -3,7 +3,8 @@
 ``install()`` is a no-op when CUDA is available. On CPU it makes
 ``torch.cuda.current_device()`` return the CPU device (Megatron calls it in ~175 places)
 and points Megatron's model-parallel RNG tracker at the CPU generator, so the seeding and
-the dropout RNG forks work. Megatron's optimizer and DDP wrapper also hard-code
+the dropout RNG forks work (and, on every device, lets Megatron's MoE router run without
+TransformerEngine: :func:`moe_without_te`). Megatron's optimizer and DDP wrapper also hard-code
 ``device='cuda'``; calls into them run under :func:`megatron_cuda_calls` (a
 ``TorchFunctionMode`` on CPU, nothing on CUDA).
 """
@@ -26,9 +27,21 @@ def quiet_optional_backend_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 
+def moe_without_te() -> None:
+    """megatron-core 0.16's router (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None``, a name its module defines only when TransformerEngine
+    imports: without TE every MoE forward raises NameError. Define it as None there (the
+    torch.mm path is then taken). Needed on CUDA without TE too."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def install() -> None:
     global _installed
     quiet_optional_backend_warnings()
+    moe_without_te()
     if _installed or torch.cuda.is_available():
         return
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]

@@ -1,6 +1,6 @@
-"""A Megatron-core ``GPTModel`` from an HF Qwen2/Qwen3/Llama config (local layer spec, no
-TransformerEngine), and HF <-> Megatron weight conversion (tensor parallel size 1 here;
-TP sharding is the next step of issue #5)."""
+"""A Megatron-core ``GPTModel`` from an HF Qwen2/Qwen3/Llama/Qwen3-MoE config (local layer
+spec, no TransformerEngine), HF <-> Megatron weight conversion, and TP sharding / gathering.
+Mixture-of-experts layers (router, experts, expert parallelism): engines/trainer/moe_convert.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,36 @@ import torch.nn.functional as F
 from engines.model import ModelConfig
 
 
-def transformer_config(cfg: ModelConfig, tp: int = 1, dtype=torch.float32):
+def moe_options(cfg: ModelConfig, ep: int = 1, aux_loss_coeff: float | None = None) -> dict:
+    """TransformerConfig's MoE fields for an HF qwen3_moe config. HF routes by a softmax over
+    all experts, top-k, renormalised when ``norm_topk_prob``; Megatron's softmax over the
+    top-k logits is exactly that renormalised softmax (pre_softmax False), and its softmax
+    then top-k (pre_softmax True) is HF without renormalisation. The load-balancing loss is
+    Switch's ("aux_loss"; HF's ``router_aux_loss_coef`` unless ``aux_loss_coeff`` is given);
+    the allgather token dispatcher runs on gloo/CPU; experts are SequentialMLPs (no grouped GEMM)."""
+    if not cfg.num_experts:
+        return {}
+    from .moe_convert import moe_layer_pattern
+
+    coeff = cfg.router_aux_loss_coef if aux_loss_coeff is None else aux_loss_coeff
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        moe_aux_loss_coeff=coeff,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_layer_freq=moe_layer_pattern(cfg),
+        expert_model_parallel_size=ep,
+    )
+
+
+def transformer_config(
+    cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, aux_loss_coeff: float | None = None
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -36,23 +65,34 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, dtype=torch.float32):
         tensor_model_parallel_size=tp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        **moe_options(cfg, ep, aux_loss_coeff),
     )
 
 
-def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32):
+def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, aux_loss_coeff: float | None = None):
+    """The GPTModel of ``cfg``; MoE configs get MoE layers where HF has them (per-layer specs:
+    ``decoder_sparse_step`` / ``mlp_only_layers`` layers stay dense), ``ep``: expert-parallel size."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     if cfg.rope_scaling is not None:
         raise ValueError(
             "the Megatron trainer does not support rope scaling (llama3-style) yet; the built-in "
             "engine does. Use a checkpoint without rope_scaling for training"
         )
+    config = transformer_config(cfg, tp, dtype, ep, aux_loss_coeff)
     if cfg.num_experts:
-        raise ValueError(f"the Megatron trainer does not build mixture-of-experts models ({cfg.arch}) yet")
+        from .moe_convert import check_moe
+
+        check_moe(cfg, ep)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        if ep != 1:
+            raise ValueError(f"expert parallel size {ep} needs a mixture-of-experts model; {cfg.arch} is dense")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm)
     return GPTModel(
-        config=transformer_config(cfg, tp, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm),
+        config=config,
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         position_embedding_type="rope",
@@ -97,8 +137,9 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
             (h + "input_layernorm.weight", m + "input_layernorm.weight"),
             (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
             (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
-            (h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"),
         ]
+        if not cfg.is_moe_layer(i):
+            pairs.append((h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"))
         if cfg.qk_norm:
             pairs += [
                 (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
@@ -108,7 +149,11 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensor names -> the GPTModel state dict (TP=1)."""
+    """HF tensor names -> the GPTModel state dict (TP=1; experts by global index: EP=1)."""
+    from .moe_convert import hf_to_megatron_moe, per_expert
+
+    if cfg.num_experts:
+        hf = per_expert(cfg, hf)
     out = {m: hf[h] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
@@ -116,19 +161,28 @@ def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
             out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_rows(
                 cfg, hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"]
             )
+        if cfg.is_moe_layer(i):
+            out.update(hf_to_megatron_moe(cfg, hf, i))
+            continue
         mlp = f"model.layers.{i}.mlp."
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]], dim=0)
     return out
 
 
 def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The GPTModel state dict (TP=1) -> HF tensor names (the inverse of :func:`hf_to_megatron`)."""
+    """The GPTModel state dict (TP=1, EP=1) -> HF tensor names (the inverse of :func:`hf_to_megatron`;
+    experts under their per-expert checkpoint names)."""
+    from .moe_convert import megatron_to_hf_moe
+
     out = {h: sd[m] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             q, k, v = _split_qkv(cfg, sd[m + f"self_attention.linear_qkv.{kind}"])
             out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
+        if cfg.is_moe_layer(i):
+            out.update(megatron_to_hf_moe(cfg, sd, i))
+            continue
         mlp = f"model.layers.{i}.mlp."
         out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = sd[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
     return out
@@ -141,13 +195,16 @@ def causal_mask(seq: int) -> torch.Tensor:
 
 # Tensor-parallel layout of the GPTModel parameters (local spec): column-parallel weights
 # split their rows, row-parallel ones their columns; the GLU fc1 holds [gate_r; up_r] per rank.
+# Experts (``mlp.experts.local_experts.{j}.linear_fc1/2``) split like the dense MLP (expert
+# tensor parallel size = TP); the router is replicated.
 _COLUMN = (
     "embedding.word_embeddings.weight",
     "output_layer.weight",
     "self_attention.linear_qkv.weight",
     "self_attention.linear_qkv.bias",
 )
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
+_GLU = "linear_fc1.weight"
 
 
 def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
@@ -156,7 +213,7 @@ def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str,
         return sd
     out = {}
     for name, w in sd.items():
-        if name.endswith("mlp.linear_fc1.weight"):
+        if name.endswith(_GLU):
             gate, up = w.chunk(2, dim=0)
             out[name] = torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0).clone()
         elif name.endswith(_COLUMN):
@@ -170,22 +227,28 @@ def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str,
     return out
 
 
-def gather_full(model, tp_group, copy: bool = True) -> dict[str, torch.Tensor]:
-    """Gather this rank's shards into the TP=1 state dict (every rank gets it). With
-    ``copy=False`` unsharded tensors are the parameters themselves (read only)."""
+def gather_full(model, tp_group, copy: bool = True, ep_group=None, num_experts: int = 0) -> dict[str, torch.Tensor]:
+    """Gather this rank's shards into the TP=1, EP=1 state dict (every rank gets it; experts
+    by global index, gathered over ``ep_group``). With ``copy=False`` unsharded tensors are
+    the parameters themselves (read only)."""
     import torch.distributed as dist
+
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        from .moe_convert import gather_experts
+
+        return gather_experts(gather_full(model, tp_group, copy), num_experts, ep_group)
 
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     out = {}
     for name, p in model.state_dict().items():
         if name.endswith("_extra_state"):
             continue
-        if tp == 1 or not (name.endswith(_COLUMN) or name.endswith(_ROW) or name.endswith("mlp.linear_fc1.weight")):
+        if tp == 1 or not (name.endswith(_COLUMN) or name.endswith(_ROW) or name.endswith(_GLU)):
             out[name] = p.detach().clone() if copy else p.detach()
             continue
         parts = [torch.empty_like(p) for _ in range(tp)]
         dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
-        if name.endswith("mlp.linear_fc1.weight"):
+        if name.endswith(_GLU):
             gates = [x.chunk(2, 0)[0] for x in parts]
             ups = [x.chunk(2, 0)[1] for x in parts]
             out[name] = torch.cat(gates + ups, dim=0)
@@ -203,12 +266,15 @@ def token_logprobs(
     mask: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs of ``targets`` under the model, vocab-parallel (no full-vocab
-    gather across TP): ``-vocab_parallel_cross_entropy(logits / T, targets)``."""
+    gather across TP): ``-vocab_parallel_cross_entropy(logits / T, targets)``. ``padding_mask``
+    (MoE models only; True on padding) keeps padding out of the routing statistics."""
     from megatron.core import tensor_parallel
 
-    logits = model(input_ids, position_ids, mask)  # [b, s, V/tp]
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+    logits = model(input_ids, position_ids, mask, **extra)  # [b, s, V/tp]
     if temperature != 1.0:
         logits = logits / temperature
     return -tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), targets)

@@ -25,6 +25,37 @@ import torch
 from . import cpu_shim
 
 
+def sum_tp_partial_grads(model, attr: str = "grad") -> None:
+    """Sum over the tensor-parallel group the gradients that each TP rank holds only in part:
+    the q/k layernorm weights (shared by all heads; each rank normalises its own heads), as
+    Megatron's ``finalize_model_grads`` does. Without it the TP replicas of those weights get
+    different (partial) gradients and drift apart. ``attr``: ``grad`` or ``main_grad``."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1 or not model.config.qk_layernorm:
+        return
+    import torch.distributed as dist
+
+    grads = [
+        getattr(p, attr)
+        for n, p in model.named_parameters()
+        if ("q_layernorm" in n or "k_layernorm" in n) and getattr(p, attr, None) is not None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    off = 0
+    for g in grads:
+        g.copy_(flat[off : off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+def _is_expert(p) -> bool:
+    """A MoE expert's parameter (Megatron sets ``allreduce = False`` on them)."""
+    return not getattr(p, "allreduce", True)
+
+
 class _StorageOffloader:
     """Moves whole tensor storages to host buffers and back (see the module docstring).
     ``zero_only`` storages (gradient buffers: every step starts by zeroing them) are freed
@@ -154,10 +185,14 @@ class TorchAdamW(_Optimizer):
         device,
         tp_group=None,
         tp_size: int = 1,
+        ep_groups: tuple | None = None,
     ):
         super().__init__(device)
         self.model = model
         self.tp_group, self.tp_size = tp_group, tp_size
+        # expert parallel: (EP group, expert-DP group); expert params (Megatron marks them
+        # allreduce=False) average over expert-DP and count once per EP rank in the norm
+        self.ep_groups = ep_groups
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.clip_grad = clip_grad
         self.dp_group, self.dp_size = dp_group, dp_size
@@ -173,19 +208,26 @@ class TorchAdamW(_Optimizer):
             return
         import torch.distributed as dist
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        off = 0
-        for g in grads:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
+        # Expert params' grads already sum every EP rank's tokens (the token dispatch's
+        # backward): they are reduced over the expert-DP group only, divided by the full DP size.
+        groups = [(False, self.dp_group)] + ([(True, self.ep_groups[1])] if self.ep_groups else [])
+        for expert, group in groups:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None and _is_expert(p) == expert]
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat /= self.dp_size
+            off = 0
+            for g in grads:
+                g.copy_(flat[off : off + g.numel()].view_as(g))
+                off += g.numel()
 
     def step(self) -> float:
         """Average gradients over DP, clip to ``clip_grad`` (0: no clipping), step; returns
         the gradient norm before clipping."""
         self._reduce_grads()
+        sum_tp_partial_grads(self.model)
         norm = self._clip()
         self.opt.step()
         return norm
@@ -194,22 +236,25 @@ class TorchAdamW(_Optimizer):
         """Clip by the global norm, as ``clip_grad_norm_`` would on the unsharded model: a
         TP-sharded parameter's shards are summed over the TP group, a replicated one (norms,
         biases) counted once."""
+        import torch.distributed as dist
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         counted = [
-            p.grad
+            p
             for p in self.model.parameters()
             if p.grad is not None and (self.tp_size == 1 or param_is_not_tensor_parallel_duplicate(p))
         ]
-        sq = (
-            torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum()
-            if counted
-            else torch.zeros((), device=self.device)
-        )
-        if self.tp_size > 1:
-            import torch.distributed as dist
 
+        def sq_sum(ps):
+            return torch.stack([p.grad.detach().float().pow(2).sum() for p in ps]).sum() if ps else torch.zeros(())
+
+        sq = sq_sum([p for p in counted if not _is_expert(p)]).to(self.device)
+        experts = sq_sum([p for p in counted if _is_expert(p)]).to(self.device)
+        if self.ep_groups:  # each EP rank holds its own experts
+            dist.all_reduce(experts, group=self.ep_groups[0])
+        sq = sq + experts
+        if self.tp_size > 1:
             dist.all_reduce(sq, group=self.tp_group)
         norm = float(sq.sqrt())
         if self.clip_grad > 0:
@@ -276,6 +321,7 @@ class MegatronAdamW(_Optimizer):
         all-gather the params; returns the gradient norm before clipping."""
         with cpu_shim.megatron_cuda_calls():
             self.ddp.finish_grad_sync()
+            sum_tp_partial_grads(self.model, "main_grad")
             ok, norm, _ = self.opt.step()
         if not ok:
             raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")

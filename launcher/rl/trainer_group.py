@@ -33,6 +33,17 @@ def _check_tp(cfg, size: int) -> None:
     if size % cfg.tensor_model_parallel_size:
         raise ValueError(f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size} does not divide the "
                          f"{size} actor GPUs")
+    dp = size // cfg.tensor_model_parallel_size
+    if dp % cfg.expert_model_parallel_size:
+        raise ValueError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size} does not divide the "
+                         f"trainer's data-parallel size {dp}")
+
+
+def parallel_options(cfg) -> dict:
+    """Tensor / expert parallel sizes and the MoE aux-loss coefficient, as ``TrainerActor`` takes them
+    (the reference shares the policy's process groups: same sizes)."""
+    return dict(tp=cfg.tensor_model_parallel_size, ep=cfg.expert_model_parallel_size,
+                moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
 
 
 class TrainerGroup:
@@ -51,7 +62,7 @@ class TrainerGroup:
 
         _check_tp(cfg, size)
         tp = cfg.tensor_model_parallel_size
-        options = dict(tp=tp, lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+        options = dict(**parallel_options(cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
                        lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters, total_iters=total_iters,
                        seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16,
                        optimizer=cfg.optimizer_impl)
@@ -68,7 +79,8 @@ class TrainerGroup:
         from engines.trainer.actor import TrainerActor
 
         tp = cfg.tensor_model_parallel_size
-        mesh = procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, tp=tp, seed=cfg.seed, optimizer="torch")
+        mesh = procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, **parallel_options(cfg), seed=cfg.seed,
+                           optimizer="torch")
         return cls(mesh, size // tp, tp)
 
     def initialized(self):

@@ -254,3 +254,53 @@ def test_an_empty_value_unsets_an_optional_text_key_set_in_yaml():
     assert load_config("tiny-cpu-defer").custom_reward_post_process_path is not None
     with pytest.raises(ConfigError, match="--rm-type must be one of"):
         load_config(None, ["--rm-type", "nonsense"])
+
+
+def test_expert_parallel_flags_and_their_errors(tmp_path):
+    """--expert-model-parallel-size and --moe-aux-loss-coeff (the original's Megatron flag
+    names): EP must divide the data-parallel size and the checkpoint's experts."""
+    flags = ["--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"]
+    c = load_config(None, {**BASE, **parse_overrides(flags)})
+    assert c.expert_model_parallel_size == 2 and c.moe_aux_loss_coeff == 0.01
+    assert cfg().expert_model_parallel_size == 1 and cfg().moe_aux_loss_coeff == 0.0  # the original's defaults
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 3 must divide the trainer's data-parallel "
+                                          r"size 4 \(8 actor GPUs / --tensor-model-parallel-size 2\)"):
+        cfg(expert_model_parallel_size=3, tensor_model_parallel_size=2)
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for d, n in ((moe, 6), (dense, 0)):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": n}))
+    assert cfg(expert_model_parallel_size=2, hf_checkpoint=str(moe)).expert_model_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 4 must divide the 6 experts of"):
+        cfg(expert_model_parallel_size=4, hf_checkpoint=str(moe))
+    with pytest.raises(ConfigError, match=r"is a dense model \(no experts\); use 1"):
+        cfg(expert_model_parallel_size=2, hf_checkpoint=str(dense))
+    with pytest.raises(ConfigError, match=r"is a mixture-of-experts model: training .* needs Megatron's sequence "
+                                          r"parallelism"):
+        cfg(tensor_model_parallel_size=2, hf_checkpoint=str(moe))
+    assert cfg(tensor_model_parallel_size=2, hf_checkpoint=str(dense)).tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size must be >= 1, got 0"):
+        cfg(expert_model_parallel_size=0)
+
+
+@pytest.mark.parametrize("flag", ["--expert-model-parallel-size", "--moe-aux-loss-coeff"])
+def test_hostile_moe_flag_values_give_a_config_or_a_config_error(flag):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.one_of(st.text(max_size=12), st.integers(-10**6, 10**6).map(str), st.floats().map(repr)))
+    def check(value):
+        try:
+            c = load_config(None, {**BASE, **parse_overrides([flag, value])})
+        except ConfigError:
+            return
+        assert c.expert_model_parallel_size >= 1 and 8 % c.expert_model_parallel_size == 0  # divides DP = 8
+        assert 0 <= c.moe_aux_loss_coeff < float("inf")
+
+    check()
+    for bad in ("nan", "inf", "-inf", "1e400"):  # no float flag takes a non-finite value (--lr nan neither)
+        with pytest.raises(ConfigError, match="must be a finite number"):
+            load_config(None, {**BASE, **parse_overrides(["--moe-aux-loss-coeff", bad])})
+        with pytest.raises(ConfigError, match="--lr must be a finite number"):
+            load_config(None, {**BASE, "lr": float(bad)})

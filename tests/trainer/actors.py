@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from engines.trainer.actor import TrainerActor
 from relay import Actor, endpoint
 
 
@@ -132,3 +133,21 @@ class TPTrainer(Actor):
         dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+class GradTrainer(TrainerActor):
+    """A TrainerActor that also returns its gradients (after a step with the torch optimizer:
+    DP-averaged, unclipped with clip_grad=0) under the full model's Megatron names, experts by
+    global index (gathered over the expert-parallel group: every rank must call)."""
+
+    @endpoint
+    def full_grads(self) -> dict:
+        from engines.trainer.moe_convert import gather_experts
+
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {n: g.cpu() for n, g in gather_experts(grads, self.cfg.num_experts, self.ep_group).items()}
+
+    @endpoint
+    def local_weights(self, contains: str) -> dict:
+        """This rank's own parameters whose names contain ``contains`` (replicas: compare ranks)."""
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if contains in n}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engines.model_builder import make_model
 from relay import setup_torch_distributed, this_host
@@ -46,3 +47,38 @@ def test_tp2_logprobs_equal_tp1_and_grpo_step_direction(tmp_path):
     b, a = seq_sum(before), seq_sum(after)
     assert a[0] > b[0] and a[1] < b[1]  # positive advantage up, negative down
     assert "pg_clipfrac" in stats and "ppo_kl" in stats
+
+
+@pytest.mark.parametrize("opt", ["torch", "megatron"])
+def test_tp2_qk_norm_gradients_are_the_whole_models(tmp_path, opt):
+    """The q/k layernorm weights are shared by all heads while each TP rank normalises its own
+    heads: their gradients are summed over TP (as Megatron's finalize_model_grads does), so
+    they equal TP=1's and both ranks' copies stay equal after a step."""
+    from tests.trainer.actors import GradTrainer
+
+    path = make_model("qwen3", "tiny", str(tmp_path / "m"), seed=5)
+    seqs, masks, adv = SEQS, [[0] * 4 + [1] * 15 for _ in SEQS], [1.0, -1.0, 0.5]
+
+    async def main():
+        out = []
+        for tp in (1, 2):
+            procs = this_host().spawn_procs(per_host={"gpus": tp})
+            await setup_torch_distributed(procs)
+            t = procs.spawn("trainer", GradTrainer, path, tp=tp, lr=1e-2, clip_grad=0.0, optimizer=opt)
+            await t.initialized(240)
+            await t.train_step.call(seqs, masks, adv).result(120)
+            grads = (await t.full_grads.call().result(120)).values() if opt == "torch" else None
+            weights = (await t.local_weights.call("layernorm").result(120)).values()
+            await t.shutdown.call().result(60)
+            await procs.stop()
+            out.append((grads, weights))
+        return out
+
+    (g1, w1), (g2, w2) = run(main(), 280)
+    names = [n for n in w2[0] if "q_layernorm" in n or "k_layernorm" in n]
+    assert len(names) == 4
+    for n in names:
+        assert torch.equal(w2[0][n], w2[1][n]), f"{n}: the TP replicas drifted apart"
+        assert (w2[0][n] - w1[0][n]).abs().max() < 1e-4, n
+        if g1 is not None:
+            assert (g2[0][n] - g1[0][n]).abs().max() < 1e-6, n

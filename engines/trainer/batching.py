@@ -1,0 +1,125 @@
+"""Micro-batches of the trainer, and what expert parallelism asks of them.
+
+With expert parallel size > 1, Megatron's allgather token dispatcher gathers the tokens of
+every rank of the (TP x EP) group at every MoE layer, forward and backward: those ranks must
+run the same number of micro-batches with the same ``[rows, width]`` shapes, although each
+data-parallel rank has its own shard of the batch. :func:`aligned_micro_batches` agrees on
+a common schedule over the EP group: each rank's micro-batches, padded to the longest list
+with empty ones, each padded to the group's most rows (``None``: a dummy row, no response
+tokens, weight 0) and widest sequence. Padding tokens are kept out of the routing statistics
+of the load-balancing loss (Megatron's ``padding_mask``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the stand-in sequence of a dummy row (two pad tokens; never a response token)
+DUMMY = [0, 0]
+
+
+def micro_batches(seqs: list, budget: int) -> list[list[int]]:
+    """Consecutive index groups whose padded size (count x longest) stays within ``budget``
+    tokens (a longer single sequence is a micro-batch of its own)."""
+    out, cur, width = [], [], 0
+    for i, s in enumerate(seqs):
+        w = max(width, len(s))
+        if cur and w * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, w = [], len(s)
+        cur.append(i)
+        width = w
+    if cur:
+        out.append(cur)
+    return out
+
+
+def aligned_micro_batches(seqs: list, budget: int, ep_group=None) -> list[tuple[list, int | None]]:
+    """``(indices, width)`` per micro-batch. Without an EP group of more than one rank: the
+    plain :func:`micro_batches`, width None (the longest sequence). Otherwise the schedule
+    every rank of ``ep_group`` shares (module docstring): indices may hold ``None`` (dummy
+    rows) and width is the group's longest sequence in that micro-batch (a collective)."""
+    groups = micro_batches(seqs, budget) if seqs else []
+    if ep_group is None:
+        return [(g, None) for g in groups]
+    import torch.distributed as dist
+
+    if dist.get_world_size(ep_group) == 1:
+        return [(g, None) for g in groups]
+    shapes = [(len(g), max(len(seqs[i]) for i in g)) for g in groups]
+    every: list = [None] * dist.get_world_size(ep_group)
+    dist.all_gather_object(every, shapes, group=ep_group)
+    out = []
+    for k in range(max(len(s) for s in every)):
+        rows = max(s[k][0] for s in every if k < len(s))
+        width = max(s[k][1] for s in every if k < len(s))
+        idx = list(groups[k]) if k < len(groups) else []
+        out.append((idx + [None] * (rows - len(idx)), width))
+    return out
+
+
+def rows(seqs: list, idx: list) -> list:
+    """The sequences of a micro-batch (a dummy row's stand-in where ``idx`` holds None)."""
+    return [DUMMY if i is None else seqs[i] for i in idx]
+
+
+def pick(values: list | None, idx: list, dummy):
+    """``values[i]`` for each index (``dummy`` for a dummy row); None when ``values`` is."""
+    if values is None:
+        return None
+    return [dummy if i is None else values[i] for i in idx]
+
+
+def aligned(base: torch.Tensor, rows: list) -> torch.Tensor:
+    """``base`` with each row's leading entries replaced by the given values."""
+    out = base.clone()
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, device=base.device, dtype=base.dtype)
+    return out
+
+
+def padding_mask(seqs: list, width: int, device) -> torch.Tensor:
+    """Megatron's MoE padding mask over the inputs (tokens 0..width-2): True where padding
+    (a dummy row is all padding)."""
+    lengths = torch.tensor([0 if s is DUMMY else len(s) - 1 for s in seqs], device=device)
+    return ~(torch.arange(width - 1, device=device)[None] < lengths[:, None])
+
+
+def set_aux_loss_scale(cfg, model_config, idx: list, weight: float) -> None:
+    """MoE models, before a micro-batch's forward: the load-balancing loss's gradient scale,
+    the micro-batch's share of the batch (as its policy loss is weighted), so the aux loss is
+    averaged over micro-batches like the loss (Megatron's ``MoEAuxLossAutoScaler`` adds its
+    gradient in backward). A micro-batch of dummy rows only (EP alignment: no real token)
+    runs without the aux loss (its coefficient is 0 for that forward). Nothing for a dense model."""
+    if not cfg.num_experts:
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if not hasattr(model_config, "relay_aux_loss_coeff"):
+        model_config.relay_aux_loss_coeff = model_config.moe_aux_loss_coeff
+    dummy = all(i is None for i in idx)
+    model_config.moe_aux_loss_coeff = 0.0 if dummy else model_config.relay_aux_loss_coeff
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    if scale is None:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(weight)))
+    else:
+        scale.fill_(float(weight))
+
+
+def aux_loss_stats(cfg, plan: list) -> dict:
+    """MoE models: ``{"moe_load_balancing_loss": x}``, the load-balancing loss (before its
+    coefficient, as Megatron logs it) of this rank's step: the mean over its micro-batches
+    with real rows and over MoE layers, from
+    Megatron's tracker, which is cleared. Empty for a dense model or with the aux loss off."""
+    if not cfg.num_experts:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    micro = sum(any(i is not None for i in idx) for idx, _ in plan)
+    out = {}
+    if entry is not None and micro and layers:
+        out["moe_load_balancing_loss"] = float(entry["values"].sum()) / layers / micro
+    clear_aux_losses_tracker()
+    return out
