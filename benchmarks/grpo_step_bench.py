@@ -7,6 +7,10 @@ training, swapping or moving weights), and the memory in use per GPU per phase.
 
     python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 2 --steps 3
     python benchmarks/grpo_step_bench.py --device cpu --size tiny --gpus 2 --steps 2   # smoke run
+    python benchmarks/grpo_step_bench.py --arch qwen3_moe --size 30b-a3b --layers 2 --gpus 1 --modes defer
+
+``--arch`` / ``--layers``: both models of that architecture (qwen3_moe: Qwen3-MoE shapes), at
+reduced depth.
 """
 
 from __future__ import annotations
@@ -23,17 +27,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def build(cache: str, size: str, device: str) -> tuple[str, str, dict]:
+def build(cache: str, size: str, device: str, arch: str = "qwen3", layers: int | None = None) -> tuple[str, str, dict]:
     from engines.model_builder import make_model
     from launcher.demo_task import write_demo_data
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     init = "cuda" if device == "cuda" else "cpu"
     paths = write_demo_data(os.path.join(cache, "data"))
-    policy, judge = os.path.join(cache, f"policy-{size}"), os.path.join(cache, f"judge-{size}")
+    tag = f"{arch}-{size}" + (f"-{layers}l" if layers else "")
+    policy, judge = os.path.join(cache, f"policy-{tag}"), os.path.join(cache, f"judge-{tag}")
+    depth = {"num_hidden_layers": layers} if layers else {}
     for path, seed in ((policy, 1), (judge, 7)):
         if not os.path.exists(os.path.join(path, "config.json")):
-            make_model("qwen3", size, path, seed=seed, dtype=dtype, init_device=init)
+            make_model(arch, size, path, seed=seed, dtype=dtype, init_device=init, **depth)
     return policy, judge, paths
 
 
@@ -125,7 +131,9 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
     out = {
         "mode": mode,
         "device": args.device,
+        "arch": args.arch,
         "size": args.size,
+        "layers": args.layers,
         "gpus": g,
         "train_args": args.train_args,
         "steps": len(recs),
@@ -154,6 +162,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--size", default="0.6b")
+    ap.add_argument("--arch", default="qwen3", help="policy and judge architecture (qwen3, qwen3_moe)")
+    ap.add_argument("--layers", type=int, default=None, help="reduced depth: this many decoder layers")
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=32)
@@ -164,7 +174,7 @@ def main() -> None:
     ap.add_argument("--cache", default=relay.settings().cache + "/grpo-bench")
     args = ap.parse_args()
     cache = os.path.abspath(args.cache)
-    policy, judge, data = build(cache, args.size, args.device)
+    policy, judge, data = build(cache, args.size, args.device, args.arch, args.layers)
     for mode in args.modes.split(","):
         print(json.dumps(run_mode(mode, args, policy, judge, data, cache)), flush=True)
 

@@ -33,6 +33,9 @@ JUDGE_TARGET = 0.85
 
 #: ``relay demo --arch``: the architectures the demo's policy and judge can have
 DEMO_ARCHS = ("qwen3", "qwen3_moe")
+#: the policy warm-up's SFT steps where the config's 50 would not leave GRPO room: the tiny
+#: MoE policy reaches ~0.93 held-out accuracy in 50 steps (the dense one ~0.26), 0.31 in 40
+WARMUP_STEPS = {"qwen3_moe": 40}
 
 
 def _root(arch: str = "qwen3") -> str:
@@ -125,7 +128,8 @@ def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3")
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
     _run(
         "2/3 warm the policy up (brief SFT on 'What is N mod 10?')",
-        ["sft", "--config", "demo-policy-sft"],
+        ["sft", "--config", "demo-policy-sft",
+         *(["--sft-steps", str(WARMUP_STEPS[arch])] if arch in WARMUP_STEPS else [])],
         os.path.join(logs, "policy-sft.log"),
         root,
     )
