@@ -47,7 +47,7 @@ class HybridCausalLM(CausalLM):
         return rope(q), rope(k), v, gate.reshape(*lead, cfg.local_heads * d)
 
     @torch.inference_mode()
-    def prefill(self, input_ids, lens, slots, k_cache, v_cache, state=None, rows=None) -> torch.Tensor:
+    def prefill(self, input_ids, lens, slots, k_cache, v_cache, state, rows) -> torch.Tensor:
         cfg = self.cfg
         s_count, length = input_ids.shape
         x = self.model.embed_tokens(input_ids)
@@ -78,8 +78,8 @@ class HybridCausalLM(CausalLM):
         return self._logits(last)
 
     @torch.inference_mode()
-    def decode(self, input_ids, positions, slots, block_tables, context_lens, k_cache, v_cache, state=None,
-               rows=None) -> torch.Tensor:
+    def decode(self, input_ids, positions, slots, block_tables, context_lens, k_cache, v_cache, state,
+               rows) -> torch.Tensor:
         cfg = self.cfg
         x = self.model.embed_tokens(input_ids)
         scale = cfg.head_dim**-0.5
