@@ -248,3 +248,43 @@ def test_configs_tensor_parallel_refusal_and_make_model(tmp_path, capsys, models
         assert json.load(f)["model_type"] == "qwen3_5_moe"
     small = ModelConfig.from_dir(str(out))
     assert (small.num_layers, small.layer_types) == (2, ("linear_attention", "full_attention"))
+
+
+def worst_diff(path: str, steps: int, hf=None) -> float:
+    """The largest gap between the engine model's logits and transformers' (``hf``, else the
+    checkpoint's) over a prefill of PROMPTS and ``steps`` decode steps."""
+    h = Harness(engine_model(path), len(PROMPTS))
+    seqs = [list(p) for p in PROMPTS]
+    ours = [h.prefill(seqs, list(range(len(seqs))))]
+    for _ in range(steps):
+        for q, t in zip(seqs, ours[-1].argmax(-1).tolist()):
+            q.append(t)
+        ours.append(h.decode(seqs))
+    ref = hf_logits(hf or hf_model(path), seqs, PROMPTS)
+    return max((a - b).abs().max().item() for a, b in zip(ours, ref))
+
+
+def test_the_cuda_paths_of_the_other_layers_under_the_triton_interpreter(models):
+    """What runs beside the reference linear attention on a GPU: the Triton paged-decode
+    attention of the full-attention layers and the fused MoE, here under Triton's interpreter."""
+    from tests.engines.test_decode_kernel import _interpret
+
+    out = _interpret(f"""
+        from engines.kernels import triton_usable
+        from tests.engines.test_qwen35 import worst_diff
+        import torch
+        assert triton_usable(torch.device("cpu"))
+        print(worst_diff({models["policy"]!r}, 3))
+    """)
+    assert float(out.strip().splitlines()[-1]) <= 1e-5
+
+
+def test_a_text_only_checkpoint_loads_and_answers_as_transformers(tmp_path):
+    """``Qwen3_5MoeForCausalLM``'s checkpoint: a bare ``qwen3_5_moe_text`` config and
+    ``model.layers.*`` names (no ``language_model`` prefix, no vision tower)."""
+    torch.manual_seed(3)
+    cfg = hf_config("qwen3_5_moe", "tiny", initializer_range=0.05).text_config
+    hf = transformers.Qwen3_5MoeForCausalLM(cfg).eval()
+    hf.save_pretrained(str(tmp_path))
+    assert ModelConfig.from_dir(str(tmp_path)).arch == "qwen3_5_moe"
+    assert worst_diff(str(tmp_path), 3, hf) <= 1e-5
