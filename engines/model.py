@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import norm_rope, paged_decode_attention, rms_norm, silu_mul, triton_usable
+from .linear_attention import GatedDeltaNet, hybrid_fields
 from .moe import SparseMoE, check_moe_shardable, expert_names, shard_expert_tensor
 
 
@@ -51,6 +52,33 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     ep_size: int = 1  # expert-parallel groups of an engine's ranks (shard_for; engines/moe.py)
     ep_rank: int = 0
+    # hybrid models (qwen3_5_moe; engines/linear_attention.py): each layer's token mixer,
+    # "linear_attention" (Gated DeltaNet) or "full_attention"; () for a model of full attention only
+    layer_types: tuple = ()
+    linear_conv_kernel: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dimensions of q and k
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate) before o_proj
+    norm_offset: bool = False  # RMSNorm weights stored zero-centred: the scale is 1 + weight
+
+    @property
+    def hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def is_linear_layer(self, i: int) -> bool:
+        return self.hybrid and self.layer_types[i] == "linear_attention"
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with a KV cache (full attention): the first dimension of the cache tensors."""
+        return sum(not self.is_linear_layer(i) for i in range(self.num_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i``'s MLP is a mixture of experts (HF qwen3_moe's rule)."""
@@ -68,6 +96,10 @@ class ModelConfig:
 
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid")
+        if self.hybrid and tp_size > 1:
+            raise ValueError(f"the built-in engine runs {self.arch} (linear-attention layers) on one GPU per engine "
+                             f"only: tensor/expert parallelism over {tp_size} GPUs is not supported for it; use "
+                             "gpus_per_engine 1 or --engine sglang")
         ep = ep_size if self.num_experts else 1
         if self.num_experts:
             check_moe_shardable(self, tp_size, ep)
@@ -113,7 +145,7 @@ class ModelConfig:
         """The config of an HF ``config.json`` (a VL checkpoint: its text model's, nested in
         ``text_config``). Raises ValueError naming an unsupported model type."""
         outer = d.get("model_type", "")
-        if outer in VL_TEXT_TYPES:
+        if outer in VL_TEXT_TYPES and "text_config" in d:
             d = {**d["text_config"], "eos_token_id": d["text_config"].get("eos_token_id", d.get("eos_token_id")),
                  "tie_word_embeddings": d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings"))}
         model_type = d.get("model_type", "")
@@ -121,7 +153,7 @@ class ModelConfig:
         if arch is None:
             raise ValueError(
                 f"model_type {outer!r} is not supported by the built-in engine (qwen2, qwen3, llama, qwen3_moe, and "
-                f"the text model of qwen3_vl and qwen3_vl_moe); use --engine sglang"
+                f"the text model of qwen3_vl, qwen3_vl_moe and qwen3_5_moe); use --engine sglang"
             )
         rope = d.get("rope_parameters") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -134,7 +166,7 @@ class ModelConfig:
             arch=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
+            intermediate_size=d.get("intermediate_size", 0),  # qwen3_5_moe: every MLP is MoE, none given
             num_layers=d["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads", heads),
@@ -143,11 +175,12 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5_moe"),
             qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             **_moe_fields(d),
+            **hybrid_fields(d),
         )
 
     @classmethod
@@ -158,9 +191,9 @@ class ModelConfig:
 
 #: HF model types the built-in engine and trainer build, and the family each belongs to
 ARCHS = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe",
-         "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
+         "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
 #: VL checkpoints whose text model is served (their config nests it in ``text_config``)
-VL_TEXT_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+VL_TEXT_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe")
 
 
 def _moe_fields(d: dict) -> dict:
@@ -171,7 +204,7 @@ def _moe_fields(d: dict) -> dict:
         return {}
     return {"num_experts": experts, "num_experts_per_tok": d["num_experts_per_tok"],
             "moe_intermediate_size": d["moe_intermediate_size"], "norm_topk_prob": bool(d.get("norm_topk_prob", False))
-            or d.get("model_type") == "qwen3_vl_moe_text",  # HF's VL-MoE router always renormalises
+            or d.get("model_type") in ("qwen3_vl_moe_text", "qwen3_5_moe_text"),  # these routers always renormalise
             "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size", 0) or 0,
             "decoder_sparse_step": d.get("decoder_sparse_step", 1) or 1,
             "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
@@ -179,13 +212,19 @@ def _moe_fields(d: dict) -> dict:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``offset``: the weight is stored zero-centred (Qwen3.5), the scale is ``1 + weight``,
+    applied in float32 before the cast back."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.offset:
+            return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(dtype)
         if dtype == torch.float32:  # the same maths in one op (a CPU decode step is op-bound)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
@@ -194,7 +233,7 @@ class RMSNorm(nn.Module):
 
 
 def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
+    d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
     if s is not None:  # llama3 frequency-dependent scaling
@@ -218,13 +257,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, kv, d = cfg.local_heads, cfg.local_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        # with an output gate, each head's query rows are followed by its gate rows
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d * (1 + cfg.attn_output_gate), bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset)
         self.cfg = cfg
 
 
@@ -242,9 +282,12 @@ class MLP(nn.Module):
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        if cfg.is_linear_layer(i):
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg)
 
 
@@ -253,7 +296,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 class CausalLM(nn.Module):

@@ -13,9 +13,9 @@ import string
 
 import relay
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe")
 #: mixture-of-experts architectures (their sizes add MOE_SIZES' fields)
-MOE_ARCHS = ("qwen3_moe", "qwen3_vl_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe")
 #: VL architectures: the text model is served; a tiny vision tower is written (skipped at load)
 VL_ARCHS = ("qwen3_vl", "qwen3_vl_moe")
 
@@ -76,6 +76,25 @@ MOE_SIZES: dict[str, dict] = {
     "30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 
+#: Qwen3.5's hybrid text model (qwen3_5_moe): these replace/extend SIZES' and MOE_SIZES' fields.
+#: "35b-a3b" is transformers' Qwen3_5MoeTextConfig defaults, documented there as the
+#: Qwen3.5-35B-A3B configuration (rope_theta and max_position_embeddings: the published
+#: config.json's values as we know them, unverified here). Random weights; `--layers` reduces depth.
+HYBRID_SIZES: dict[str, dict] = {
+    "tiny": dict(num_hidden_layers=4, full_attention_interval=2, head_dim=32, linear_conv_kernel_dim=4,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 shared_expert_intermediate_size=48, rope_theta=10000.0, mrope_section=[2, 1, 1]),
+    "small": dict(num_hidden_layers=4, full_attention_interval=4, head_dim=32, linear_conv_kernel_dim=4,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                  shared_expert_intermediate_size=64, rope_theta=10000.0, mrope_section=[2, 1, 1]),
+    "35b-a3b": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                    head_dim=256, vocab_size=248320, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512, full_attention_interval=4, linear_conv_kernel_dim=4,
+                    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, rope_theta=10000000.0, mrope_section=[11, 11, 10],
+                    max_position_embeddings=262144),
+}
+
 #: The vision tower of a tiny VL checkpoint (never run by the engine: it only has to load in transformers)
 TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
                    temporal_patch_size=2, deepstack_visual_indexes=[0], num_position_embeddings=16)
@@ -113,13 +132,18 @@ def hf_config(arch: str, size: str, **overrides):
     """The transformers config object of a model of this architecture and shape."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
-    fits = [s for s in SIZES if s in ("tiny", "small") or (s in MOE_SIZES) == (arch in MOE_ARCHS)]
+    if size not in SIZES and size not in HYBRID_SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join([*SIZES, '35b-a3b'])}")
+    if arch == "qwen3_5_moe":
+        fits = list(HYBRID_SIZES)
+    else:
+        fits = [s for s in SIZES if s in ("tiny", "small") or (s in MOE_SIZES) == (arch in MOE_ARCHS)]
     if size not in fits:
         raise ValueError(f"size {size!r} is not made for {arch}; choose one of {', '.join(fits)}")
     import transformers
 
+    if arch == "qwen3_5_moe":
+        return _qwen35_config({**SIZES.get(size, {}), **MOE_SIZES.get(size, {}), **HYBRID_SIZES[size], **overrides})
     dims = dict(SIZES[size])
     if arch in MOE_ARCHS:
         dims.update(MOE_SIZES[size])
@@ -164,6 +188,24 @@ def _qwen3_family_config(arch: str, common: dict):
     return cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def _qwen35_config(dims: dict):
+    """A Qwen3.5-MoE checkpoint's config (``Qwen3_5MoeForConditionalGeneration``, as the real
+    ones: the text model nested in ``text_config``, a tiny vision tower that the engine skips)."""
+    import transformers
+
+    text = {k: v for k, v in dims.items() if k not in ("intermediate_size", "norm_topk_prob", "rope_theta",
+                                                        "mrope_section")}
+    text.setdefault("max_position_embeddings", 4096)
+    text.update(rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+                pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"))
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": dims["rope_theta"], "partial_rotary_factor": 0.25,
+                               "mrope_interleaved": True, "mrope_section": dims["mrope_section"]}
+    vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"])
+    for key in ("deepstack_visual_indexes",):  # Qwen3-VL's, not Qwen3.5's
+        vision.pop(key)
+    return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def make_model(
     arch: str = "qwen3",
     size: str = "tiny",
@@ -187,6 +229,7 @@ def make_model(
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
         "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
     }[arch]
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
@@ -199,10 +242,44 @@ def make_model(
         torch.set_default_dtype(default)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if arch == "qwen3_5_moe":
+        _add_mtp_weights(out, cfg.text_config, seed)
     build_tokenizer().save_pretrained(out)
     with open(os.path.join(out, "relay_model.json"), "w") as f:
         json.dump({"arch": arch, "size": size, "seed": seed, "dtype": dtype, "overrides": overrides}, f)
     return out
+
+
+def _add_mtp_weights(out: str, text, seed: int) -> None:
+    """Write a multi-token-prediction head into the checkpoint, named and shaped as Qwen3.5's
+    ship it (``mtp.fc``, ``mtp.pre_fc_norm_*``, one full-attention MoE layer ``mtp.layers.0.*``,
+    ``mtp.norm``; transformers builds no MTP module, so it is added here to the saved file)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    h, d, heads, kv = text.hidden_size, text.head_dim, text.num_attention_heads, text.num_key_value_heads
+    e, i, si = text.num_experts, text.moe_intermediate_size, text.shared_expert_intermediate_size
+    dt = tensors["lm_head.weight"].dtype
+    shapes = {"fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,), "pre_fc_norm_hidden.weight": (h,),
+              "norm.weight": (h,), "layers.0.input_layernorm.weight": (h,),
+              "layers.0.post_attention_layernorm.weight": (h,),
+              "layers.0.self_attn.q_proj.weight": (2 * heads * d, h), "layers.0.self_attn.k_proj.weight": (kv * d, h),
+              "layers.0.self_attn.v_proj.weight": (kv * d, h), "layers.0.self_attn.o_proj.weight": (h, heads * d),
+              "layers.0.self_attn.q_norm.weight": (d,), "layers.0.self_attn.k_norm.weight": (d,),
+              "layers.0.mlp.gate.weight": (e, h), "layers.0.mlp.shared_expert_gate.weight": (1, h),
+              "layers.0.mlp.shared_expert.gate_proj.weight": (si, h),
+              "layers.0.mlp.shared_expert.up_proj.weight": (si, h),
+              "layers.0.mlp.shared_expert.down_proj.weight": (h, si)}
+    for x in range(e):
+        shapes.update({f"layers.0.mlp.experts.{x}.gate_proj.weight": (i, h),
+                       f"layers.0.mlp.experts.{x}.up_proj.weight": (i, h),
+                       f"layers.0.mlp.experts.{x}.down_proj.weight": (h, i)})
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, shape in shapes.items():
+        tensors[f"mtp.{name}"] = (torch.randn(shape, generator=gen) * 0.02).to(dt)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def builds_on_first_use(path: str) -> bool:

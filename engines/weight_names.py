@@ -4,6 +4,9 @@
 - A VL checkpoint (Qwen3-VL, Qwen3-VL-MoE) stores its text model under
   ``model.language_model.`` (served as ``model.``) and its vision tower under
   ``model.visual.`` (skipped: the engine serves text only).
+- A Qwen3.5 checkpoint's multi-token-prediction head (``mtp.*``: a projection, norms and
+  one extra layer, for speculative decoding) is skipped by name: the engine does not
+  speculate, so it holds no MTP weights.
 - MoE experts are held stacked (engines/moe.py) and addressed by the names checkpoints
   use: per expert (``...mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``: real
   Qwen3-MoE checkpoints and what transformers' ``save_pretrained`` writes for them) or fused
@@ -25,13 +28,14 @@ from .moe import FUSED, PER_EXPERT, expert_names, expert_tp, local_experts
 
 VL_TEXT_PREFIX = "model.language_model."
 VL_VISION_PREFIX = "model.visual."
+MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction head: not used (no speculative decoding)
 
 
 def engine_name(name: str) -> str | None:
     """The engine's name of checkpoint tensor ``name``; None for one it does not load."""
     if name.startswith(VL_TEXT_PREFIX):
         return "model." + name[len(VL_TEXT_PREFIX):]
-    if name.startswith(VL_VISION_PREFIX):
+    if name.startswith((VL_VISION_PREFIX, MTP_PREFIX)):
         return None
     return name
 
@@ -40,7 +44,7 @@ def place_weight(model: CausalLM, params: dict, name: str, tensor: torch.Tensor,
     """Copy the full HF tensor ``name`` (any device and dtype) into ``model``'s parameters
     (``params``: its ``named_parameters()``), this rank's shard of it. Returns the
     ``hf_names()`` it covered (none for a tensor the engine skips: a tied LM head, a vision
-    tower). Raises KeyError for an unknown name, ValueError for a wrong shape (``where``
+    tower, an MTP head). Raises KeyError for an unknown name, ValueError for a wrong shape (``where``
     leads the message)."""
     cfg = model.cfg
     name = engine_name(name)

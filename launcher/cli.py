@@ -134,8 +134,14 @@ def _sbatch(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
+    import functools
+
     from engines.model_builder import make_model
 
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit("--layers must be at least 1")
+        make_model = functools.partial(make_model, num_hidden_layers=args.layers)
     if args.fp8_block:
         import tempfile
 
@@ -349,13 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
         "make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)"
     )
     mm.add_argument("--arch", default="qwen3",
-                    choices=("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"))
+                    choices=("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe"))
     mm.add_argument(
         "--size",
         default="tiny",
-        choices=("tiny", "small", "0.6b", "4b", "30b-a3b"),
-        help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes (dense archs), 30b-a3b Qwen3-30B-A3B's (MoE archs)",
+        choices=("tiny", "small", "0.6b", "4b", "30b-a3b", "35b-a3b"),
+        help="tiny/small for CPU; 0.6b/4b copy Qwen3 shapes (dense archs), 30b-a3b Qwen3-30B-A3B's (qwen3_moe, "
+             "qwen3_vl_moe), 35b-a3b Qwen3.5-35B-A3B's (qwen3_5_moe)",
     )
+    mm.add_argument("--layers", type=int, default=None, metavar="N",
+                    help="this many decoder layers instead of the size's (a reduced-depth copy of a large shape)")
     mm.add_argument("--out", required=True, help="output directory")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--fp8-block", type=int, default=0, metavar="N",

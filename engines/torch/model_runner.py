@@ -1,19 +1,26 @@
 """The model on its device: the weights (:class:`.weights.Weights`), the paged KV cache's
 tensors (sized by ``kv_cache_tokens`` or ``mem_fraction_static``, released and allocated
-again by sleep/wake), the prefill and decode forwards of a :class:`.scheduler.StepPlan`,
-and the decode step's CUDA graphs. Runs on the engine thread."""
+again by sleep/wake; a hybrid model's linear-attention state pool with them:
+:class:`.state_pool.StatePool`), the prefill and decode forwards of a
+:class:`.scheduler.StepPlan`, and the decode step's CUDA graphs. Runs on the engine thread."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from ..hybrid_model import build_causal_lm
 from ..interface import SamplingParams
-from ..model import CausalLM, ModelConfig, _inv_freq
+from ..model import ModelConfig, _inv_freq
 from ..weight_names import load_weights
 from .block_manager import BlockManager
 from .scheduler import StepPlan
 from .sequence import Sequence
+from .state_pool import StatePool
 from .weights import Weights
+
+log = logging.getLogger("relay.engine")
 
 
 class ModelRunner:
@@ -35,8 +42,14 @@ class ModelRunner:
         self.cfg = ModelConfig.from_dir(model_path)
         if tp is not None or ep_size != 1:  # ep_size > 1 on one GPU is refused there, naming it
             self.cfg = self.cfg.shard_for(1 if tp is None else tp.size, 0 if tp is None else tp.rank, ep_size)
+        if self.cfg.hybrid and self.use_cuda_graph:
+            log.info("%s: %s runs its linear-attention layers on the reference path: no CUDA graphs", name,
+                     self.cfg.arch)
+            self.use_cuda_graph = False
+        # hybrid models: one state row per running request (its block-table row) and the padding row
+        self.state = StatePool(self.cfg, blocks.max_rows + 1, device, dtype) if self.cfg.hybrid else None
         with torch.device("meta"):
-            model = CausalLM(self.cfg)
+            model = build_causal_lm(self.cfg)
         model = model.to_empty(device=device).to(dtype)
         model.inv_freq = _inv_freq(self.cfg).to(device)  # buffers are not in the checkpoint
         if self.cfg.tie_word_embeddings:
@@ -71,7 +84,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         c = self.cfg
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.blocks.block_size * c.local_kv_heads * c.head_dim * itemsize
+        return 2 * c.kv_layers * self.blocks.block_size * c.local_kv_heads * c.head_dim * itemsize
 
     def _kv_capacity(self) -> int:
         """Blocks of the KV cache to allocate now."""
@@ -83,7 +96,8 @@ class ModelRunner:
         # GPU (other tenants of the GPU, even in this process, are not counted here).
         free, total = torch.cuda.mem_get_info(self.device)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        budget = min(total * self.mem_fraction_static - weights, free * 0.95)
+        state = 0 if self.state is None else self.state.rows * self.state.row_bytes()
+        budget = min(total * self.mem_fraction_static - weights, free * 0.95) - state
         blocks = int(max(budget, 0) // self.kv_block_bytes())
         if blocks < 1:
             raise MemoryError(
@@ -99,9 +113,11 @@ class ModelRunner:
         self._mirror("allocate_kv", blocks)
         c = self.cfg
         # One extra block, never handed out: the scratch block padding rows write and read.
-        shape = (c.num_layers, blocks + 1, self.blocks.block_size, c.local_kv_heads, c.head_dim)
+        shape = (c.kv_layers, blocks + 1, self.blocks.block_size, c.local_kv_heads, c.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.state is not None:
+            self.state.allocate()
         self.blocks.resize(blocks, self.cfg.max_position_embeddings)
         self.graphs = None
 
@@ -117,6 +133,8 @@ class ModelRunner:
         self.graphs = None  # "cuda_graph", and any release below, invalidates them
         if "kv_cache" in tags and self.k is not None:
             self.k = self.v = None
+            if self.state is not None:
+                self.state.release()
             self.blocks.release()
         if "weights" in tags:
             self.weights.release()
@@ -139,6 +157,7 @@ class ModelRunner:
 
     def memory_bytes(self) -> dict:
         kv = 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        kv += 0 if self.state is None else self.state.nbytes()
         graphs = 0 if self.graphs is None else self.graphs.bytes
         return {"weights": self.weights.nbytes(), "kv_cache": kv, "cuda_graph": graphs,
                 "cpu_backup": self.weights.backup_nbytes()}
@@ -157,7 +176,8 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], admitted: list[Sequence], followers: dict[int, int]) -> torch.Tensor:
         """Logits of the next token of each ``admitted`` request: ``seqs`` (none of whose
         tokens are cached yet) run through the model; a follower takes its leader's row and
-        a copy of the leader's partial last block."""
+        a copy of the leader's partial last block (a hybrid model's: and of its
+        linear-attention state, which equal tokens make equal)."""
         logits = self.prefill_rows(seqs)
         if not followers:
             return logits
@@ -165,6 +185,10 @@ class ModelRunner:
                   if s.request_id in followers and s.n_tokens % self.blocks.block_size]
         if copies:
             self.copy_blocks([c[0] for c in copies], [c[1] for c in copies])
+        if self.state is not None:
+            pairs = [(seqs[followers[s.request_id]].table_row, s.table_row) for s in admitted
+                     if s.request_id in followers]
+            self.state.copy_rows([c[0] for c in pairs], [c[1] for c in pairs])
         index = {id(s): i for i, s in enumerate(seqs)}
         rows = [followers[s.request_id] if s.request_id in followers else index[id(s)] for s in admitted]
         return logits[torch.tensor(rows, device=logits.device)]
@@ -190,6 +214,10 @@ class ModelRunner:
             ids[r, :n] = torch.tensor(seq.tokens)
             slots[r, :n] = (torch.tensor(seq.blocks).repeat_interleave(bs)[:n] * bs) + torch.arange(n) % bs
             lens[r] = n
+        if self.state is not None:  # a hybrid model: each request's state row
+            rows = torch.tensor([s.table_row for s in seqs])
+            return self.model.prefill(ids.to(self.device), lens.to(self.device), slots.to(self.device), self.k,
+                                      self.v, self.state.tensors, rows.to(self.device))
         return self.prefill_tensors(ids, lens, slots)
 
     def prefill_tensors(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -214,6 +242,11 @@ class ModelRunner:
         width = max(len(s.blocks) for s in seqs)
         rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
+        if self.state is not None:  # a hybrid model (one GPU, no CUDA graphs): state rows = table rows
+            dev = self.device
+            meta = meta.to(dev)
+            return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self.k,
+                                     self.v, self.state.tensors, rows.to(dev))
         return self.decode_tensors(meta, tables, n)
 
     def decode_tensors(self, meta: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
