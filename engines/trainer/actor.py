@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import random
 import threading
 
 import torch
@@ -22,7 +20,7 @@ from engines import weight_sync
 from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
 
-from . import batching
+from . import batching, checkpoint_io
 from .batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
 from .dist_init import _init_process_group
 from .loss import LossConfig, policy_loss
@@ -382,55 +380,15 @@ class TrainerActor(Actor):
         self.opt.onload()
         self.offloaded = False
 
-    def _shard_file(self) -> str:
-        return f"trainer-tp{self.tp_rank}.pt" if self.ep == 1 else f"trainer-tp{self.tp_rank}-ep{self.ep_rank}.pt"
-
     @endpoint
     def save_checkpoint(self, path: str) -> None:
-        """Weights (this rank's shard), optimizer, step and RNG states; written to a temporary
-        name and renamed, so a crash never leaves a half-written checkpoint. Data-parallel
-        replicas hold the same weights: only DP rank 0 of each TP rank writes (the
-        distributed optimizer's shards are gathered there first: every rank must call). With
-        expert parallelism, expert-DP rank 0 of each (TP, EP) rank writes ``trainer-tp{t}-ep{e}.pt``
-        (its experts and their optimizer state; EP rank 0's file also the dense weights' state)."""
-        from megatron.core import parallel_state
-
-        if self.offloaded:
-            raise RuntimeError("the trainer is offloaded; onload() before saving a checkpoint")
-        opt_state = self.opt.state_dict()
-        ps = parallel_state
-        if (ps.get_expert_data_parallel_rank() if self.ep > 1 else ps.get_data_parallel_rank()) != 0:
-            return
-        os.makedirs(path, exist_ok=True)
-        state = {
-            "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
-            "opt": opt_state,
-            "optimizer": self.opt.kind,
-            "step": self.step,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        final = os.path.join(path, self._shard_file())
-        tmp = final + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, final)
+        """Weights (this rank's shard), optimizer, step and RNG states (engines/trainer/checkpoint_io.py)."""
+        checkpoint_io.save(self, path)
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
-        """Every rank reads its (TP, EP) rank's file (a collective over DP with the distributed
-        optimizer)."""
-        if self.offloaded:
-            raise RuntimeError("the trainer is offloaded; onload() before loading a checkpoint")
-        state = torch.load(os.path.join(path, self._shard_file()), weights_only=False)
-        if state.get("optimizer", "torch") != self.opt.kind:
-            raise ValueError(
-                f"checkpoint holds {state.get('optimizer', 'torch')!r} optimizer state; this trainer runs "
-                f"{self.opt.kind!r} (set optimizer= to match)"
-            )
-        self.model.load_state_dict(state["model"], strict=False)
-        self.opt.load_state_dict(state["opt"])
-        self.step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        """Every rank reads its (TP, EP) rank's file; returns the step it holds."""
+        self.step = checkpoint_io.load(self, path)
         return self.step
 
     @endpoint
