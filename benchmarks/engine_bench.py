@@ -10,6 +10,8 @@ and sleep/wake seconds (sleep_s_backup, wake_s_backup, sleep_s_discard, pinned_c
     python benchmarks/engine_bench.py --size 0.6b --device cuda --prompt 128 --new 256
     python benchmarks/engine_bench.py --arch qwen3_moe --size 30b-a3b --batches 64,256 --no-swap [--layers 24]
 
+For a hybrid model (qwen3_5_moe) the KV is the full-attention layers' and each sequence's
+linear-attention state (read once a step) is added.
 For a mixture-of-experts model the roofline's weight bytes are those a decode step must read:
 every non-expert weight, and in each MoE layer the experts the batch's tokens are routed to
 (expected distinct experts of b tokens choosing k of E uniformly: E (1 - (1 - k/E)^b); random
@@ -239,13 +241,19 @@ def main() -> None:
     if dev == "cuda":
         # Roofline of a decode step at the mean context: the bytes it must read (weights +
         # KV) at the READ bandwidth measured above, and its FLOPs at the measured matmul rate.
-        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        kv_per_token = 2 * cfg.kv_layers * cfg.num_kv_heads * cfg.head_dim * 2  # full-attention layers' KV
+        state_per_seq = 0
+        if cfg.hybrid:  # a linear-attention layer reads each sequence's recurrent state (float32) and conv state
+            from engines.torch.state_pool import StatePool
+
+            state_per_seq = StatePool(cfg, 1, torch.device("cpu"), torch.bfloat16).row_bytes()
+            result["state_mb_per_seq"] = round(state_per_seq / 1e6, 2)
         for b in (64, 256):
             if b in builtin:
                 step_s = b / builtin[b]
                 ctx = prompt + new / 2
                 read_bytes, flop_params = decode_weight_bytes(cfg, weight_bytes, b)
-                bytes_step = read_bytes + b * ctx * kv_per_token
+                bytes_step = read_bytes + b * ctx * kv_per_token + b * state_per_seq
                 flops_step = 2 * flop_params * b + 4 * b * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
                 if cfg.num_experts:
                     result[f"active_weight_gb_b{b}"] = round(read_bytes / 1e9, 2)
