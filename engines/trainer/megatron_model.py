@@ -80,6 +80,9 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
             "the Megatron trainer does not support rope scaling (llama3-style) yet; the built-in "
             "engine does. Use a checkpoint without rope_scaling for training"
         )
+    if cfg.hybrid:
+        raise ValueError(f"the Megatron trainer does not build {cfg.arch} hybrid models (Gated DeltaNet linear "
+                         "attention) yet; the built-in engine serves them")
     config = transformer_config(cfg, tp, dtype, ep, aux_loss_coeff)
     if cfg.num_experts:
         from .moe_convert import check_moe

@@ -283,6 +283,17 @@ def test_expert_parallel_flags_and_their_errors(tmp_path):
         cfg(expert_model_parallel_size=0)
 
 
+def test_a_hybrid_policy_is_refused_before_anything_starts(tmp_path):
+    """The trainer does not build Qwen3.5 hybrids: as the policy such a checkpoint is a
+    ConfigError naming it (the engine serves it, e.g. as the judge)."""
+    hybrid = tmp_path / "q35"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {}}))
+    with pytest.raises(ConfigError, match=r"is a qwen3_5_moe hybrid model .*cannot be the policy; the built-in engine "
+                                          r"serves it"):
+        cfg(hf_checkpoint=str(hybrid))
+
+
 @pytest.mark.parametrize("flag", ["--expert-model-parallel-size", "--moe-aux-loss-coeff"])
 def test_hostile_moe_flag_values_give_a_config_or_a_config_error(flag):
     from hypothesis import given, settings
