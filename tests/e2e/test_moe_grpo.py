@@ -52,7 +52,9 @@ def check(recs: list[dict], types: dict) -> None:
         assert r["sync/engine_versions"] == [r["step"] + 1] * len(r["sync/engine_versions"])
         assert r["reward/judged"] == r["samples"] > 0  # every reward is a verdict of the MoE judge
         assert r["mem/engine_bytes_training"] == 0
-    # the rollout engines answer with the trainer's new weights (the experts are most of them)
+    # the random judge's verdicts carry no advantage; the routers' load-balancing loss still
+    # trains (moe_aux_loss_coeff in the configs), and the rollout engines answer with the new weights
+    assert all(r["train/grad_norm"] > 0 and r["train/moe_load_balancing_loss"] > 0 for r in recs)
     a, b = recs[0]["sync/probe_logprobs"], recs[1]["sync/probe_logprobs"]
     assert all(x != y for x, y in zip(a, b)), (a, b)
     assert max(a) - min(a) < 1e-4, "rollout engines disagree after the same sync"
