@@ -31,6 +31,20 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _rounded(x, dtype: tl.constexpr):
+        """float32 ``x`` rounded to ``dtype``'s precision (to nearest, ties to even, as torch
+        rounds), kept in float32. bf16 by hand: the interpreter's float32-to-bf16 cast truncates."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            y = bits.to(tl.float32, bitcast=True)
+        elif dtype == tl.float16:
+            y = x.to(tl.float16).to(tl.float32)
+        else:
+            y = x
+        return y
+
+    @triton.jit
     def _conv_decode_kernel(
         MIX, CONV, W, ROWS, OUT,
         s_mb, s_cn, s_cc, s_cj, s_wc, s_wj, s_ob,
@@ -47,16 +61,16 @@ if triton is not None:
         for j in tl.static_range(K - 1):  # window position j: state column j
             s = tl.load(state + j * s_cj, mask=mask, other=0.0)
             w = tl.load(W + offs * s_wc + j * s_wj, mask=mask, other=0.0)
-            acc += (s.to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype).to(tl.float32)
+            acc += _rounded(s.to(dtype).to(tl.float32) * w.to(tl.float32), dtype)
             if j > 0:  # shift left: column j moves to j - 1 (column j - 1 was read one step before)
                 tl.store(state + (j - 1) * s_cj, s, mask=mask)
         new = tl.load(MIX + b * s_mb + offs, mask=mask, other=0.0).to(CONV.dtype.element_ty)
         w = tl.load(W + offs * s_wc + (K - 1) * s_wj, mask=mask, other=0.0)
-        acc += (new.to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype).to(tl.float32)
+        acc += _rounded(new.to(dtype).to(tl.float32) * w.to(tl.float32), dtype)
         if K > 1:
             tl.store(state + (K - 2) * s_cj, new, mask=mask)
-        acc = acc.to(dtype).to(tl.float32)
-        tl.store(OUT + b * s_ob + offs, (acc * tl.sigmoid(acc)).to(dtype), mask=mask)
+        acc = _rounded(acc, dtype)
+        tl.store(OUT + b * s_ob + offs, _rounded(acc * tl.sigmoid(acc), dtype).to(dtype), mask=mask)
 
     @triton.jit
     def _recurrent_decode_kernel(
@@ -80,7 +94,7 @@ if triton is not None:
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
         braw = tl.load(B + b * s_bb + h)
-        beta = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)
+        beta = _rounded(tl.sigmoid(braw.to(tl.float32)), braw.dtype)
         x = tl.load(A + b * s_ab + h).to(tl.float32) + tl.load(DTB + h).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         g = -tl.exp(tl.load(ALOG + h).to(tl.float32)) * softplus
@@ -92,7 +106,8 @@ if triton is not None:
         state = state + k[:, None] * u[None, :]
         o = tl.sum(state * q[:, None], axis=0)
         tl.store(ptrs, state.to(REC.dtype.element_ty), mask=m2)
-        tl.store(OUT + b * s_ob + h * s_oh + offs_v, o.to(OUT.dtype.element_ty), mask=mv)
+        out_ty = OUT.dtype.element_ty
+        tl.store(OUT + b * s_ob + h * s_oh + offs_v, _rounded(o, out_ty).to(out_ty), mask=mv)
 
 
 def conv_decode(mixed: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
