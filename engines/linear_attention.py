@@ -1,7 +1,7 @@
 """Gated DeltaNet, the linear-attention token mixer of Qwen3.5's hybrid models
 (``qwen3_5_moe``: most layers are this, every ``full_attention_interval``-th layer is gated
-full attention): the reference path (plain torch on any device, float32 recurrence; no
-Triton kernels yet).
+full attention): the reference path (plain torch on any device, float32 recurrence) and, for
+decode on CUDA (or under Triton's interpreter), the Triton kernels of engines/linear_kernels.py.
 
 A layer keeps, per sequence, a fixed-size state instead of a growing KV cache: the last
 ``K - 1`` inputs of its short causal convolution (``conv`` [C, K - 1], C the q/k/v channels)
