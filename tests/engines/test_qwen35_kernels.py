@@ -4,8 +4,9 @@ against the torch reference (engines/linear_attention.py), under Triton's interp
 interpreter): the conv1d state update and the one-token gated delta rule for several shapes
 (key heads fewer than value heads, head dims not powers of two, conv kernels 3 and 4), state
 rows out of order and carried over several steps, a row repeated in a batch (the padding
-row), bf16 inputs on a float32 state; and a tiny qwen3_5_moe model decoding through the
-kernel path with the reference path's logits."""
+row), bf16 inputs on a float32 state; a tiny qwen3_5_moe model decoding through the
+kernel path with the reference path's logits, and TorchEngine generating transformers'
+greedy tokens through it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.engines.test_decode_kernel import _interpret
-from tests.engines.test_qwen35 import PROMPTS, Harness, engine_model, hybrid_model
+from tests.engines.test_qwen35 import GREEDY, PROMPTS, Harness, engine_model, hf_greedy, hf_model, hybrid_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 pytest.importorskip(
@@ -167,3 +168,27 @@ def test_a_tiny_qwen3_5_moe_decodes_through_the_kernels_as_the_reference_does(tm
     worst = max((torch.tensor(k) - r).abs().max().item() for k, r in zip(kernel_path, ref))
     assert worst <= 1e-5
     assert max(r.abs().max().item() for r in ref) > 0.5
+
+
+def test_the_engine_generates_transformers_greedy_tokens_through_the_kernels(tmp_path):
+    """Through TorchEngine (the runner's hybrid decode path) under the interpreter: a batch of
+    prompts, and three copies of one prompt sharing its prefill (the copies take its state
+    row), give transformers' greedy tokens."""
+    path = hybrid_model(str(tmp_path / "m"), 6)
+    out = _interpret(f"""
+        import asyncio, json
+        from engines.torch import TorchEngine
+        from tests.engines.test_qwen35 import GREEDY, PROMPTS
+        async def main(prompts):
+            eng = TorchEngine({path!r}, kv_cache_tokens=2048, block_size=16)
+            try:
+                return [r.token_ids for r in await asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts))]
+            finally:
+                await eng.close()
+        print(json.dumps([asyncio.run(main(PROMPTS)), asyncio.run(main([PROMPTS[2]] * 3 + [PROMPTS[3]]))]))
+    """)
+    batch, shared = json.loads(out.strip().splitlines()[-1])
+    hf = hf_model(path)
+    want = [hf_greedy(hf, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    assert batch == want
+    assert shared == [want[2]] * 3 + [want[3]]
