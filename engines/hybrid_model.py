@@ -2,7 +2,9 @@
 linear-attention layers (engines/linear_attention.py; a per-sequence state in the engine's
 state pool) between gated full-attention layers (the paged KV cache holds only these:
 cache layer ``j`` is the ``j``-th full-attention layer), MoE MLPs with a shared expert
-(engines/moe.py). Reference path (plain torch) on every device; no CUDA graphs.
+(engines/moe.py). On CUDA the decode step runs in Triton kernels (the linear-attention
+layers': engines/linear_kernels.py) and waits on nothing, so the runner captures it in CUDA
+graphs; prefill's linear attention is the reference path (plain torch) on every device.
 
 Full attention here differs from Qwen3's in three ways: ``q_proj`` gives each head's query
 and then its output gate (``o * sigmoid(gate)`` before ``o_proj``), RoPE turns only the first

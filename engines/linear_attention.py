@@ -1,7 +1,7 @@
 """Gated DeltaNet, the linear-attention token mixer of Qwen3.5's hybrid models
 (``qwen3_5_moe``: most layers are this, every ``full_attention_interval``-th layer is gated
-full attention): the reference path (plain torch on any device, float32 recurrence; no
-Triton kernels yet).
+full attention): the reference path (plain torch on any device, float32 recurrence) and, for
+decode on CUDA (or under Triton's interpreter), the Triton kernels of engines/linear_kernels.py.
 
 A layer keeps, per sequence, a fixed-size state instead of a growing KV cache: the last
 ``K - 1`` inputs of its short causal convolution (``conv`` [C, K - 1], C the q/k/v channels)
@@ -27,6 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .kernels import triton_usable
+from .linear_kernels import conv_decode, recurrent_decode
 
 #: chunk length of the prefill's chunked delta rule
 CHUNK = 64
@@ -139,7 +142,19 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One token per sequence, ``x`` [B, H]: outputs [B, H]; the states of rows ``rows``
-        [B] of ``conv`` and ``rec`` read and advanced by that token."""
+        [B] of ``conv`` and ``rec`` read and advanced by that token. On CUDA (or under
+        Triton's interpreter) through the kernels of engines/linear_kernels.py, which wait on
+        nothing (a CUDA graph can hold them); elsewhere the torch reference below."""
+        if triton_usable(x.device):
+            mixed = conv_decode(self.in_proj_qkv(x), conv, self.conv1d.weight, rows)
+            o = recurrent_decode(mixed, self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias, rec, rows,
+                                 self.hk, self.dk)
+            return self._out(o, x)
+        return self.decode_reference(x, conv, rec, rows)
+
+    def decode_reference(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor,
+                         rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` in plain torch (any device)."""
         mixed = self.in_proj_qkv(x)  # [B, C]
         window = torch.cat([conv.index_select(0, rows), mixed[:, :, None].to(conv.dtype)], dim=2)  # [B, C, K]
         conv.index_copy_(0, rows, window[:, :, 1:])

@@ -42,10 +42,9 @@ class ModelRunner:
         self.cfg = ModelConfig.from_dir(model_path)
         if tp is not None or ep_size != 1:  # ep_size > 1 on one GPU is refused there, naming it
             self.cfg = self.cfg.shard_for(1 if tp is None else tp.size, 0 if tp is None else tp.rank, ep_size)
-        if self.cfg.hybrid and self.use_cuda_graph:
-            log.info("%s: %s runs its linear-attention layers on the reference path: no CUDA graphs", name,
-                     self.cfg.arch)
-            self.use_cuda_graph = False
+        if self.cfg.hybrid and self.use_cuda_graph:  # its decode kernels wait on nothing (engines/linear_kernels.py)
+            log.info("%s: %s decodes its linear-attention layers in Triton kernels, through CUDA graphs "
+                     "(untested on a GPU so far; cuda_graph=False turns them off)", name, self.cfg.arch)
         # hybrid models: one state row per running request (its block-table row) and the padding row
         self.state = StatePool(self.cfg, blocks.max_rows + 1, device, dtype) if self.cfg.hybrid else None
         with torch.device("meta"):
@@ -242,7 +241,11 @@ class ModelRunner:
         width = max(len(s.blocks) for s in seqs)
         rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
-        if self.state is not None:  # a hybrid model (one GPU, no CUDA graphs): state rows = table rows
+        if self.state is not None:  # a hybrid model (one GPU): state rows = table rows
+            if self.use_cuda_graph:
+                if self.graphs is None:
+                    self.graphs = DecodeGraphs(self)
+                return self.graphs.run(meta, tables, rows)[:n]
             dev = self.device
             meta = meta.to(dev)
             return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self.k,
@@ -295,8 +298,9 @@ def bucket(n: int) -> int:
 class DecodeGraphs:
     """CUDA graphs of the decode step, one per padded batch size, captured on first use.
     Inputs are copied into static buffers before a replay; padding rows write to and read
-    from the scratch block. All graphs share one memory pool (they never run concurrently;
-    each output is consumed before the next replay)."""
+    from the scratch block (a hybrid model's: and the padding state row). All graphs share
+    one memory pool (they never run concurrently; each output is consumed before the next
+    replay)."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -307,14 +311,19 @@ class DecodeGraphs:
         self.meta[2] = scratch * runner.blocks.block_size
         self.meta[3] = 1
         self.tables = torch.full((most, runner.blocks.max_blocks_per_seq), scratch, dtype=torch.int32, device=dev)
+        # a hybrid model's state rows (padding: the padding row)
+        self.rows = None if runner.state is None else torch.full((most,), runner.blocks.padding_row,
+                                                                  dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.bytes = 0
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int, rows: torch.Tensor | None) -> torch.Tensor:
         r = self.runner
         lens = self.meta[3, :b].to(torch.int32)
-        return r.model.decode(self.meta[0, :b], self.meta[1, :b], self.meta[2, :b], self.tables[:b], lens, r.k, r.v)
+        state = () if rows is None else (r.state.tensors, rows)
+        return r.model.decode(self.meta[0, :b], self.meta[1, :b], self.meta[2, :b], self.tables[:b], lens, r.k, r.v,
+                              *state)
 
     def _capture(self, b: int) -> None:
         dev = self.runner.device
@@ -323,19 +332,24 @@ class DecodeGraphs:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up (kernel selection, Triton compile) off the capture
-            self._forward(b)
+            # a decode step advances the state rows it reads: the warm-up touches only the padding row
+            # (its KV writes land in the real rows' new slots, which the replay writes again before reading)
+            pad = self.runner.blocks.padding_row
+            self._forward(b, None if self.rows is None else torch.full_like(self.rows[:b], pad))
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._forward(b)
+            out = self._forward(b, None if self.rows is None else self.rows[:b])
         self.graphs[b] = (graph, out)
         torch.cuda.synchronize(dev)
         self.bytes += max(0, before - torch.cuda.mem_get_info(dev)[0])  # device memory the capture took
 
-    def run(self, meta: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    def run(self, meta: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         b = meta.shape[1]
         self.meta[:, :b].copy_(meta, non_blocking=True)
         self.tables[:b, : tables.shape[1]].copy_(tables, non_blocking=True)
+        if rows is not None:
+            self.rows[:b].copy_(rows, non_blocking=True)
         if b not in self.graphs:
             self._capture(b)
         graph, out = self.graphs[b]

@@ -265,8 +265,9 @@ def worst_diff(path: str, steps: int, hf=None) -> float:
 
 
 def test_the_cuda_paths_of_the_other_layers_under_the_triton_interpreter(models):
-    """What runs beside the reference linear attention on a GPU: the Triton paged-decode
-    attention of the full-attention layers and the fused MoE, here under Triton's interpreter."""
+    """What runs on a GPU: the Triton paged-decode attention of the full-attention layers, the
+    fused MoE and the linear-attention decode kernels (prefill: the reference), here under
+    Triton's interpreter."""
     from tests.engines.test_decode_kernel import _interpret
 
     out = _interpret(f"""
