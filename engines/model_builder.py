@@ -291,9 +291,12 @@ def builds_on_first_use(path: str) -> bool:
 
 def first_use_arch(path: str) -> str:
     """The architecture :func:`ensure_model` builds at ``path``, by its folder's name: a name
-    holding ``vl-moe`` gets ``qwen3_vl_moe``, one holding ``moe`` ``qwen3_moe``, any other
-    ``qwen3`` (``tiny-moe-policy``, ``tiny-vl-moe-judge``, ``tiny-policy``)."""
+    holding ``hybrid`` gets ``qwen3_5_moe`` (Qwen3.5), one holding ``vl-moe`` ``qwen3_vl_moe``, one
+    holding ``moe`` ``qwen3_moe``, any other ``qwen3`` (``tiny-hybrid-judge``, ``tiny-moe-policy``,
+    ``tiny-vl-moe-judge``, ``tiny-policy``)."""
     name = os.path.basename(os.path.normpath(path))
+    if "hybrid" in name:
+        return "qwen3_5_moe"
     return "qwen3_vl_moe" if "vl-moe" in name else "qwen3_moe" if "moe" in name else "qwen3"
 
 

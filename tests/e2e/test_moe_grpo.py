@@ -2,7 +2,8 @@
 ``relay train`` (Split and Defer-swap), build a Qwen3-MoE policy and a Qwen3-VL-MoE judge on
 first use (the original's default judge type, text only) and train through the whole stack:
 Megatron MoE trainer (expert parallel in Split), built-in MoE engines, weight sync of the
-experts into the rollout engines, the judge engines answering."""
+experts into the rollout engines, the judge engines answering. And a Qwen3.5 hybrid judge
+scoring GRPO in Split and Defer-swap."""
 
 from __future__ import annotations
 
@@ -24,6 +25,33 @@ def test_first_use_builds_the_architecture_the_folder_names():
     assert first_use_arch("/c/models/tiny-policy") == "qwen3"
     assert first_use_arch("/c/models/tiny-moe-policy/") == "qwen3_moe"
     assert first_use_arch("/c/models/tiny-vl-moe-judge") == "qwen3_vl_moe"
+    assert first_use_arch("/c/models/tiny-hybrid-judge") == "qwen3_5_moe"
+
+
+@pytest.mark.parametrize("config", ["tiny-cpu-split", "tiny-cpu-defer"])
+def test_a_qwen35_hybrid_judge_scores_grpo_in_split_and_defer_swap(config, tmp_path):
+    """A Qwen3.5 hybrid judge (built on first use) through relay train: inline in Split, asleep
+    and woken around the deferred scoring in Defer-swap (its linear-attention state pool
+    released and reallocated with the KV cache)."""
+    from launcher.demo_task import write_demo_data
+
+    cache, run_dir = str(tmp_path / "cache"), str(tmp_path / "run")
+    judge = os.path.join(cache, "models", "tiny-hybrid-judge")
+    data = write_demo_data(str(tmp_path / "data"))["train"]
+    p = subprocess.run([RELAY, "train", "--config", config, "--prompt-data", data, "--num-rollout", "2", "--run-dir",
+                        run_dir, "--genrm-model-path", judge], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                       env=dict(os.environ, RELAY_CACHE=cache))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(os.path.join(judge, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen3_5_moe"
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [r for r in map(json.loads, f) if r.get("kind") == "train"]
+    assert [r["step"] for r in recs] == [0, 1]
+    assert all(r["reward/judged"] == r["samples"] > 0 for r in recs)
+    with open(os.path.join(run_dir, "engine_events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    judge_events = [e["event"] for e in sorted(events, key=lambda e: e["t"]) if e["role"] == "genrm"]
+    assert judge_events.count("wake") >= 2 and judge_events.count("sleep") >= 2  # around every step
 
 
 def train(config: str, tmp_path) -> tuple[list[dict], dict]:
