@@ -39,17 +39,20 @@ def backend_options(backend: str, options: dict) -> dict:
     built-in engine can always sleep and spans several GPUs through follower ranks the
     launcher starts in those GPUs' workers (``tp_peers``, passed on), so it takes no
     ``gpu_ids`` or ``offload``; of ``engine_config`` it takes ``max_context_len`` (judges)
-    and ``ep_size`` (a MoE model's expert-parallel groups) as its own arguments
-    (``kv_cache_tokens`` and ``dp_size`` are resolved by the launcher)."""
+    and ``ep_size`` (a MoE model's expert-parallel groups; 1 where it does not divide the
+    engine's ``gpu_ids``) as its own arguments (``kv_cache_tokens`` and ``dp_size`` are
+    resolved by the launcher)."""
     options = dict(options)
     if backend == "sglang":
         return options
-    options.pop("gpu_ids", None)
+    gpus = options.pop("gpu_ids", None)
     options.pop("offload", None)
     engine_config = options.pop("engine_config", None) or {}
     for key in ("max_context_len", "ep_size"):
         if key in engine_config:
             options.setdefault(key, engine_config[key])
+    if gpus and len(gpus) % options.get("ep_size", 1):
+        options["ep_size"] = 1  # a replica of fewer GPUs than ep_size: no expert parallelism (the job check warns)
     return options
 
 

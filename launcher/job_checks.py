@@ -67,8 +67,9 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
 def check_builtin_engine_config(cfg: JobConfig) -> None:
     """What the built-in engine does with a judge's ``engine_config``: ``dp_size`` replicas
     of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide); ``ep_size`` groups of
-    each replica's GPUs share out a MoE model's experts (it must divide them; a dense model
-    ignores it); ``pp_size`` (SGLang's) is not used by it: a warning says so."""
+    each replica's GPUs share out a MoE model's experts (where it divides them; otherwise, and
+    for a dense model, it is not used: a warning says so); ``pp_size`` (SGLang's) is not used
+    by it: a warning says so."""
     for name, inst in cfg.genrm.items():
         where = f"GenRM instance {name!r} (engine_config)"
         dp, pp, ep = (inst.engine_config.get(k, 1) for k in ("dp_size", "pp_size", "ep_size"))
@@ -81,7 +82,8 @@ def check_builtin_engine_config(cfg: JobConfig) -> None:
         if inst.num_gpus_per_engine % dp:
             raise ConfigError(f"{where}: dp_size {dp} does not divide the engine's {inst.num_gpus_per_engine} GPUs "
                               "(--genrm-num-gpus-per-engine): each replica takes num_gpus_per_engine / dp_size")
-        if (inst.num_gpus_per_engine // dp) % ep:
-            raise ConfigError(f"{where}: ep_size {ep} does not divide each replica's {inst.num_gpus_per_engine // dp} "
-                              "GPUs (num_gpus_per_engine / dp_size): expert parallelism splits a replica's GPUs into "
-                              "ep_size groups")
+        if (inst.num_gpus_per_engine // dp) % ep:  # e.g. the original's 397B judge: TP = DP = EP = 8 in SGLang
+            log.warning("%s: ep_size %s does not divide each replica's %s GPUs (num_gpus_per_engine / dp_size): the "
+                        "built-in engine runs its replicas without expert parallelism (SGLang keeps dp_size and "
+                        "ep_size inside one engine of num_gpus_per_engine GPUs: --engine sglang)", where, ep,
+                        inst.num_gpus_per_engine // dp)
