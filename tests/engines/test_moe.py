@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ from engines.torch import TorchEngine
 from engines.weight_names import load_weights, place_weight
 from tests.engines.test_decode_kernel import _interpret
 from tests.helpers import run
+
+RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -337,14 +342,16 @@ def test_configs_of_moe_and_vl_checkpoints(tmp_path):
     assert vl.arch == "qwen3_moe" and vl.norm_topk_prob and not vl.tie_word_embeddings  # HF's VL router renormalises
 
 
-def test_relay_make_model_writes_moe_and_vl_moe_checkpoints(tmp_path, capsys):
-    from launcher.cli import main
-
+def test_relay_make_model_writes_moe_and_vl_moe_checkpoints(tmp_path):
+    printed = []
     for arch in ("qwen3_moe", "qwen3_vl_moe"):
-        assert main(["make-model", "--arch", arch, "--size", "tiny", "--out", str(tmp_path / arch), "--seed", "3"]) == 0
+        p = subprocess.run([RELAY, "make-model", "--arch", arch, "--size", "tiny", "--out", str(tmp_path / arch),
+                            "--seed", "3"], capture_output=True, text=True, timeout=300)  # as a user types it
+        assert p.returncode == 0, p.stderr[-2000:]
+        printed.append(p.stdout)
         with open(tmp_path / arch / "config.json") as f:
             assert json.load(f)["model_type"] == arch
         cfg = ModelConfig.from_dir(str(tmp_path / arch))
         assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
             "qwen3_moe", 4, 2, 32)
-    assert "qwen3_vl_moe (tiny) checkpoint" in capsys.readouterr().out
+    assert "qwen3_vl_moe (tiny) checkpoint" in printed[1]

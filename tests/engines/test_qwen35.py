@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,8 @@ from engines.model_builder import hf_config, make_model
 from engines.torch import TorchEngine
 from engines.weight_names import load_weights
 from tests.helpers import run
+
+RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -219,9 +224,7 @@ def test_sleep_wake_and_weight_updates(models):
         loop.close()
 
 
-def test_configs_tensor_parallel_refusal_and_make_model(tmp_path, capsys, models):
-    from launcher.cli import main
-
+def test_configs_tensor_parallel_refusal_and_make_model(tmp_path, models):
     cfg = ModelConfig.from_dir(models["policy"])
     assert cfg.arch == "qwen3_5_moe" and cfg.hybrid and cfg.kv_layers == 2 and cfg.rotary_dim == 8
     assert cfg.layer_types == ("linear_attention", "full_attention") * 2
@@ -242,8 +245,10 @@ def test_configs_tensor_parallel_refusal_and_make_model(tmp_path, capsys, models
     with pytest.raises(ValueError, match="size '30b-a3b' is not made for qwen3_5_moe"):
         hf_config("qwen3_5_moe", "30b-a3b")
     out = tmp_path / "m"
-    assert main(["make-model", "--arch", "qwen3_5_moe", "--size", "tiny", "--layers", "2", "--out", str(out)]) == 0
-    assert "qwen3_5_moe (tiny) checkpoint" in capsys.readouterr().out
+    p = subprocess.run([RELAY, "make-model", "--arch", "qwen3_5_moe", "--size", "tiny", "--layers", "2", "--out",
+                        str(out)], capture_output=True, text=True, timeout=300)  # as a user types it
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "qwen3_5_moe (tiny) checkpoint" in p.stdout
     with open(out / "config.json") as f:
         assert json.load(f)["model_type"] == "qwen3_5_moe"
     small = ModelConfig.from_dir(str(out))
