@@ -169,6 +169,10 @@ def _judge(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.engine == "torch":  # what the built-in engine makes of each judge's engine_config, as relay train
+            from launcher.job_checks import check_builtin_engine_config
+
+            check_builtin_engine_config(cfg)
     except ConfigError as e:
         print(f"relay judge: {e}", file=sys.stderr)
         return 2

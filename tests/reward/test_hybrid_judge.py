@@ -1,6 +1,7 @@
 """`relay judge` serves a Qwen3.5 hybrid judge (``qwen3_5_moe``: Gated DeltaNet linear
 attention, gated full attention, MoE with a shared expert) through the gateway: its greedy
-answers are transformers' greedy answers to the same chat-templated prompts."""
+answers are transformers' greedy answers to the same chat-templated prompts. And `relay judge`
+refuses a bad engine_config before starting anything."""
 
 from __future__ import annotations
 
@@ -56,3 +57,18 @@ def test_relay_judge_serves_a_qwen35_hybrid_judge_as_transformers_answers(tmp_pa
     finally:
         interrupt(p)
     assert answers == transformers_answers(judge, 8)
+
+
+@pytest.mark.parametrize("engine_config,says", [
+    ('{"ep_size": 0}', "ep_size must be a positive integer, got 0"),
+    ('{"dp_size": 3}', "dp_size 3 does not divide the engine's 2 GPUs"),
+])
+def test_relay_judge_refuses_a_bad_engine_config_before_starting_anything(tmp_path, engine_config, says):
+    """relay judge checks each judge's engine_config as relay train does: exit 2 naming the
+    key (an ep_size of 0 crashed an engine with ZeroDivisionError before)."""
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
+    p = subprocess.run([RELAY, "judge", "--config", "tiny-cpu-split", "--genrm-num-gpus-per-engine", "2",
+                        "--port", str(free_port()), "--genrm-engine-config", engine_config], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert says in p.stderr and "Traceback" not in p.stderr
