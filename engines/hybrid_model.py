@@ -21,6 +21,22 @@ from .kernels import paged_decode_attention
 from .model import Attention, CausalLM, ModelConfig, _rotate_half
 
 
+def gated_qkv(cfg: ModelConfig, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [..., H, D], k and v [..., KVH, D] (normed, the first ``rotary_dim`` dims rotated
+    by ``cos``/``sin`` [..., 1, rotary_dim]) and the output gate [..., H * D] of ``x`` [..., hidden]."""
+    lead, d, r = x.shape[:-1], cfg.head_dim, cfg.rotary_dim
+    q, gate = attn.q_proj(x).view(*lead, cfg.local_heads, 2 * d).chunk(2, dim=-1)
+    q = attn.q_norm(q)
+    k = attn.k_norm(attn.k_proj(x).view(*lead, cfg.local_kv_heads, d))
+    v = attn.v_proj(x).view(*lead, cfg.local_kv_heads, d)
+
+    def rope(t):
+        turned = t[..., :r] * cos + _rotate_half(t[..., :r]) * sin
+        return torch.cat([turned, t[..., r:]], dim=-1)
+
+    return rope(q), rope(k), v, gate.reshape(*lead, cfg.local_heads * d)
+
+
 def build_causal_lm(cfg: ModelConfig) -> CausalLM:
     """The engine's model of ``cfg``: hybrid or not."""
     return HybridCausalLM(cfg) if cfg.hybrid else CausalLM(cfg)
@@ -31,22 +47,6 @@ class HybridCausalLM(CausalLM):
     layers), plus the linear-attention state: ``state`` = (conv [Llin, N, C, K - 1], rec
     [Llin, N, Hv, Dk, Dv]) with one row per running sequence, ``rows`` [S] each sequence's row
     (padding rows: a scratch row). Prefill writes a sequence's row from scratch."""
-
-    def _qkv_gated(self, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [..., H, D], k and v [..., KVH, D] (normed, the first ``rotary_dim`` dims
-        rotated) and the output gate [..., H * D] of ``x`` [..., hidden]."""
-        cfg = self.cfg
-        lead, d, r = x.shape[:-1], cfg.head_dim, cfg.rotary_dim
-        q, gate = attn.q_proj(x).view(*lead, cfg.local_heads, 2 * d).chunk(2, dim=-1)
-        q = attn.q_norm(q)
-        k = attn.k_norm(attn.k_proj(x).view(*lead, cfg.local_kv_heads, d))
-        v = attn.v_proj(x).view(*lead, cfg.local_kv_heads, d)
-
-        def rope(t):
-            turned = t[..., :r] * cos + _rotate_half(t[..., :r]) * sin
-            return torch.cat([turned, t[..., r:]], dim=-1)
-
-        return rope(q), rope(k), v, gate.reshape(*lead, cfg.local_heads * d)
 
     @torch.inference_mode()
     def prefill(self, input_ids, lens, slots, k_cache, v_cache, state, rows) -> torch.Tensor:
@@ -66,7 +66,7 @@ class HybridCausalLM(CausalLM):
                 lin_i += 1
             else:
                 attn = layer.self_attn
-                q, k, v, gate = self._qkv_gated(attn, h, cos, sin)
+                q, k, v, gate = gated_qkv(cfg, attn, h, cos, sin)
                 self._write_kv(k_cache[kv_i], v_cache[kv_i], flat_slots, k, v)
                 kv_i += 1
                 k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -96,7 +96,7 @@ class HybridCausalLM(CausalLM):
                 lin_i += 1
             else:
                 attn = layer.self_attn
-                q, k, v, gate = self._qkv_gated(attn, h, cos, sin)
+                q, k, v, gate = gated_qkv(cfg, attn, h, cos, sin)
                 self._write_kv(k_cache[kv_i], v_cache[kv_i], slots, k, v)
                 o = paged_decode_attention(q, k_cache[kv_i], v_cache[kv_i], block_tables, context_lens, scale)
                 kv_i += 1

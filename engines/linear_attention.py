@@ -121,18 +121,30 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(*x.shape[:-1], self.hv, self.dv)
         return self.out_proj(self.norm(o.to(x.dtype), z).reshape(*x.shape[:-1], self.hv * self.dv))
 
+    def _conv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short causal convolution over whole sequences ``x`` [S, L, H] from a zero
+        state: (its activated output [S, L, C], its zero-padded input [S, C, K - 1 + L])."""
+        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [S, C, L]
+        padded = F.pad(mixed, (self.kernel - 1, 0))
+        return F.silu(F.conv1d(padded, self.conv1d.weight, groups=mixed.shape[1])).transpose(1, 2), padded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole sequences ``x`` [S, L, H] from a zero state, no pool (the trainer's path:
+        differentiable; right padding does not reach the real tokens before it)."""
+        mixed, _ = self._conv(x)
+        q, k, v, beta, g = self._heads(mixed, x)
+        return self._out(chunked_delta_rule(q, k, v, beta, g)[0], x)
+
     def prefill(self, x: torch.Tensor, lens: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor,
                 rows: torch.Tensor) -> torch.Tensor:
         """Whole right-padded prompts ``x`` [S, L, H] of lengths ``lens`` [S], none seen
         before: their outputs [S, L, H]; each one's final conv and recurrent state written
         to row ``rows[s]`` of this layer's pool ``conv`` [N, C, K - 1] and ``rec`` [N, Hv, Dk, Dv]."""
         s, length, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [S, C, L]
+        mixed, padded = self._conv(x)
         # conv state: the last K - 1 inputs of each prompt (zeros before its first token)
-        padded = F.pad(mixed, (self.kernel - 1, 0))
         idx = lens[:, None] + torch.arange(self.kernel - 1, device=x.device)  # positions in `padded`
-        conv.index_copy_(0, rows, padded.gather(2, idx[:, None, :].expand(-1, mixed.shape[1], -1)).to(conv.dtype))
-        mixed = F.silu(F.conv1d(padded, self.conv1d.weight, groups=mixed.shape[1])).transpose(1, 2)
+        conv.index_copy_(0, rows, padded.gather(2, idx[:, None, :].expand(-1, padded.shape[1], -1)).to(conv.dtype))
         q, k, v, beta, g = self._heads(mixed, x)
         real = (torch.arange(length, device=x.device)[None, :] < lens[:, None])[..., None]  # [S, L, 1]
         beta, g = beta * real, g * real  # padding: no update, no decay

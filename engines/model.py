@@ -63,6 +63,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dimensions of q and k
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate) before o_proj
     norm_offset: bool = False  # RMSNorm weights stored zero-centred: the scale is 1 + weight
+    text_prefix: str = "model."  # the text model's name prefix in the checkpoint (VL ones: model.language_model.)
 
     @property
     def hybrid(self) -> bool:
@@ -145,7 +146,9 @@ class ModelConfig:
         """The config of an HF ``config.json`` (a VL checkpoint: its text model's, nested in
         ``text_config``). Raises ValueError naming an unsupported model type."""
         outer = d.get("model_type", "")
+        prefix = "model."
         if outer in VL_TEXT_TYPES and "text_config" in d:
+            prefix = "model.language_model."
             d = {**d["text_config"], "eos_token_id": d["text_config"].get("eos_token_id", d.get("eos_token_id")),
                  "tie_word_embeddings": d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings"))}
         model_type = d.get("model_type", "")
@@ -181,6 +184,7 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             **_moe_fields(d),
             **hybrid_fields(d),
+            text_prefix=prefix,
         )
 
     @classmethod

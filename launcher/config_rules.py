@@ -290,26 +290,26 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-#: HF model types of hybrid linear-attention models (the engine serves them; the trainer does not build them)
+#: HF model types of hybrid linear-attention models (the trainer builds them without tensor parallel)
 HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 
 
 def check_expert_parallel(cfg: JobConfig) -> None:
     """``--expert-model-parallel-size`` must divide the trainer's data-parallel size (actor
     GPUs / tensor parallel size) and, where the policy checkpoint's config.json is readable
-    now, its expert count (a dense checkpoint takes only 1); a MoE policy trains with TP 1;
-    a hybrid (Qwen3.5) policy is refused. A clear ConfigError otherwise."""
+    now, its expert count (a dense checkpoint takes only 1); a MoE or hybrid (Qwen3.5)
+    policy trains with TP 1. A clear ConfigError otherwise."""
     import os
 
     ep, tp = cfg.expert_model_parallel_size, cfg.tensor_model_parallel_size
     path = os.path.join(cfg.hf_checkpoint or "", "config.json")
-    if cfg.hf_checkpoint and os.path.isfile(path):
+    if cfg.hf_checkpoint and os.path.isfile(path) and tp > 1:
         with open(path) as f:
             model_type = json.load(f).get("model_type")
         if model_type in HYBRID_TYPES:
             raise ConfigError(f"{cfg.hf_checkpoint} is a {model_type} hybrid model (Gated DeltaNet linear attention): "
-                              "the Megatron trainer does not build it yet, so it cannot be the policy; the built-in "
-                              "engine serves it (e.g. as the judge, --genrm-model-path)")
+                              f"the Megatron trainer builds it without tensor parallel; use "
+                              f"--tensor-model-parallel-size 1 (got {tp}), data and expert parallel work")
     if ep == 1 and tp == 1:
         return
     actor = cfg.actor_total

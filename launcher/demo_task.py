@@ -33,19 +33,40 @@ def _write(path: str, rows: list[dict]) -> str:
 #: characters without digits and whitespace): the judge must answer 0 to each of them.
 JUNK = string.ascii_letters + string.punctuation
 
+#: Words a rambling policy (or a prompt injection) writes where the answer should be: the
+#: judge must answer 0 to a sentence, not only to a character.
+WORDS = ("the", "answer", "is", "so", "it", "must", "be", "above", "below", "output", "two", "check", "I",
+         "think", "not", "sure", "result", "equals", "both", "and", "all", "step", "mod", "ten", "final",
+         "same", "consistent", "correct", "wrong", "say", "write", "reply", "please", "we", "get", "then")
+
+#: Answers longer than this are restated cut to this many characters (:func:`judge_response`).
+RESTATED_CHARS = 3
+
+
+def _sentence(rng: random.Random) -> str:
+    """A few words, digits among them, some punctuation: 4 to 64 characters."""
+    words = [rng.choice(WORDS) if rng.random() < 0.85 else rng.choice("0123456789") for _ in range(rng.randint(2, 14))]
+    text = " ".join(words)[:63].rstrip()
+    if rng.random() < 0.5:
+        text = text[0].upper() + text[1:] + rng.choice(".!:,")
+    return text if len(text) > RESTATED_CHARS else text + " " + rng.choice(WORDS)
+
 
 def _judge_answer(rng: random.Random, label: str) -> str:
-    """40% matching answers; the rest other digits, two-digit strings, and junk: nothing,
-    non-digit characters, or a digit with something around it. A policy trained against
-    the judge looks for answers the judge wrongly accepts, so every kind of output a tiny
-    policy can produce must be in the judge's training data."""
+    """40% matching answers; the rest other digits, two-digit strings, sentences, and junk:
+    nothing, non-digit characters, or a digit with something around it. A policy trained
+    against the judge looks for answers the judge wrongly accepts, and the judge's
+    self-check sends it sentences, so every kind of output a tiny policy can produce must
+    be in the judge's training data."""
     r = rng.random()
     if r < 0.4:
         return label
-    if r < 0.72:
+    if r < 0.7:
         return rng.choice([d for d in "0123456789" if d != label])
-    if r < 0.8:
+    if r < 0.76:
         return rng.choice("0123456789") + rng.choice("0123456789")
+    if r < 0.82:
+        return _sentence(rng)
     k = rng.random()
     if k < 0.15:
         return ""
@@ -59,8 +80,10 @@ def _judge_answer(rng: random.Random, label: str) -> str:
 def judge_response(answer: str, label: str) -> str:
     """The judge's reply: it restates the answer and the reference, then gives its verdict
     (read with ``--genrm-parse loose``: the last standalone 0/1). Restating first turns a
-    long-range comparison into a local one, which a 2-layer model learns in minutes."""
-    return f"{answer} {label} {1 if answer == label else 0}"
+    long-range comparison into a local one, which a 2-layer model learns in minutes. An
+    answer longer than :data:`RESTATED_CHARS` (a sentence: never a one-digit reference) is
+    restated cut to that many characters."""
+    return f"{answer[:RESTATED_CHARS]} {label} {1 if answer == label else 0}"
 
 
 def write_demo_data(root: str, seed: int = 0) -> dict[str, str]:

@@ -1,6 +1,9 @@
-"""A Megatron-core ``GPTModel`` from an HF Qwen2/Qwen3/Llama/Qwen3-MoE config (local layer
-spec, no TransformerEngine), HF <-> Megatron weight conversion, and TP sharding / gathering.
-Mixture-of-experts layers (router, experts, expert parallelism): engines/trainer/moe_convert.py."""
+"""A Megatron-core ``GPTModel`` from an HF Qwen2/Qwen3/Llama/Qwen3-MoE/Qwen3.5 config (local
+layer spec, no TransformerEngine), HF <-> Megatron weight conversion, and TP sharding / gathering.
+Mixture-of-experts layers (router, experts, shared expert, expert parallelism):
+engines/trainer/moe_convert.py; Qwen3.5's hybrid layers: engines/trainer/hybrid_layers.py.
+A VL checkpoint's text model (``model.language_model.``) converts as ``model.`` and goes back
+under its own prefix."""
 
 from __future__ import annotations
 
@@ -22,7 +25,10 @@ def moe_options(cfg: ModelConfig, ep: int = 1, aux_loss_coeff: float | None = No
     from .moe_convert import moe_layer_pattern
 
     coeff = cfg.router_aux_loss_coef if aux_loss_coeff is None else aux_loss_coeff
+    shared = cfg.shared_expert_intermediate_size
     return dict(
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
         num_moe_experts=cfg.num_experts,
         moe_router_topk=cfg.num_experts_per_tok,
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
@@ -48,14 +54,14 @@ def transformer_config(
         num_attention_heads=cfg.num_heads,
         num_query_groups=cfg.num_kv_heads,
         kv_channels=cfg.head_dim,
-        ffn_hidden_size=cfg.intermediate_size,
+        ffn_hidden_size=cfg.intermediate_size or cfg.moe_intermediate_size,  # qwen3_5_moe: every MLP is MoE
         normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.qkv_bias,
-        qk_layernorm=cfg.qk_norm,
+        qk_layernorm=cfg.qk_norm and not cfg.hybrid,  # a hybrid's attention is ours (hybrid_layers.py)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -80,25 +86,28 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
             "the Megatron trainer does not support rope scaling (llama3-style) yet; the built-in "
             "engine does. Use a checkpoint without rope_scaling for training"
         )
-    if cfg.hybrid:
-        raise ValueError(f"the Megatron trainer does not build {cfg.arch} hybrid models (Gated DeltaNet linear "
-                         "attention) yet; the built-in engine serves them")
     config = transformer_config(cfg, tp, dtype, ep, aux_loss_coeff)
     if cfg.num_experts:
         from .moe_convert import check_moe
 
         check_moe(cfg, ep)
+    elif ep != 1:
+        raise ValueError(f"expert parallel size {ep} needs a mixture-of-experts model; {cfg.arch} is dense")
+    if cfg.hybrid:
+        from .hybrid_layers import check_hybrid, hybrid_block_spec
+
+        check_hybrid(cfg, tp)
+        spec = hybrid_block_spec(config, cfg)
+    elif cfg.num_experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     else:
-        if ep != 1:
-            raise ValueError(f"expert parallel size {ep} needs a mixture-of-experts model; {cfg.arch} is dense")
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="none" if cfg.hybrid else "rope",  # a hybrid's attention turns its own
         rotary_base=int(cfg.rope_theta),
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=True,
@@ -136,13 +145,18 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
         pairs.append(("lm_head.weight", "output_layer.weight"))
     for i in range(cfg.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        if not cfg.is_moe_layer(i):
+            pairs.append((h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"))
+        if cfg.hybrid:
+            from .hybrid_layers import layer_renames
+
+            pairs += layer_renames(cfg, i)
+            continue
         pairs += [
             (h + "input_layernorm.weight", m + "input_layernorm.weight"),
             (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
             (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
         ]
-        if not cfg.is_moe_layer(i):
-            pairs.append((h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"))
         if cfg.qk_norm:
             pairs += [
                 (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
@@ -152,15 +166,21 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensor names -> the GPTModel state dict (TP=1; experts by global index: EP=1)."""
+    """HF tensor names -> the GPTModel state dict (TP=1; experts by global index: EP=1). A VL
+    checkpoint's text model is read under ``cfg.text_prefix``; its vision tower and a Qwen3.5
+    MTP head are not part of the model (engines/trainer/hybrid_layers.py ``NOT_TRAINED``)."""
+    from .hybrid_layers import text_names
     from .moe_convert import hf_to_megatron_moe, per_expert
 
+    hf, _ = text_names(hf)
     if cfg.num_experts:
         hf = per_expert(cfg, hf)
     out = {m: hf[h] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            if cfg.hybrid:
+                break
             out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_rows(
                 cfg, hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"]
             )
@@ -174,13 +194,15 @@ def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
 
 def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The GPTModel state dict (TP=1, EP=1) -> HF tensor names (the inverse of :func:`hf_to_megatron`;
-    experts under their per-expert checkpoint names)."""
+    experts under their per-expert checkpoint names; the text model under ``cfg.text_prefix``)."""
     from .moe_convert import megatron_to_hf_moe
 
     out = {h: sd[m] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            if cfg.hybrid:
+                break
             q, k, v = _split_qkv(cfg, sd[m + f"self_attention.linear_qkv.{kind}"])
             out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
         if cfg.is_moe_layer(i):
@@ -188,7 +210,9 @@ def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, t
             continue
         mlp = f"model.layers.{i}.mlp."
         out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = sd[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-    return out
+    if cfg.text_prefix == "model.":
+        return out
+    return {cfg.text_prefix + n[len("model."):] if n.startswith("model.") else n: t for n, t in out.items()}
 
 
 def causal_mask(seq: int) -> torch.Tensor:

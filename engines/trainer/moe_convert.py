@@ -6,12 +6,16 @@ HF (per expert, what checkpoints hold)          Megatron (local spec, Sequential
 ``...mlp.experts.{e}.gate_proj.weight`` [I, H]  ``...mlp.experts.local_experts.{e}.linear_fc1.weight``
 ``...mlp.experts.{e}.up_proj.weight`` [I, H]       = [gate; up] rows, [2I, H]
 ``...mlp.experts.{e}.down_proj.weight`` [H, I]  ``...mlp.experts.local_experts.{e}.linear_fc2.weight``
+``...mlp.shared_expert.gate_proj/up_proj``      ``...mlp.shared_experts.linear_fc1.weight`` ([gate; up])
+``...mlp.shared_expert.down_proj.weight``       ``...mlp.shared_experts.linear_fc2.weight``
+``...mlp.shared_expert_gate.weight`` [1, H]     ``...mlp.shared_experts.gate_weight`` (sigmoid gate)
 
 Fused checkpoints (``mlp.experts.gate_up_proj`` [E, 2I, H] or [E, H, 2I], ``down_proj``
 [E, H, I] or [E, I, H]) are split per expert first (:func:`per_expert`). The full Megatron
 dict uses the *global* expert index ``e``; on EP rank ``r`` of ``ep`` the model holds experts
 ``r * E/ep .. (r+1) * E/ep - 1`` as local experts ``0 .. E/ep - 1`` (:func:`select_local_experts`,
-:func:`gather_experts`). A shared expert (Qwen2-MoE style) is not built (refused in build_gpt).
+:func:`gather_experts`). A shared expert (Qwen3.5) is replicated on every EP rank, as the
+router is.
 """
 
 from __future__ import annotations
@@ -26,9 +30,6 @@ _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 def check_moe(cfg, ep: int = 1) -> None:
     """Raise ValueError when the trainer cannot build this MoE config over ``ep`` ranks."""
-    if cfg.shared_expert_intermediate_size:
-        raise ValueError("the Megatron trainer does not build shared experts (shared_expert_intermediate_size "
-                         f"{cfg.shared_expert_intermediate_size}) yet; qwen3_moe checkpoints have none")
     if cfg.num_experts % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {cfg.num_experts} experts")
 
@@ -69,6 +70,11 @@ def hf_to_megatron_moe(cfg, hf: dict[str, torch.Tensor], i: int) -> dict[str, to
         out[f"{m}experts.local_experts.{e}.linear_fc1.weight"] = torch.cat(
             [hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0)
         out[f"{m}experts.local_experts.{e}.linear_fc2.weight"] = hf[x + "down_proj.weight"]
+    if cfg.shared_expert_intermediate_size:
+        out[m + "shared_experts.linear_fc1.weight"] = torch.cat(
+            [hf[h + "shared_expert.gate_proj.weight"], hf[h + "shared_expert.up_proj.weight"]], dim=0)
+        out[m + "shared_experts.linear_fc2.weight"] = hf[h + "shared_expert.down_proj.weight"]
+        out[m + "shared_experts.gate_weight"] = hf[h + "shared_expert_gate.weight"]
     return out
 
 
@@ -81,6 +87,11 @@ def megatron_to_hf_moe(cfg, sd: dict[str, torch.Tensor], i: int) -> dict[str, to
         out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = sd[
             f"{m}experts.local_experts.{e}.linear_fc1.weight"].chunk(2, dim=0)
         out[x + "down_proj.weight"] = sd[f"{m}experts.local_experts.{e}.linear_fc2.weight"]
+    if cfg.shared_expert_intermediate_size:
+        out[h + "shared_expert.gate_proj.weight"], out[h + "shared_expert.up_proj.weight"] = sd[
+            m + "shared_experts.linear_fc1.weight"].chunk(2, dim=0)
+        out[h + "shared_expert.down_proj.weight"] = sd[m + "shared_experts.linear_fc2.weight"]
+        out[h + "shared_expert_gate.weight"] = sd[m + "shared_experts.gate_weight"]
     return out
 
 

@@ -89,13 +89,24 @@ class Checkpoints:
 async def write_hf_checkpoint(trainer, source: str, dest: str) -> str:
     """The trainer's current weights as an HF checkpoint in ``dest``: rank 0's gathered
     export (``model.safetensors``) beside ``source``'s config, tokenizer and chat template,
-    written to a temporary directory and renamed into place. Returns ``dest``."""
+    written to a temporary directory and renamed into place; what the trainer does not hold
+    (a VL checkpoint's vision tower, a Qwen3.5 MTP head) is copied from ``source`` unchanged,
+    so transformers loads the result as it loaded the source. Returns ``dest``."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from safetensors import safe_open
+
+    from engines.trainer.hybrid_layers import NOT_TRAINED
+
     buckets = await trainer.export_hf()
     tensors = {k: v.contiguous() for b in buckets for k, v in b.items()}
+    for name in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(source, name), "pt") as h:
+            for key in h.keys():
+                if key.startswith(NOT_TRAINED) and key not in tensors:
+                    tensors[key] = h.get_tensor(key)
     tmp = dest + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

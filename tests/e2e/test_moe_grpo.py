@@ -2,8 +2,9 @@
 ``relay train`` (Split and Defer-swap), build a Qwen3-MoE policy and a Qwen3-VL-MoE judge on
 first use (the original's default judge type, text only) and train through the whole stack:
 Megatron MoE trainer (expert parallel in Split), built-in MoE engines, weight sync of the
-experts into the rollout engines, the judge engines answering. And a Qwen3.5 hybrid judge
-scoring GRPO in Split and Defer-swap."""
+experts into the rollout engines, the judge engines answering. And Qwen3.5 hybrids: a hybrid
+judge scoring GRPO in Split and Defer-swap, and the shipped tiny hybrid configs (hybrid policy
+and judge) training the same way."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_a_qwen35_hybrid_judge_scores_grpo_in_split_and_defer_swap(config, tmp_p
     assert judge_events.count("wake") >= 2 and judge_events.count("sleep") >= 2  # around every step
 
 
-def train(config: str, tmp_path) -> tuple[list[dict], dict]:
+def train(config: str, tmp_path, models=("tiny-moe-policy", "tiny-vl-moe-judge")) -> tuple[list[dict], dict]:
     from launcher.demo_task import write_demo_data
 
     cache, run_dir = str(tmp_path / "cache"), str(tmp_path / "run")
@@ -67,14 +68,14 @@ def train(config: str, tmp_path) -> tuple[list[dict], dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [r for r in map(json.loads, f) if r.get("kind") == "train"]
     types = {}
-    for name in ("tiny-moe-policy", "tiny-vl-moe-judge"):
+    for name in models:
         with open(os.path.join(cache, "models", name, "config.json")) as f:
             types[name] = json.load(f)["model_type"]
     return recs, types
 
 
-def check(recs: list[dict], types: dict) -> None:
-    assert types == {"tiny-moe-policy": "qwen3_moe", "tiny-vl-moe-judge": "qwen3_vl_moe"}
+def check(recs: list[dict], types: dict, expected=None) -> None:
+    assert types == (expected or {"tiny-moe-policy": "qwen3_moe", "tiny-vl-moe-judge": "qwen3_vl_moe"})
     assert [r["step"] for r in recs] == [0, 1]
     for r in recs:
         assert r["sync/engine_versions"] == [r["step"] + 1] * len(r["sync/engine_versions"])
@@ -98,3 +99,15 @@ def test_moe_policy_and_vl_moe_judge_in_split(tmp_path):
 def test_moe_policy_and_vl_moe_judge_in_defer_swap(tmp_path):
     recs, types = train("tiny-cpu-moe-defer", tmp_path)
     check(recs, types)
+
+
+HYBRID = ("tiny-hybrid-policy", "tiny-hybrid-judge")
+
+
+@pytest.mark.parametrize("config", ["tiny-cpu-hybrid-split", "tiny-cpu-hybrid-defer"])
+def test_hybrid_policy_and_judge(config, tmp_path):
+    """The Megatron trainer trains a Qwen3.5 hybrid policy (Gated DeltaNet layers of our own
+    inside the GPTModel; expert parallel 2 in Split) and syncs it into hybrid rollout engines;
+    a hybrid judge scores every sample."""
+    recs, types = train(config, tmp_path, HYBRID)
+    check(recs, types, {name: "qwen3_5_moe" for name in HYBRID})

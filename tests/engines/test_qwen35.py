@@ -8,6 +8,7 @@ updates; the config, the MTP head and ``relay make-model``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -236,7 +237,9 @@ def test_configs_tensor_parallel_refusal_and_make_model(tmp_path, models):
         cfg.shard_for(2, 0)
     # a text-only config (Qwen3_5MoeForCausalLM's model_type) reads the same
     text = hf_config("qwen3_5_moe", "tiny").text_config.to_dict()
-    assert ModelConfig.from_hf(text) == ModelConfig.from_hf(hf_config("qwen3_5_moe", "tiny").to_dict())
+    wrapped = ModelConfig.from_hf(hf_config("qwen3_5_moe", "tiny").to_dict())
+    assert wrapped.text_prefix == "model.language_model." and ModelConfig.from_hf(text).text_prefix == "model."
+    assert ModelConfig.from_hf(text) == dataclasses.replace(wrapped, text_prefix="model.")
     big = ModelConfig.from_hf(hf_config("qwen3_5_moe", "35b-a3b").to_dict())  # config only, no weights
     assert (big.hidden_size, big.num_layers, big.kv_layers, big.num_heads, big.num_kv_heads, big.head_dim,
             big.rotary_dim, big.num_experts, big.num_experts_per_tok, big.moe_intermediate_size,

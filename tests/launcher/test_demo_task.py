@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from launcher.demo_task import JUNK, judge_response, write_demo_data
+from launcher.demo_task import JUNK, RESTATED_CHARS, judge_response, write_demo_data
 
 pytestmark = pytest.mark.unit
 
@@ -28,5 +28,8 @@ def test_the_judge_learns_to_reject_every_junk_character(tmp_path):
     for c in JUNK:  # each non-digit character a policy can emit is a wrong answer the judge has seen
         assert answers.get(c) == {"0"}, c
     assert answers.get("") == {"0"}
+    sentences = [a for a in answers if " " in a and len(a) > RESTATED_CHARS]
+    assert len(sentences) > 500 and max(map(len, sentences)) == 64  # sentences too, all of them wrong
+    assert all(answers[a] == {"0"} for a in sentences)
     assert sum(1 for r in rows if r["response"].endswith(" 1")) / len(rows) > 0.3  # matches stay common
     assert os.path.getsize(paths["judge_sft_eval"]) > 0

@@ -11,7 +11,7 @@ from relay import Actor, endpoint
 
 class MegatronCheck(Actor):
     @endpoint
-    def hf_roundtrip_and_logits(self, path: str) -> dict:
+    def hf_roundtrip_and_logits(self, path: str, seq: int = 24) -> dict:
         import torch
         import torch.distributed as dist
         import transformers
@@ -19,6 +19,7 @@ class MegatronCheck(Actor):
 
         from engines.model import ModelConfig
         from engines.trainer import cpu_shim
+        from engines.trainer.hybrid_layers import NOT_TRAINED
         from engines.trainer.megatron_model import (
             build_gpt,
             causal_mask,
@@ -43,12 +44,15 @@ class MegatronCheck(Actor):
         )
         back = megatron_to_hf(cfg, {k: v.cpu() for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")})
         skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        skip |= {k for k in hf_sd if k.startswith(NOT_TRAINED)}  # a vision tower, an MTP head
         exact = sorted(back) == sorted(set(hf_sd) - skip) and all(torch.equal(back[k], hf_sd[k]) for k in back)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval().to(dev)
+        vl = cfg.text_prefix != "model."  # a VL checkpoint (Qwen3.5 ships as one)
+        auto = transformers.AutoModelForImageTextToText if vl else transformers.AutoModelForCausalLM
+        hf = auto.from_pretrained(path).eval().to(dev)
         torch.manual_seed(0)
-        ids = torch.randint(5, 100, (2, 24)).to(dev)
+        ids = torch.randint(5, 100, (2, seq)).to(dev)
         with torch.no_grad():
-            ml = gpt(ids, torch.arange(24, device=dev)[None].expand(2, -1), causal_mask(24).to(dev))
+            ml = gpt(ids, torch.arange(seq, device=dev)[None].expand(2, -1), causal_mask(seq).to(dev))
             hl = hf(ids).logits
         return {
             "missing": [m for m in missing if not m.endswith("_extra_state")],
