@@ -109,15 +109,23 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer():
-    """A character-level tokenizer: special tokens first, then printable ASCII and newline."""
+    """A character-level tokenizer: special tokens first, then printable ASCII and newline,
+    each character one token under its byte-level name (space is ``Ġ``, newline ``Ċ``, as in
+    GPT-2/Qwen vocabularies). So the same ids come out when transformers loads it as
+    ``Qwen3_5Tokenizer`` (which it forces for ``qwen3_5_moe`` checkpoints: a byte-level BPE
+    built from this vocabulary, no merges) as through its own ``tokenizer.json``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    names = _byte_level_names()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [names[ord(c)] for c in chars])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, newline too
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),  # space -> Ġ, newline -> Ċ
+        pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),  # then every character
+    ])
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -126,6 +134,20 @@ def build_tokenizer():
         bos_token=None,
         chat_template=CHAT_TEMPLATE,
     )
+
+
+def _byte_level_names() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    names, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            names[b] = chr(b)
+        else:
+            names[b] = chr(256 + extra)
+            extra += 1
+    return names
 
 
 def hf_config(arch: str, size: str, **overrides):

@@ -259,9 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--fresh", action="store_true", help="rebuild everything (the trained judge is cached otherwise)")
     d.add_argument("--steps", type=int, help="GRPO steps (default: the demo-grpo config's num_rollout, 60)")
-    d.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3_moe"),
-                   help="the policy's and judge's architecture (qwen3_moe: tiny mixture-of-experts models; their demo "
-                        "lives in $RELAY_CACHE/qwen3_moe/demo)")
+    from .demo import DEMO_ARCHS
+
+    d.add_argument("--arch", default="qwen3", choices=DEMO_ARCHS,
+                   help="the policy's and judge's architecture (qwen3_moe: tiny mixture-of-experts models; "
+                        "qwen3_5_moe: tiny Qwen3.5 hybrids, Gated DeltaNet + gated attention + MoE; each demo lives in "
+                        "$RELAY_CACHE/<arch>/demo)")
     d.add_argument(
         "--runtime",
         action="store_true",

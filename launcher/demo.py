@@ -32,10 +32,13 @@ JUDGE_TARGET = 0.85
 
 
 #: ``relay demo --arch``: the architectures the demo's policy and judge can have
-DEMO_ARCHS = ("qwen3", "qwen3_moe")
+DEMO_ARCHS = ("qwen3", "qwen3_moe", "qwen3_5_moe")
 #: the policy warm-up's SFT steps where the config's 50 would not leave GRPO room: the tiny
 #: MoE policy reaches ~0.93 held-out accuracy in 50 steps (the dense one ~0.26), 0.31 in 40
 WARMUP_STEPS = {"qwen3_moe": 40}
+#: make_model overrides of the demo's models: 2 layers each, as the dense ones (the hybrid:
+#: one Gated DeltaNet layer, then one gated full-attention layer)
+DEMO_SHAPES = {"qwen3_5_moe": {"num_hidden_layers": 2}}
 
 
 def _root(arch: str = "qwen3") -> str:
@@ -82,6 +85,7 @@ def _last_eval(run_dir: str, key: str = "eval/accuracy") -> float | None:
 def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3") -> int:
     """The demo with a policy and a judge of architecture ``arch`` (:data:`DEMO_ARCHS`:
     ``qwen3_moe``: tiny Qwen3-MoE models, 4 experts, top 2); exit status 1 below the bar."""
+    from engines.model import ModelConfig
     from engines.model_builder import make_model
 
     from .demo_task import write_demo_data
@@ -98,8 +102,9 @@ def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3")
     write_demo_data(os.path.join(root, "data"))
     for name, seed in (("policy-base", 1), ("judge-base", 7)):
         if not os.path.exists(os.path.join(root, name, "config.json")):
-            make_model(arch, "tiny", os.path.join(root, name), seed=seed)
-    print(f"built the tiny tokenizer, policy and judge (random {arch} shapes, 2 layers, hidden 64)", flush=True)
+            make_model(arch, "tiny", os.path.join(root, name), seed=seed, **DEMO_SHAPES.get(arch, {}))
+    layers = ModelConfig.from_dir(os.path.join(root, "policy-base")).num_layers
+    print(f"built the tiny tokenizer, policy and judge (random {arch} shapes, {layers} layers, hidden 64)", flush=True)
 
     judge_acc = _last_eval(os.path.join(root, "runs", "judge-sft"))
     if judge_acc is None or not os.path.exists(os.path.join(root, "judge", "config.json")):

@@ -94,9 +94,8 @@ async def write_hf_checkpoint(trainer, source: str, dest: str) -> str:
     so transformers loads the result as it loaded the source. Returns ``dest``."""
     import shutil
 
-    from safetensors.torch import save_file
-
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from engines.trainer.hybrid_layers import NOT_TRAINED
 

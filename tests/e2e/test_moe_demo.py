@@ -1,10 +1,12 @@
-"""The demo's bar with mixture-of-experts models: ``relay demo --arch qwen3_moe`` (as a user
-types it) teaches a tiny Qwen3-MoE judge, warms up a tiny Qwen3-MoE policy and runs GRPO
-with the judge through the whole stack; the held-out accuracy must rise by at least 10
-points (the command exits 1 otherwise)."""
+"""The demo's bar with mixture-of-experts and hybrid models: ``relay demo --arch qwen3_moe``
+and ``relay demo --arch qwen3_5_moe`` (as a user types them) teach a tiny judge, warm up a
+tiny policy of that architecture (Qwen3-MoE; Qwen3.5: Gated DeltaNet + gated attention +
+MoE with a shared expert) and run GRPO with the judge through the whole stack; the held-out
+accuracy must rise by at least 10 points (the command exits 1 otherwise)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,14 +19,15 @@ RELAY = os.path.join(os.path.dirname(sys.executable), "relay")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 
-def test_relay_demo_with_moe_policy_and_judge_passes_the_bar(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_relay_demo_with_moe_or_hybrid_policy_and_judge_passes_the_bar(arch, tmp_path):
     env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run([RELAY, "demo", "--arch", "qwen3_moe"], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([RELAY, "demo", "--arch", arch], cwd=ROOT, capture_output=True, text=True,
                        timeout=1150, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "random qwen3_moe shapes" in p.stdout
+    assert f"random {arch} shapes, 2 layers" in p.stdout
     before, after = map(float, re.search(r"greedy\): ([\d.]+) -> ([\d.]+)", p.stdout).groups())
     assert after - before >= 0.10
-    assert os.path.exists(tmp_path / "cache" / "qwen3_moe" / "demo" / "judge" / "config.json")
-    with open(tmp_path / "cache" / "qwen3_moe" / "demo" / "policy-warm" / "config.json") as f:
-        assert '"qwen3_moe"' in f.read()
+    for model in ("judge", "policy-warm"):
+        with open(tmp_path / "cache" / arch / "demo" / model / "config.json") as f:
+            assert json.load(f)["model_type"] == arch

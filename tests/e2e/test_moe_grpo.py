@@ -55,14 +55,17 @@ def test_a_qwen35_hybrid_judge_scores_grpo_in_split_and_defer_swap(config, tmp_p
     assert judge_events.count("wake") >= 2 and judge_events.count("sleep") >= 2  # around every step
 
 
-def train(config: str, tmp_path, models=("tiny-moe-policy", "tiny-vl-moe-judge")) -> tuple[list[dict], dict]:
+MOE = ("tiny-moe-policy", "tiny-vl-moe-judge")
+
+
+def train(config: str, tmp_path, models=MOE, *extra: str) -> tuple[list[dict], dict]:
     from launcher.demo_task import write_demo_data
 
     cache, run_dir = str(tmp_path / "cache"), str(tmp_path / "run")
     data = write_demo_data(str(tmp_path / "data"))["train"]
     env = dict(os.environ, RELAY_CACHE=cache)
     p = subprocess.run([RELAY, "train", "--config", config, "--prompt-data", data, "--num-rollout", "2", "--run-dir",
-                        run_dir], cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+                        run_dir, *extra], cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "shut down cleanly" in p.stdout
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -108,6 +111,37 @@ HYBRID = ("tiny-hybrid-policy", "tiny-hybrid-judge")
 def test_hybrid_policy_and_judge(config, tmp_path):
     """The Megatron trainer trains a Qwen3.5 hybrid policy (Gated DeltaNet layers of our own
     inside the GPTModel; expert parallel 2 in Split) and syncs it into hybrid rollout engines;
-    a hybrid judge scores every sample."""
-    recs, types = train(config, tmp_path, HYBRID)
+    a hybrid judge scores every sample. Split also saves the policy (--save-hf): transformers
+    loads it whole (the vision tower and MTP head copied through) and gives the probe token
+    the log-prob the rollout engines reported after the last sync."""
+    split = config.endswith("split")
+    hf_dir = str(tmp_path / "hf")
+    recs, types = train(config, tmp_path, HYBRID, *(["--save-interval", "1", "--save-hf", hf_dir] if split else []))
     check(recs, types, {name: "qwen3_5_moe" for name in HYBRID})
+    if split:
+        check_saved_hybrid(os.path.join(hf_dir, "step_000001"), tmp_path, recs[-1])
+
+
+def check_saved_hybrid(path: str, tmp_path, last: dict) -> None:
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from launcher.config import load_config
+    from launcher.data import load_rows, prompt_ids
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as h:
+        names = set(h.keys())
+    assert any(n.startswith("model.visual.") for n in names) and any(n.startswith("mtp.") for n in names)
+    assert "model.language_model.layers.0.linear_attn.A_log" in names
+    model, info = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cfg = load_config("tiny-cpu-hybrid-split")
+    row = load_rows(str(tmp_path / "data" / "train.jsonl"))[0]
+    ids = prompt_ids(tokenizer, row.prompt, cfg.apply_chat_template, cfg.chat_template_kwargs)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    token = int(logprobs.argmax())
+    assert token == last["sync/probe_tokens"][0], json.dumps(last)[:500]
+    assert float(logprobs[token]) == pytest.approx(last["sync/probe_logprobs"][0], abs=1e-4)
