@@ -21,7 +21,9 @@ from engines.trainer.actor import _init_process_group
 _init_process_group(dist, "gloo")
 t = __import__("torch").ones(1)
 dist.all_reduce(t)
-print("sum", int(t.item()))
+print("sum", int(t.item()), flush=True)
+dist.barrier()
+dist.destroy_process_group()  # gloo can abort at exit without it (docs: cpu-feasibility, teardown)
 """
 
 
