@@ -165,6 +165,11 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
+def _qkv_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The fused ``linear_qkv`` tensors of a layer (none in a hybrid: its attention keeps HF's q/k/v)."""
+    return () if cfg.hybrid else ("weight", "bias") if cfg.qkv_bias else ("weight",)
+
+
 def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF tensor names -> the GPTModel state dict (TP=1; experts by global index: EP=1). A VL
     checkpoint's text model is read under ``cfg.text_prefix``; its vision tower and a Qwen3.5
@@ -178,9 +183,7 @@ def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
     out = {m: hf[h] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            if cfg.hybrid:
-                break
+        for kind in _qkv_kinds(cfg):
             out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_rows(
                 cfg, hf[a + f"q_proj.{kind}"], hf[a + f"k_proj.{kind}"], hf[a + f"v_proj.{kind}"]
             )
@@ -200,9 +203,7 @@ def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, t
     out = {h: sd[m] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            if cfg.hybrid:
-                break
+        for kind in _qkv_kinds(cfg):
             q, k, v = _split_qkv(cfg, sd[m + f"self_attention.linear_qkv.{kind}"])
             out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
         if cfg.is_moe_layer(i):
