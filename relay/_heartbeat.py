@@ -4,7 +4,8 @@ Both ends run on dedicated threads with their own sockets, so a busy event loop 
 compute step in an async endpoint) neither misses a beat nor reports a false death.
 
 - ``Heartbeater`` (in a worker): sends a beat every ``interval``; exits the process when its
-  parent is gone (the parent pid changed, or no ack for ``parent_timeout``): no orphans.
+  parent is gone (at once: its pidfd turns readable; or the parent pid changed, or no ack for
+  ``parent_timeout``): no orphans.
 - ``HeartbeatMonitor`` (in a spawner): acks beats and reports a process silent for
   ``timeout`` to the runtime. Lag guard: if the monitor itself was not scheduled for a while
   (a stopped or overloaded machine), it extends every deadline by that lag instead of
@@ -193,6 +194,11 @@ class Heartbeater:
         beat = msgpack.packb([self._proc_id])
         mac = self._signer.sign(beat)
         last_ack = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        parent = self._watch_parent()
+        if parent >= 0:
+            poller.register(parent, zmq.POLLIN)
         while True:
             if self._parent_pid and os.getppid() != self._parent_pid:
                 self._exit("its parent process exited")
@@ -202,12 +208,30 @@ class Heartbeater:
                 pass
             deadline = time.monotonic() + self._interval
             while (left := deadline - time.monotonic()) > 0:
-                if sock.poll(int(left * 1000) + 1):
+                ready = dict(poller.poll(int(left * 1000) + 1))
+                if parent in ready:
+                    self._exit("its parent process exited")
+                if sock in ready:
                     frames = sock.recv_multipart()
                     if len(frames) == 2 and self._signer.verify(frames[0], frames[1]):
                         last_ack = time.monotonic()
             if time.monotonic() - last_ack > self._parent_timeout:
                 self._exit(f"its parent sent no heartbeat ack for {self._parent_timeout:.0f} s")
+
+    def _watch_parent(self) -> int:
+        """A pidfd of the parent (readable once it exits: the worker exits at once rather than
+        at its next beat, so an orphan cannot finish work its dead parent's job gave up), or -1
+        where pidfds are unavailable (the per-beat parent-pid check remains)."""
+        if not self._parent_pid or not hasattr(os, "pidfd_open"):
+            return -1
+        try:
+            fd = os.pidfd_open(self._parent_pid)
+        except OSError:
+            return -1  # gone already: the getppid check exits
+        if os.getppid() != self._parent_pid:  # the pid was reused by another process
+            os.close(fd)
+            return -1
+        return fd
 
     def _exit(self, why: str) -> None:
         sys.stderr.write(f"relay worker {self._proc_id} (pid {os.getpid()}): exiting because {why}\n")

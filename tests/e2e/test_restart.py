@@ -37,6 +37,19 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if parent(int(entry)) == pid:
+                    out.append(int(entry))
+            except OSError:
+                pass  # exited meanwhile
+    return out
+
+
 def only(pids: list[int]) -> int | None:
     assert len(pids) <= 1, pids
     return pids[0] if pids else None
@@ -186,8 +199,15 @@ def test_a_killed_node_agent_under_torchrun_restarts_both_nodes_from_the_last_ch
             lambda: only([p for p in tagged_pids(os.environ["RELAY_TEST_TAG"]) if _is_agent(p, "1")]), nodes
         )
         wait_for_checkpoint(run_dir, 0, nodes)
+        os.kill(agent, signal.SIGSTOP)  # the agent and its workers frozen: step 1 (0.2 s) cannot finish
+        workers = children(agent)
+        for w in workers:
+            os.kill(w, signal.SIGSTOP)
+        assert workers, "the agent hosts no workers"
         assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_000001")), "step 1 was already done"
         os.kill(agent, signal.SIGKILL)
+        for w in workers:  # orphaned: each exits as soon as it runs (its parent's pidfd is readable)
+            os.kill(w, signal.SIGCONT)
         for n in nodes:
             n.wait(400)
     finally:

@@ -293,10 +293,14 @@ def test_workers_and_grandchildren_exit_when_the_root_is_killed():
         assert len(pids) == 3 and all(not _zombie(p) for p in pids)
         root.kill()  # no cleanup code runs in the root
         root.wait(10)
-        deadline = time.monotonic() + 15
+        killed = time.monotonic()
+        deadline = killed + 15
         while time.monotonic() < deadline and not all(_zombie(p) for p in pids):
-            time.sleep(0.1)
+            time.sleep(0.01)
         assert all(_zombie(p) for p in pids), "orphans survived their parent"
+        # at once (each watches its parent's pidfd), not at their next beats (0.5 s apart, two
+        # generations): an orphan must not finish work its dead parent's job gave up
+        assert time.monotonic() - killed < 0.45, time.monotonic() - killed
     finally:
         if root.poll() is None:
             root.kill()
