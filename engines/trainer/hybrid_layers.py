@@ -39,13 +39,26 @@ VL_TEXT = "model.language_model."
 NOT_TRAINED = ("model.visual.", "mtp.")
 
 
+def _params_dtype(config) -> torch.dtype:
+    return getattr(config, "params_dtype", None) or torch.float32
+
+
+def _cast_params(module: nn.Module, config) -> None:
+    """Parameters (not buffers: RoPE's inverse frequencies stay float32) in Megatron's
+    ``params_dtype``, as Megatron builds its own layers (``--bf16``: bf16 params, fp32 master
+    weights in the optimizer)."""
+    dtype = _params_dtype(config)
+    for p in module.parameters():
+        p.data = p.data.to(dtype)
+
+
 class OffsetRMSNorm(nn.Module):
     """RMSNorm with the weight stored zero-centred: ``rmsnorm(x) * (1 + weight)`` in float32
     (HF's Qwen3.5 norm). Built by Megatron as ``(config, hidden_size, eps)``."""
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, **_):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=_params_dtype(config)))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +70,7 @@ class LinearAttention(GatedDeltaNet):
 
     def __init__(self, config=None, submodules=None, layer_number: int = 1, model: ModelConfig = None, **_):
         super().__init__(model)
+        _cast_params(self, config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_) -> tuple[torch.Tensor, None]:
         out = super().forward(hidden_states.transpose(0, 1))
@@ -69,6 +83,7 @@ class GatedAttention(Attention):
 
     def __init__(self, config=None, submodules=None, layer_number: int = 1, model: ModelConfig = None, **_):
         super().__init__(model)
+        _cast_params(self, config)
         self.register_buffer("inv_freq", _inv_freq(model), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_) -> tuple[torch.Tensor, None]:

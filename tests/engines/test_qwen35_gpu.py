@@ -1,6 +1,6 @@
 """GPU checks of Qwen3.5's linear-attention decode kernels and the hybrid decode step's CUDA
-graphs (marker ``gpu``: run on the H200 machine, not in CI; written without a GPU at hand, so
-not run yet): the kernels at Qwen3.5-35B-A3B's layer shape against the reference, and a tiny
+graphs (marker ``gpu``: run on the H200 machine, not in CI; passed there 2026-12-02): the
+kernels at Qwen3.5-35B-A3B's layer shape against the reference, and a tiny
 qwen3_5_moe through the graph-decoding engine against eager decoding and transformers."""
 
 from __future__ import annotations

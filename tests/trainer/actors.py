@@ -152,6 +152,11 @@ class GradTrainer(TrainerActor):
         return {n: g.cpu() for n, g in gather_experts(grads, self.cfg.num_experts, self.ep_group).items()}
 
     @endpoint
+    def param_dtypes(self) -> dict[str, str]:
+        """Each parameter's dtype, by Megatron name."""
+        return {n: str(p.dtype).removeprefix("torch.") for n, p in self.model.named_parameters()}
+
+    @endpoint
     def local_weights(self, contains: str) -> dict:
         """This rank's own parameters whose names contain ``contains`` (replicas: compare ranks)."""
         return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if contains in n}

@@ -8,6 +8,8 @@ the trainer's log-probs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -96,3 +98,24 @@ def test_hybrid_ep2_steps_like_ep1_and_the_export_drives_an_engine(hybrid):
     assert resp(after, 0) > resp(before, 0) and resp(after, 1) < resp(before, 1)
     assert r.weight_version == 1 and len(r.token_ids) == 8
     assert max(abs(x - y) for x, y in zip(r.logprobs, trainer_lp)) < 1e-4
+
+
+def test_hybrid_bf16_params_train_with_fp32_master_weights(hybrid):
+    """--bf16 (the GPU run's dtype; it crashed there once: our layers' params stayed float32
+    while Megatron's were bf16): every parameter, ours included, is bf16, the optimizer's
+    master weights float32, and SFT steps lower the loss."""
+
+    async def main():
+        procs, t = await start(hybrid, bf16=True, lr=1e-3)
+        info = await t.optimizer_info.call_one().result(60)
+        dtypes = await t.param_dtypes.call_one().result(60)
+        losses = [(await t.sft_step.call_one(SEQS, MASKS).result(120))["loss"] for _ in range(5)]
+        await stop(procs, t)
+        return info, dtypes, losses
+
+    info, dtypes, losses = run(main(), 380)
+    assert info["params_dtype"] == "bfloat16" and info["master_dtype"] == "float32", info
+    names = list(dtypes)
+    assert any(".in_proj_qkv." in n for n in names) and any(".self_attention.q_proj." in n for n in names)
+    assert {d for d in dtypes.values()} == {"bfloat16"}, {n: d for n, d in dtypes.items() if d != "bfloat16"}
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] * 0.9, losses
