@@ -5,6 +5,9 @@ cache layer ``j`` is the ``j``-th full-attention layer), MoE MLPs with a shared 
 (engines/moe.py). On CUDA the decode step runs in Triton kernels (the linear-attention
 layers': engines/linear_kernels.py) and waits on nothing, so the runner captures it in CUDA
 graphs; prefill's linear attention is the reference path (plain torch) on every device.
+Over several GPUs (engines/torch/tp.py) each rank holds its share of the attention heads, the
+linear-attention heads (``shard_linear_tensor``), the experts and their state, and the
+outputs of each token mixer and MLP are summed over the ranks, as in :class:`CausalLM`.
 
 Full attention here differs from Qwen3's in three ways: ``q_proj`` gives each head's query
 and then its output gate (``o * sigmoid(gate)`` before ``o_proj``), RoPE turns only the first
@@ -62,7 +65,7 @@ class HybridCausalLM(CausalLM):
             r = x
             h = layer.input_layernorm(x)
             if hasattr(layer, "linear_attn"):
-                x = r + layer.linear_attn.prefill(h, lens, conv[lin_i], rec[lin_i], rows)
+                x = r + self._reduce(layer.linear_attn.prefill(h, lens, conv[lin_i], rec[lin_i], rows))
                 lin_i += 1
             else:
                 attn = layer.self_attn
@@ -74,8 +77,8 @@ class HybridCausalLM(CausalLM):
                     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
                 o = o.transpose(1, 2).reshape(s_count, length, cfg.local_heads * cfg.head_dim)
-                x = r + attn.o_proj(o * torch.sigmoid(gate))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = r + self._reduce(attn.o_proj(o * torch.sigmoid(gate)))
+            x = x + self._reduce(layer.mlp(layer.post_attention_layernorm(x)))
         last = x[torch.arange(s_count, device=x.device), lens - 1]
         return self._logits(last)
 
@@ -92,7 +95,7 @@ class HybridCausalLM(CausalLM):
             r = x
             h = layer.input_layernorm(x)
             if hasattr(layer, "linear_attn"):
-                x = r + layer.linear_attn.decode(h, conv[lin_i], rec[lin_i], rows)
+                x = r + self._reduce(layer.linear_attn.decode(h, conv[lin_i], rec[lin_i], rows))
                 lin_i += 1
             else:
                 attn = layer.self_attn
@@ -100,6 +103,6 @@ class HybridCausalLM(CausalLM):
                 self._write_kv(k_cache[kv_i], v_cache[kv_i], slots, k, v)
                 o = paged_decode_attention(q, k_cache[kv_i], v_cache[kv_i], block_tables, context_lens, scale)
                 kv_i += 1
-                x = r + attn.o_proj(o.reshape(-1, cfg.local_heads * cfg.head_dim) * torch.sigmoid(gate))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = r + self._reduce(attn.o_proj(o.reshape(-1, cfg.local_heads * cfg.head_dim) * torch.sigmoid(gate)))
+            x = x + self._reduce(layer.mlp(layer.post_attention_layernorm(x)))
         return self._logits(x)

@@ -57,11 +57,52 @@ def hybrid_fields(d: dict) -> dict:
             "attn_output_gate": True, "norm_offset": True}
 
 
+def local_heads(cfg) -> tuple[int, int]:
+    """This tensor-parallel rank's (key heads, value heads) of a linear-attention layer: both
+    split in contiguous ranges over ``cfg.tp_size`` ranks (a key head's value heads are
+    contiguous, so each rank's value heads belong to its own key heads), as SGLang does."""
+    tp = getattr(cfg, "tp_size", 1)
+    return cfg.linear_num_key_heads // tp, cfg.linear_num_value_heads // tp
+
+
+def check_shardable(cfg, tp: int) -> None:
+    """Raise ValueError naming the head count that does not divide over ``tp`` ranks."""
+    for what, n in (("linear-attention key heads", cfg.linear_num_key_heads),
+                    ("linear-attention value heads", cfg.linear_num_value_heads)):
+        if n % tp:
+            raise ValueError(f"{cfg.arch}: {what} ({n}) do not divide over {tp} tensor-parallel GPUs per engine")
+
+
+def shard_linear_tensor(cfg, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the full HF tensor ``name`` of a linear-attention layer
+    (``...linear_attn.X``): the q, k and v sections of ``in_proj_qkv`` and of the conv's
+    channels each by heads, ``in_proj_z`` / ``in_proj_a`` / ``in_proj_b``, ``dt_bias`` and
+    ``A_log`` by value heads, ``out_proj`` by input columns (its output is reduced over the
+    ranks); the gated norm's weight (one value head's) whole."""
+    hk, hv = local_heads(cfg)
+    r, dk, dv = cfg.tp_rank, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    leaf = name.rsplit(".", 2)[-2]
+    if leaf in ("in_proj_qkv", "conv1d"):
+        kd = cfg.linear_num_key_heads * dk
+        return torch.cat([tensor.narrow(0, r * hk * dk, hk * dk), tensor.narrow(0, kd + r * hk * dk, hk * dk),
+                          tensor.narrow(0, 2 * kd + r * hv * dv, hv * dv)])
+    if leaf == "in_proj_z":
+        return tensor.narrow(0, r * hv * dv, hv * dv)
+    if leaf in ("in_proj_a", "in_proj_b"):
+        return tensor.narrow(0, r * hv, hv)
+    if name.endswith(("dt_bias", "A_log")):
+        return tensor.narrow(0, r * hv, hv)
+    if leaf == "out_proj":
+        return tensor.narrow(1, r * hv * dv, hv * dv)
+    return tensor
+
+
 def state_shapes(cfg) -> tuple[tuple, tuple]:
-    """One sequence's (conv state, recurrent state) shapes in one linear-attention layer."""
-    kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    return ((2 * kd + vd, cfg.linear_conv_kernel - 1),
-            (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+    """One sequence's (conv state, recurrent state) shapes in one linear-attention layer (this
+    tensor-parallel rank's heads)."""
+    hk, hv = local_heads(cfg)
+    kd, vd = hk * cfg.linear_key_head_dim, hv * cfg.linear_value_head_dim
+    return ((2 * kd + vd, cfg.linear_conv_kernel - 1), (hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
 class GatedRMSNorm(nn.Module):
@@ -85,7 +126,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         h = cfg.hidden_size
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.hk, self.hv = local_heads(cfg)  # this tensor-parallel rank's
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel
         channels = 2 * self.hk * self.dk + self.hv * self.dv

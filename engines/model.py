@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import norm_rope, paged_decode_attention, rms_norm, silu_mul, triton_usable
-from .linear_attention import GatedDeltaNet, hybrid_fields
+from .linear_attention import GatedDeltaNet, check_shardable, hybrid_fields, shard_linear_tensor
 from .moe import SparseMoE, check_moe_shardable, expert_names, shard_expert_tensor
 
 
@@ -97,10 +97,8 @@ class ModelConfig:
 
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid")
-        if self.hybrid and tp_size > 1:
-            raise ValueError(f"the built-in engine runs {self.arch} (linear-attention layers) on one GPU per engine "
-                             f"only: tensor/expert parallelism over {tp_size} GPUs is not supported for it; use "
-                             "gpus_per_engine 1 or --engine sglang")
+        if self.hybrid:
+            check_shardable(self, tp_size)
         ep = ep_size if self.num_experts else 1
         if self.num_experts:
             check_moe_shardable(self, tp_size, ep)
@@ -479,10 +477,12 @@ def shard_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Ten
         return tensor
     if ".mlp.experts." in name or ".mlp.shared_expert." in name:  # engines/moe.py: by the experts' sizes
         return shard_expert_tensor(cfg, name, tensor)
+    if ".linear_attn." in name:  # a hybrid model's Gated DeltaNet layer
+        return shard_linear_tensor(cfg, name, tensor)
     r, d = cfg.tp_rank, cfg.head_dim
     leaf = name.rsplit(".", 2)[-2]  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
-    if leaf == "q_proj":
-        return tensor.narrow(0, r * cfg.local_heads * d, cfg.local_heads * d)
+    if leaf == "q_proj":  # gated attention (attn_output_gate): each head's query, then its gate
+        return tensor.narrow(0, r * (rows := cfg.local_heads * d * (1 + cfg.attn_output_gate)), rows)
     if leaf in ("k_proj", "v_proj"):
         return tensor.narrow(0, cfg.kv_head_start * d, cfg.local_kv_heads * d)
     if leaf in ("gate_proj", "up_proj"):

@@ -6,8 +6,6 @@ again by sleep/wake; a hybrid model's linear-attention state pool with them:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..hybrid_model import build_causal_lm
@@ -19,8 +17,6 @@ from .scheduler import StepPlan
 from .sequence import Sequence
 from .state_pool import StatePool
 from .weights import Weights
-
-log = logging.getLogger("relay.engine")
 
 
 class ModelRunner:
@@ -42,9 +38,6 @@ class ModelRunner:
         self.cfg = ModelConfig.from_dir(model_path)
         if tp is not None or ep_size != 1:  # ep_size > 1 on one GPU is refused there, naming it
             self.cfg = self.cfg.shard_for(1 if tp is None else tp.size, 0 if tp is None else tp.rank, ep_size)
-        if self.cfg.hybrid and self.use_cuda_graph:  # its decode kernels wait on nothing (engines/linear_kernels.py)
-            log.info("%s: %s decodes its linear-attention layers in Triton kernels, through CUDA graphs "
-                     "(untested on a GPU so far; cuda_graph=False turns them off)", name, self.cfg.arch)
         # hybrid models: one state row per running request (its block-table row) and the padding row
         self.state = StatePool(self.cfg, blocks.max_rows + 1, device, dtype) if self.cfg.hybrid else None
         with torch.device("meta"):
@@ -187,7 +180,7 @@ class ModelRunner:
         if self.state is not None:
             pairs = [(seqs[followers[s.request_id]].table_row, s.table_row) for s in admitted
                      if s.request_id in followers]
-            self.state.copy_rows([c[0] for c in pairs], [c[1] for c in pairs])
+            self.copy_state_rows([c[0] for c in pairs], [c[1] for c in pairs])
         index = {id(s): i for i, s in enumerate(seqs)}
         rows = [followers[s.request_id] if s.request_id in followers else index[id(s)] for s in admitted]
         return logits[torch.tensor(rows, device=logits.device)]
@@ -198,6 +191,11 @@ class ModelRunner:
         src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         self.k[:, dst_t] = self.k[:, src_t]
         self.v[:, dst_t] = self.v[:, src_t]
+
+    def copy_state_rows(self, src: list[int], dst: list[int]) -> None:
+        """A hybrid model's state rows ``dst`` take the state of rows ``src``."""
+        self._mirror("copy_state_rows", src, dst)
+        self.state.copy_rows(src, dst)
 
     def prefill_rows(self, seqs: list[Sequence]) -> torch.Tensor:
         """Every token of ``seqs`` through the model, right-padded to the longest, writing
@@ -213,17 +211,17 @@ class ModelRunner:
             ids[r, :n] = torch.tensor(seq.tokens)
             slots[r, :n] = (torch.tensor(seq.blocks).repeat_interleave(bs)[:n] * bs) + torch.arange(n) % bs
             lens[r] = n
-        if self.state is not None:  # a hybrid model: each request's state row
-            rows = torch.tensor([s.table_row for s in seqs])
-            return self.model.prefill(ids.to(self.device), lens.to(self.device), slots.to(self.device), self.k,
-                                      self.v, self.state.tensors, rows.to(self.device))
-        return self.prefill_tensors(ids, lens, slots)
+        rows = None if self.state is None else torch.tensor([s.table_row for s in seqs])  # a hybrid's state rows
+        return self.prefill_tensors(ids, lens, slots, rows)
 
-    def prefill_tensors(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """:meth:`prefill_rows` once its inputs are tensors (what followers run)."""
-        self._mirror("prefill_tensors", ids, lens, slots)
+    def prefill_tensors(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`prefill_rows` once its inputs are tensors (what followers run); ``rows``: a
+        hybrid model's state row of each sequence."""
+        self._mirror("prefill_tensors", ids, lens, slots, rows)
         dev = self.device
-        return self.model.prefill(ids.to(dev), lens.to(dev), slots.to(dev), self.k, self.v)
+        state = () if rows is None else (self.state.tensors, rows.to(dev))
+        return self.model.prefill(ids.to(dev), lens.to(dev), slots.to(dev), self.k, self.v, *state)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits of the next token of running requests (each feeds its last token); on
@@ -241,29 +239,23 @@ class ModelRunner:
         width = max(len(s.blocks) for s in seqs)
         rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
-        if self.state is not None:  # a hybrid model (one GPU): state rows = table rows
-            if self.use_cuda_graph:
-                if self.graphs is None:
-                    self.graphs = DecodeGraphs(self)
-                return self.graphs.run(meta, tables, rows)[:n]
-            dev = self.device
-            meta = meta.to(dev)
-            return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self.k,
-                                     self.v, self.state.tensors, rows.to(dev))
-        return self.decode_tensors(meta, tables, n)
+        return self.decode_tensors(meta, tables, n, None if self.state is None else rows)  # a hybrid's state rows
 
-    def decode_tensors(self, meta: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+    def decode_tensors(self, meta: torch.Tensor, tables: torch.Tensor, n: int,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`decode` once its inputs are tensors (what followers run): ``meta`` [4, B]
         ids, positions, slots, context lengths of the padded batch; ``tables`` its block
-        tables; ``n`` the real rows."""
-        self._mirror("decode_tensors", meta, tables, n)
+        tables; ``n`` the real rows; ``rows`` a hybrid model's state rows (= table rows)."""
+        self._mirror("decode_tensors", meta, tables, n, rows)
         if not self.use_cuda_graph:
             dev = self.device
             meta = meta.to(dev)
-            return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self.k, self.v)
+            state = () if rows is None else (self.state.tensors, rows.to(dev))
+            return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self.k,
+                                     self.v, *state)
         if self.graphs is None:
             self.graphs = DecodeGraphs(self)
-        return self.graphs.run(meta, tables)[:n]
+        return self.graphs.run(meta, tables, rows)[:n]
 
     def self_test(self) -> None:
         """One prefill and one decode of a one-token prompt through the engine's own paths

@@ -233,8 +233,8 @@ def test_configs_tensor_parallel_refusal_and_make_model(tmp_path, models):
     # the checkpoint's MTP head is there, and skipped by name: the model holds no MTP weights
     assert any(n.startswith("mtp.layers.0.") for n in load_file(f"{models['policy']}/model.safetensors"))
     assert not any("mtp" in n for n in engine_model(models["policy"]).hf_names())
-    with pytest.raises(ValueError, match="qwen3_5_moe .*one GPU per engine only"):
-        cfg.shard_for(2, 0)
+    with pytest.raises(ValueError, match=r"qwen3_5_moe: linear-attention key heads \(2\) do not divide over 4 "):
+        cfg.shard_for(4, 0)
     # a text-only config (Qwen3_5MoeForCausalLM's model_type) reads the same
     text = hf_config("qwen3_5_moe", "tiny").text_config.to_dict()
     wrapped = ModelConfig.from_hf(hf_config("qwen3_5_moe", "tiny").to_dict())

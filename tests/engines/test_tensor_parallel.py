@@ -41,6 +41,37 @@ def test_the_shards_of_every_tensor_put_together_are_the_tensor(tmp_path, arch, 
 
 
 @pytest.mark.unit
+def test_a_linear_attention_layers_shards_are_its_heads(tmp_path):
+    """qwen3_5_moe over 2 ranks: each rank's q, k and v channels (projection and conv), value
+    heads' gates, decays and output columns are its own heads', and together every head."""
+    path = make_model("qwen3_5_moe", "tiny", str(tmp_path / "m"), seed=3)
+    cfg = ModelConfig.from_dir(path)
+    full = {k.replace("model.language_model.", "model."): v for k, v in load_file(f"{path}/model.safetensors").items()}
+    kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    seen = set()
+    for name, tensor in full.items():
+        if ".linear_attn." not in name:
+            continue
+        seen.add(name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1])
+        parts = [shard_tensor(cfg.shard_for(2, r), name, tensor) for r in range(2)]
+        if ".in_proj_qkv." in name or ".conv1d." in name:
+            for lo, width in ((0, kd), (kd, kd), (2 * kd, vd)):  # q, k, v: each section split by heads
+                got = torch.cat([p.narrow(0, lo // 2, width // 2) for p in parts])
+                assert torch.equal(got, tensor.narrow(0, lo, width)), name
+        elif ".out_proj." in name:
+            assert torch.equal(torch.cat(parts, 1), tensor), name
+        elif ".norm." in name:
+            assert all(p is tensor for p in parts), name
+        else:  # in_proj_z / a / b, dt_bias, A_log: by value heads
+            assert torch.equal(torch.cat(parts, 0), tensor) and parts[0].shape[0] == tensor.shape[0] // 2, name
+    assert seen == {"in_proj_qkv", "conv1d", "in_proj_z", "in_proj_a", "in_proj_b", "dt_bias", "A_log", "norm",
+                    "out_proj"}, seen
+    q = full["model.layers.1.self_attn.q_proj.weight"]  # gated attention: each head's query and gate rows
+    parts = [shard_tensor(cfg.shard_for(2, r), "model.layers.1.self_attn.q_proj.weight", q) for r in range(2)]
+    assert torch.equal(torch.cat(parts), q) and parts[0].shape[0] == cfg.num_heads // 2 * cfg.head_dim * 2
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2)])
 def test_expert_parallel_ranks_hold_their_groups_experts_and_together_every_expert(tmp_path, tp, ep):
     path = make_model("qwen3_moe", "tiny", str(tmp_path / "m"), seed=3)
@@ -78,14 +109,17 @@ def test_a_model_that_does_not_divide_over_the_ranks_is_refused_naming_the_dimen
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch,tp,fused,ep", [("qwen3", 2, False, 1), ("llama", 2, False, 1), ("qwen3", 4, False, 1),
                                               ("qwen3", 2, True, 1), ("qwen3_moe", 2, False, 1),
-                                              ("qwen3_moe", 2, False, 2), ("qwen3_moe", 2, True, 2)])
+                                              ("qwen3_moe", 2, False, 2), ("qwen3_moe", 2, True, 2),
+                                              ("qwen3_5_moe", 2, False, 1), ("qwen3_5_moe", 2, True, 2)])
 def test_a_tensor_parallel_engine_answers_as_the_one_gpu_engine(tmp_path, arch, tp, fused, ep):
     """``fused``: decode through the fused Triton kernels (the GPU path: residual RMSNorm,
     norm+rope, paged attention, the MoE grouped GEMMs), run by Triton's interpreter on CPU.
     ``qwen3_moe``: each expert's intermediate dimension split over the ranks (``ep`` 1) or each
     rank holding half the experts whole (``ep`` 2, expert parallel: the other half's
     assignments skipped), the weight update naming experts one by one (its fused path over TP
-    shards: tests/engines/test_moe.py, at the layer)."""
+    shards: tests/engines/test_moe.py, at the layer). ``qwen3_5_moe``: the hybrid's Gated
+    DeltaNet heads, their conv and recurrent states, gated attention and shared expert split
+    over the ranks (``fused``: the linear-attention decode kernels too)."""
     policy = make_model(arch, "tiny", str(tmp_path / "p"), seed=1)
     other = make_model(arch, "tiny", str(tmp_path / "o"), seed=2)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 45))]
