@@ -1,12 +1,21 @@
 """Large buffers between processes of one host go through shared memory, not the socket.
 
 A buffer of at least ``RELAY_SHM_MIN_BYTES`` (default 4 MiB) sent to a same-host peer (an
-``ipc://`` inbox) is written once into a file in ``/dev/shm/relay-<job id>/`` and its name
-travels in the message header (covered by the MAC). The receiver maps the file, unlinks it
-at once (it owns it from then on) and decodes arrays and tensors as views of that mapping:
-one copy in total instead of the socket's several. The memory is freed when the last view
-is garbage-collected. The job's root process creates the directory and removes it (and
-anything a dead receiver left in it) when it exits. ``RELAY_SHM=0`` turns this off.
+``ipc://`` inbox) is written once into shared memory under ``/dev/shm/relay-<job id>/`` and
+its name travels in the message header (covered by the MAC). The receiver maps it and
+decodes arrays and tensors as views of that mapping: one copy in total instead of the
+socket's several.
+
+The sender's **arena** (:class:`Arena`) keeps its files and reuses them: each segment is a
+file whose first page holds a state byte (free or busy) and whose data starts at the next
+page. The sender writes into a free segment it keeps mapped (its pages touched by earlier
+messages: on this kind of VM a copy into fresh memory runs at ~0.45 GB/s, into touched
+memory at ~11 GB/s) and marks it busy; the receiver marks it free when its last view of the
+data is garbage-collected. Segments of the arena total at most ``ARENA_BYTES`` per process;
+past that (every segment busy: say a receiver holds its arrays, or died) a buffer goes into
+a one-off file instead, which the receiver unlinks at once and owns. The job's root process
+creates the directory and removes it (every file in it) when it exits. ``RELAY_SHM=0`` turns
+shared memory off.
 """
 
 from __future__ import annotations
@@ -17,11 +26,17 @@ import os
 import re
 import secrets
 import shutil
+import threading
+import weakref
 
 from ._settings import settings
 
 _ROOT = "/dev/shm"
-_NAME = re.compile(r"^[0-9]+-[0-9]+$")
+_NAME = re.compile(r"^[0-9]+-[0-9]+$")  # a one-off file
+_SEGMENT = re.compile(r"^[0-9]+-a[0-9]+$")  # an arena segment
+_HEAD = mmap.PAGESIZE  # a segment's state page; its data starts after it
+FREE, BUSY = 0, 1
+ARENA_BYTES = 2 << 30  # the most a process's arena segments hold together
 _seq = itertools.count()
 _generated_job: str | None = None  # the job id this process made up (it is the job's root)
 
@@ -56,17 +71,74 @@ def create_job_dir() -> str:
 
 
 def remove_job_dir() -> None:
+    _arena.reset()  # its files go with the directory
     try:
         shutil.rmtree(job_dir(), ignore_errors=True)
     except RuntimeError:
         pass
 
 
+class Arena:
+    """This process's reusable segments (the sending side): ``put`` copies a buffer into the
+    smallest free segment that holds it (a new one, its size the next power of two, while
+    the arena has room), marks it busy and returns its name; None when the arena is full."""
+
+    def __init__(self, limit: int = ARENA_BYTES):
+        self.limit = limit
+        self.segments: list[tuple[str, int, mmap.mmap]] = []  # (name, capacity, the writer's mapping)
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def put(self, view: memoryview) -> str | None:
+        n = len(view)
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's segments are not its own
+                self.segments, self.bytes, self._pid = [], 0, os.getpid()
+            free = [seg for seg in self.segments if seg[1] >= n and seg[2][0] == FREE]
+            seg = min(free, key=lambda s: s[1]) if free else self._grow(n)
+            if seg is None:
+                return None
+            name, _, mm = seg
+            mm[0] = BUSY
+        mm[_HEAD:_HEAD + n] = view
+        return name
+
+    def reset(self) -> None:
+        """Forget every segment (their files are being removed; views others hold stay valid)."""
+        with self._lock:
+            self.segments, self.bytes = [], 0
+
+    def _grow(self, n: int):
+        cap = 1 << max(n - 1, 1).bit_length()
+        if self.bytes + cap > self.limit:
+            return None
+        name = f"{self._pid}-a{next(_seq)}"
+        fd = os.open(os.path.join(job_dir(), name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, _HEAD + cap)
+            mm = mmap.mmap(fd, _HEAD + cap)
+        finally:
+            os.close(fd)
+        self.segments.append((name, cap, mm))
+        self.bytes += cap
+        return self.segments[-1]
+
+
+_arena = Arena()
+
+
 def write(buf) -> str:
-    """Write ``buf`` to a new shared-memory file; return its name (relative to the job dir)."""
+    """Put ``buf`` into shared memory (an arena segment, else a one-off file); return its
+    name (relative to the job dir)."""
+    view = memoryview(buf).cast("B")
+    name = _arena.put(view)
+    return name if name is not None else _write_file(view)
+
+
+def _write_file(view: memoryview) -> str:
     name = f"{os.getpid()}-{next(_seq)}"
     path = os.path.join(job_dir(), name)
-    view = memoryview(buf).cast("B")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         done = 0
@@ -81,7 +153,11 @@ def write(buf) -> str:
 
 
 def take(name: str, size: int) -> memoryview:
-    """Map a file another process wrote, unlink it, and return a view of it."""
+    """A view of the ``size`` bytes another process put under ``name``: an arena segment
+    (marked free again when the view and everything made from it are garbage-collected),
+    or a one-off file (unlinked at once)."""
+    if isinstance(name, str) and _SEGMENT.match(name):
+        return _take_segment(name, size)
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"bad shared-memory buffer name {name!r}")
     path = os.path.join(job_dir(), name)
@@ -98,10 +174,37 @@ def take(name: str, size: int) -> memoryview:
     return memoryview(mm)
 
 
+def _take_segment(name: str, size: int) -> memoryview:
+    fd = os.open(os.path.join(job_dir(), name), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < _HEAD + size:
+            raise ValueError(f"shared-memory segment {name!r} is smaller than its message")
+        head = mmap.mmap(fd, _HEAD)
+        mm = mmap.mmap(fd, _HEAD + size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    weakref.finalize(mm, _free, head)
+    return memoryview(mm)[_HEAD:]
+
+
+def _free(head: mmap.mmap) -> None:
+    head[0] = FREE
+    head.close()
+
+
 def release(names: list[str]) -> None:
-    """Remove files of a message that will not be delivered (best effort)."""
+    """Give back the shared memory of a message that will not be delivered (best effort):
+    segments marked free, one-off files removed."""
     for name in names:
         try:
-            os.unlink(os.path.join(job_dir(), name))
-        except (OSError, RuntimeError):
+            path = os.path.join(job_dir(), name)
+            if isinstance(name, str) and _SEGMENT.match(name):
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    _free(mmap.mmap(fd, _HEAD))
+                finally:
+                    os.close(fd)
+            else:
+                os.unlink(path)
+        except (OSError, RuntimeError, ValueError):
             pass

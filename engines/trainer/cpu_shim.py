@@ -27,6 +27,33 @@ def quiet_optional_backend_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 
+def import_megatron_without_jit_fuser() -> None:
+    """Import megatron-core with its JIT fuser off, as ``megatron.core.jit.disable_jit_fuser()``
+    would if it could run first: Megatron decorates its fused elementwise helpers with
+    ``jit_fuser`` (``torch.compile``) when their modules are imported, and that call alone
+    imports TorchDynamo and Inductor (1.2 s of the 1.9 s megatron-core takes to import, in every
+    trainer process). The trainer turns those fusions off in its TransformerConfig, and
+    whichever helper still runs computes the same values eagerly (no compile at its first call
+    either). ``torch.compile`` is itself again on return."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def decorate_only(model=None, **_):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = decorate_only
+    try:
+        import megatron.core  # noqa: F401 (its package imports the fused helpers)
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()
+    finally:
+        torch.compile = compile_
+
+
 def moe_without_te() -> None:
     """megatron-core 0.16's router (``moe_utils.RouterGatingLinearFunction``) tests
     ``te_general_gemm is not None``, a name its module defines only when TransformerEngine
@@ -41,6 +68,7 @@ def moe_without_te() -> None:
 def install() -> None:
     global _installed
     quiet_optional_backend_warnings()
+    import_megatron_without_jit_fuser()
     moe_without_te()
     if _installed or torch.cuda.is_available():
         return
