@@ -12,10 +12,12 @@ TransformerEngine: :func:`moe_without_te`). Megatron's optimizer and DDP wrapper
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
 _installed = False
+_IMPORT_LOCK = threading.Lock()
 
 
 def quiet_optional_backend_warnings() -> None:
@@ -34,24 +36,26 @@ def import_megatron_without_jit_fuser() -> None:
     imports TorchDynamo and Inductor (1.2 s of the 1.9 s megatron-core takes to import, in every
     trainer process). The trainer turns those fusions off in its TransformerConfig, and
     whichever helper still runs computes the same values eagerly (no compile at its first call
-    either). ``torch.compile`` is itself again on return."""
+    either). ``torch.compile`` is itself again on return. Thread-safe: two trainers set up at
+    once in one process (the policy and its reference) wait for one import."""
     import sys
 
-    if "megatron.core" in sys.modules:
-        return
-    compile_ = torch.compile
+    with _IMPORT_LOCK:
+        if "megatron.core" in sys.modules:
+            return
+        compile_ = torch.compile
 
-    def decorate_only(model=None, **_):
-        return model if model is not None else (lambda fn: fn)
+        def decorate_only(model=None, **_):
+            return model if model is not None else (lambda fn: fn)
 
-    torch.compile = decorate_only
-    try:
-        import megatron.core  # noqa: F401 (its package imports the fused helpers)
-        from megatron.core import jit
+        torch.compile = decorate_only
+        try:
+            import megatron.core  # noqa: F401 (its package imports the fused helpers)
+            from megatron.core import jit
 
-        jit.disable_jit_fuser()
-    finally:
-        torch.compile = compile_
+            jit.disable_jit_fuser()
+        finally:
+            torch.compile = compile_
 
 
 def moe_without_te() -> None:
