@@ -451,16 +451,17 @@ class JudgeService(Actor):
         return info
 
 
-async def start_judge_service(specs: dict, timeout: float = 300.0, **kwargs) -> tuple:
-    """Start the JudgeService in a process of its own on this host; returns ``(judge,
-    procs)``: the one-actor mesh and its process mesh (``await procs.stop()`` at the end).
-    Reward code reaches it at ``procs.procs[0].addr`` (actor name "genrm").
+async def start_judge_service(specs: dict, timeout: float = 300.0, procs=None, **kwargs) -> tuple:
+    """Start the JudgeService in a process of its own on this host (``procs``: one started
+    earlier, e.g. launcher/rl/judge.py's ``judge_process``, else a new one); returns
+    ``(judge, procs)``: the one-actor mesh and its process mesh (``await procs.stop()`` at
+    the end). Reward code reaches it at ``procs.procs[0].addr`` (actor name "genrm").
 
     Own process: its chat templating and tokenizing run beside the process that hosts the
     caller's loop (the controller's GRPO loop, the reward functions), not on its event
     loop. If the process dies, the failure goes to the spawner's supervision (at the root:
     the unhandled fault hook), like any owned process."""
-    procs = relay.this_host().spawn_procs(per_host={"procs": 1}, name="genrm")
+    procs = procs or relay.this_host().spawn_procs(per_host={"procs": 1}, name="genrm")
     judge = procs.spawn("genrm", JudgeService, specs, **kwargs)
     await judge.initialized(timeout)
     return judge, procs

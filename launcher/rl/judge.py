@@ -10,13 +10,31 @@ exported as ``RELAY_GENRM_ADDR`` (docs/judge.md), for user reward code that call
 
 from __future__ import annotations
 
+import asyncio
 import os
 
-from relay import ActorError
+import relay
+from relay import Actor, ActorError
 
 from . import timeouts
 from .engine_pool import Engine, call_engines
 from .rollout import ALL_MEMORY
+
+
+class _ImportAhead(Actor):
+    """Imports what the judge service's setup needs (transformers' tokenizers), in its
+    process, while the launcher starts the other roles (:func:`judge_process`)."""
+
+    async def setup(self) -> None:
+        await asyncio.to_thread(__import__, "transformers.models.auto.tokenization_auto")
+
+
+def judge_process():
+    """The process the judge service will run in, started now: it imports its libraries
+    while the launcher starts the trainer and engines; give it to :meth:`Judge.start_service`."""
+    procs = relay.this_host().spawn_procs(per_host={"procs": 1}, name="genrm")
+    procs.spawn("import-ahead", _ImportAhead)
+    return procs
 
 
 class Judge:
@@ -30,19 +48,22 @@ class Judge:
         self.service_procs = None  # its process
         self.address: str | None = None
 
-    async def start_service(self, out) -> None:
-        """Start the judge service over the engines, export its address and open the HTTP
-        gateway on 127.0.0.1:``--genrm-gateway-port`` (0: any free port; printed)."""
+    async def start_service(self, out, procs=None) -> None:
+        """Start the judge service over the engines (in ``procs``: :func:`judge_process`'s,
+        started earlier, else a new process), export its address and open
+        the HTTP gateway on 127.0.0.1:``--genrm-gateway-port`` (0: any free port; printed)."""
         from reward.judge import start_judge_service
 
         if not self.engines:
+            if procs is not None:
+                await procs.stop()
             return
         specs = {name: {"model_path": inst.model_path, "num_gpus": inst.num_gpus,
                         "sampling_config": inst.sampling_config,
                         "engines": [e.mesh for e in self.engines if e.instance == name],
                         "placement": [e.place for e in self.engines if e.instance == name]}
                  for name, inst in self.cfg.genrm.items()}
-        self.service, self.service_procs = await start_judge_service(specs, timeouts.JUDGE_SERVICE_START)
+        self.service, self.service_procs = await start_judge_service(specs, timeouts.JUDGE_SERVICE_START, procs)
         self.address = self.service_procs.procs[0].addr
         os.environ["RELAY_GENRM_ADDR"] = self.address  # for user reward code (see the module docstring)
         try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..allocator import Plan
 from .engine_pool import Engine, all_or_cancel, of_role, spawn_engines
-from .judge import Judge
+from .judge import Judge, judge_process
 from .rollout import RolloutPool
 from .trainer_group import TrainerGroup, attach_claim, loss_options
 
@@ -68,10 +68,9 @@ def _spawn_trainers(cfg, plan: Plan, workers_by_bundle: dict) -> tuple[TrainerGr
 async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, colocate: bool, defer: bool,
                       restore: Callable[[TrainerGroup], Awaitable[None]], out) -> None:
     """Spawn and initialize every role into ``roles`` (see the module docstring for the
-    order); ``restore(trainer)`` runs once the trainer is up and before it offloads."""
-    from transformers import AutoTokenizer
-
-    from reward.rewards import load_post_process, make_reward_fn
+    order); ``restore(trainer)`` runs once the trainer is up and before it offloads. The
+    judge service's process starts first, so that it imports its libraries meanwhile."""
+    service_procs = judge_process() if cfg.genrm else None
 
     def procs_of(bundles: list) -> list:
         return [workers_by_bundle[b.index].proc for b in bundles]
@@ -101,7 +100,11 @@ async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, co
                   f"tensor parallel {p['tp']}, ranks on bundles {p['bundles']} (node {p['node']}, GPUs {p['gpus']}; "
                   f"pids {p['pids']}, devices {p['devices']})", file=out, flush=True)
     roles.judge = Judge(cfg, of_role(roles.engines, "genrm"))
-    await roles.judge.start_service(out)
+    await roles.judge.start_service(out, service_procs)
+    from transformers import AutoTokenizer  # imported meanwhile by loop.py's tokenize_prompts thread
+
+    from reward.rewards import load_post_process, make_reward_fn
+
     roles.reward_fn = make_reward_fn(cfg, judge_address=roles.judge.address)
     roles.post_process = load_post_process(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
