@@ -175,21 +175,26 @@ def take(name: str, size: int) -> memoryview:
 
 
 def _take_segment(name: str, size: int) -> memoryview:
+    """Map a segment's data; its file descriptor stays open until the mapping is collected,
+    then marks the segment free (:func:`_free`)."""
     fd = os.open(os.path.join(job_dir(), name), os.O_RDWR)
     try:
         if os.fstat(fd).st_size < _HEAD + size:
             raise ValueError(f"shared-memory segment {name!r} is smaller than its message")
-        head = mmap.mmap(fd, _HEAD)
         mm = mmap.mmap(fd, _HEAD + size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
+    except BaseException:
         os.close(fd)
-    weakref.finalize(mm, _free, head)
+        raise
+    weakref.finalize(mm, _free, fd)
     return memoryview(mm)[_HEAD:]
 
 
-def _free(head: mmap.mmap) -> None:
-    head[0] = FREE
-    head.close()
+def _free(fd: int) -> None:
+    """Mark the segment open as ``fd`` free (its state byte) and close ``fd``."""
+    try:
+        os.pwrite(fd, bytes([FREE]), 0)
+    finally:
+        os.close(fd)
 
 
 def release(names: list[str]) -> None:
@@ -199,11 +204,7 @@ def release(names: list[str]) -> None:
         try:
             path = os.path.join(job_dir(), name)
             if isinstance(name, str) and _SEGMENT.match(name):
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    _free(mmap.mmap(fd, _HEAD))
-                finally:
-                    os.close(fd)
+                _free(os.open(path, os.O_RDWR))
             else:
                 os.unlink(path)
         except (OSError, RuntimeError, ValueError):

@@ -28,6 +28,26 @@ def tagged_pids(tag: str) -> list[int]:
     return out
 
 
+def parent(pid: int) -> int:
+    """The parent pid of ``pid`` (OSError once it is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (processes that exit during the scan are left out)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if parent(int(entry)) == pid:
+                out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
 def live_pids_by_env() -> dict[int, dict[bytes, bytes]]:
     """{pid: environment} of every live (not zombie) process this user can read."""
     out = {}

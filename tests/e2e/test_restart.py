@@ -16,7 +16,7 @@ import pytest
 from launcher.exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from tests.e2e.test_grpo_modes import ROOT, records, train_cmd
 from tests.e2e.test_multinode import TORCHRUN, _is_agent, free_port
-from tests.helpers import reap, tagged_pids
+from tests.helpers import children, parent, reap, tagged_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500, func_only=True)]
 RELAY = os.path.join(os.path.dirname(sys.executable), "relay")
@@ -30,24 +30,6 @@ def env_of(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return dict(item.partition("=")[::2] for item in items if "=" in item)
-
-
-def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of ``pid``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if parent(int(entry)) == pid:
-                    out.append(int(entry))
-            except OSError:
-                pass  # exited meanwhile
-    return out
 
 
 def only(pids: list[int]) -> int | None:

@@ -16,7 +16,7 @@ import pytest
 
 from launcher.exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from launcher.supervisor import after_exit, describe_exit, shell_code
-from tests.helpers import reap
+from tests.helpers import parent, reap
 from tests.launcher.test_launch import (
     ROOT,
     TORCHRUN,
@@ -77,11 +77,6 @@ def relay_train(run_dir, *args) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def torchrun_with_restarts(port: int, run_id: str, max_restarts: int, *args: str) -> subprocess.Popen:
