@@ -1,8 +1,9 @@
-"""Triton kernels of a Gated DeltaNet layer's decode step (engines/linear_attention.py): the
+"""Triton kernels of a Gated DeltaNet layer (engines/linear_attention.py). Decode: the
 short causal conv1d update of the conv state and the one-token gated delta rule on the
 recurrent state, both reading and writing the state rows ``rows`` (a device tensor) of the
-layer's pool in place. Nothing here waits on the device (no ``.item()``, no data-dependent
-shape), so the decode step can be captured in a CUDA graph.
+layer's pool in place. Nothing there waits on the device (no ``.item()``, no data-dependent
+shape), so the decode step can be captured in a CUDA graph. Prefill: the chunked delta rule
+over whole prompts (:func:`chunked_prefill`, described where it is defined).
 
 Both kernels follow :meth:`GatedDeltaNet.decode`'s reference math step for step:
 
@@ -148,3 +149,124 @@ def recurrent_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_lo
         dk, dv, hv // hk, hk * dk, 2 * hk * dk, dk**-0.5, BK=bk, BV=bv,
     )
     return out
+
+
+# ---------------------------------------------------------------------- chunked prefill
+#
+# The gated delta rule over whole prompts (``chunked_delta_rule``'s maths, float32 throughout)
+# in two kernels. The triangular system of a chunk depends only on its keys, betas and decays,
+# so ``_chunk_solve_kernel`` inverts every chunk's ``I + A`` at once (one program per
+# (sequence, head, chunk), forward substitution on a [C, C] tile); ``_chunk_scan_kernel`` then
+# walks the chunks of one (sequence, head, tile of ``BV`` value columns) in order, carrying
+# its [Dk, BV] slice of the state in registers: every chunk is six small matrix products.
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_solve_kernel(
+        K, BETA, G, T, CUM,
+        s_ks, s_kl, s_kh, s_bs, s_bl, s_bh, s_ts, s_th, s_tc, s_cs, s_ch,
+        L, DK,
+        C: tl.constexpr, BK: tl.constexpr,
+    ):
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        ch = tl.program_id(2)
+        t = tl.arange(0, C)
+        pos = ch * C + t
+        valid = pos < L
+        dk = tl.arange(0, BK)
+        k = tl.load(K + s * s_ks + pos[:, None] * s_kl + h * s_kh + dk[None, :],
+                    mask=valid[:, None] & (dk[None, :] < DK), other=0.0)
+        beta = tl.load(BETA + s * s_bs + pos * s_bl + h * s_bh, mask=valid, other=0.0)
+        g = tl.load(G + s * s_bs + pos * s_bl + h * s_bh, mask=valid, other=0.0)
+        c = tl.cumsum(g, axis=0)  # padding: g = 0 carries the last real decay on
+        below = t[:, None] > t[None, :]
+        decay = tl.exp(tl.where(below, c[:, None] - c[None, :], 0.0))
+        a = tl.where(below, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision="ieee"), 0.0)
+        # T = (I + A)^-1, row by row: T_i = e_i - sum_{j < i} A_ij T_j (rows >= i still zero)
+        inv = tl.zeros([C, C], tl.float32)
+        for i in range(C):
+            a_i = tl.sum(tl.where(t[:, None] == i, a, 0.0), axis=0)
+            row = tl.where(t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, axis=0)
+            inv = tl.where(t[:, None] == i, row[None, :], inv)
+        base = T + s * s_ts + h * s_th + ch * s_tc
+        tl.store(base + t[:, None] * C + t[None, :], inv)
+        tl.store(CUM + s * s_cs + h * s_ch + ch * C + t, c)
+
+    @triton.jit
+    def _chunk_scan_kernel(
+        Q, K, V, BETA, T, CUM, OUT, STATE,
+        s_ks, s_kl, s_kh, s_vs, s_vl, s_vh, s_bs, s_bl, s_bh, s_ts, s_th, s_tc, s_cs, s_ch,
+        s_os, s_ol, s_oh, s_ss, s_sh, s_sk,
+        L, DK, DV, CHUNKS,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ):
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        t = tl.arange(0, C)
+        dk = tl.arange(0, BK)
+        dv = tl.program_id(2) * BV + tl.arange(0, BV)
+        mk = dk < DK
+        mv = dv < DV
+        causal = t[:, None] >= t[None, :]
+        state = tl.zeros([BK, BV], tl.float32)  # S[:, this tile] before the chunk
+        for ch in range(CHUNKS):
+            pos = ch * C + t
+            valid = pos < L
+            qk_off = s * s_ks + pos[:, None] * s_kl + h * s_kh + dk[None, :]
+            m_qk = valid[:, None] & mk[None, :]
+            q = tl.load(Q + qk_off, mask=m_qk, other=0.0)
+            k = tl.load(K + qk_off, mask=m_qk, other=0.0)
+            v = tl.load(V + s * s_vs + pos[:, None] * s_vl + h * s_vh + dv[None, :],
+                        mask=valid[:, None] & mv[None, :], other=0.0)
+            beta = tl.load(BETA + s * s_bs + pos * s_bl + h * s_bh, mask=valid, other=0.0)
+            c = tl.load(CUM + s * s_cs + h * s_ch + ch * C + t)
+            inv = tl.load(T + s * s_ts + h * s_th + ch * s_tc + t[:, None] * C + t[None, :])
+            last = tl.sum(tl.where(t == C - 1, c, 0.0), axis=0)
+            # u = (I + A)^-1 (beta v - beta exp(c) K S)
+            rhs = beta[:, None] * v - tl.dot(k * (beta * tl.exp(c))[:, None], state, input_precision="ieee")
+            u = tl.dot(inv, rhs, input_precision="ieee")
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            qk = tl.where(causal, qk * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
+            o = tl.dot(q * tl.exp(c)[:, None], state, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+            tl.store(OUT + s * s_os + pos[:, None] * s_ol + h * s_oh + dv[None, :], o,
+                     mask=valid[:, None] & mv[None, :])
+            k_out = k * tl.exp(last - c)[:, None]
+            state = state * tl.exp(last) + tl.dot(tl.trans(k_out), u, input_precision="ieee")
+        tl.store(STATE + s * s_ss + h * s_sh + dk[:, None] * s_sk + dv[None, :], state,
+                 mask=mk[:, None] & mv[None, :])
+
+
+def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                    chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked_delta_rule`` (engines/linear_attention.py) in Triton: ``q, k`` [S, L, H, Dk],
+    ``v`` [S, L, H, Dv], ``beta, g`` [S, L, H], all float32, from a zero state. Returns
+    (outputs [S, L, H, Dv], final states [S, H, Dk, Dv]), float32."""
+    s, length, h, dk = k.shape
+    dv = v.shape[-1]
+    assert q.shape == k.shape and v.shape[:3] == k.shape[:3] and beta.shape == g.shape == k.shape[:3]
+    assert all(x.dtype == torch.float32 for x in (q, k, v, beta, g)), "chunked_prefill takes float32"
+    q, k, v, beta, g = (x.contiguous() for x in (q, k, v, beta, g))
+    chunks = triton.cdiv(length, chunk)
+    inv = torch.empty((s, h, chunks, chunk, chunk), dtype=torch.float32, device=k.device)
+    cum = torch.empty((s, h, chunks * chunk), dtype=torch.float32, device=k.device)
+    bk = max(16, triton.next_power_of_2(dk))
+    _chunk_solve_kernel[(s, h, chunks)](
+        k, beta, g, inv, cum,
+        k.stride(0), k.stride(1), k.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
+        inv.stride(0), inv.stride(1), inv.stride(2), cum.stride(0), cum.stride(1),
+        length, dk, C=chunk, BK=bk, num_warps=4,
+    )
+    out = torch.empty_like(v)
+    state = torch.empty((s, h, dk, dv), dtype=torch.float32, device=k.device)
+    bv = min(max(16, triton.next_power_of_2(dv)), 32)
+    _chunk_scan_kernel[(s, h, triton.cdiv(dv, bv))](
+        q, k, v, beta, inv, cum, out, state,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2), inv.stride(0), inv.stride(1), inv.stride(2),
+        cum.stride(0), cum.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        state.stride(0), state.stride(1), state.stride(2),
+        length, dk, dv, chunks, C=chunk, BK=bk, BV=bv, num_warps=8 if bk >= 128 else 4,
+    )
+    return out, state
