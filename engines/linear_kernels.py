@@ -238,6 +238,11 @@ if triton is not None:
                  mask=mk[:, None] & mv[None, :])
 
 
+#: the scan kernel's launch options: two pipeline stages keep its shared memory (~149 KB at
+#: head dims 128) under a Hopper block's 227 KB (three took 235 KB: refused at launch)
+SCAN_LAUNCH = {"num_warps": 8, "num_stages": 2}
+
+
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                     chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunked_delta_rule`` (engines/linear_attention.py) in Triton: ``q, k`` [S, L, H, Dk],
@@ -256,7 +261,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: tor
         k, beta, g, inv, cum,
         k.stride(0), k.stride(1), k.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
         inv.stride(0), inv.stride(1), inv.stride(2), cum.stride(0), cum.stride(1),
-        length, dk, C=chunk, BK=bk, num_warps=4,
+        length, dk, C=chunk, BK=bk, num_warps=4,  # ~33 KB of shared memory
     )
     out = torch.empty_like(v)
     state = torch.empty((s, h, dk, dv), dtype=torch.float32, device=k.device)
@@ -267,6 +272,6 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: tor
         beta.stride(0), beta.stride(1), beta.stride(2), inv.stride(0), inv.stride(1), inv.stride(2),
         cum.stride(0), cum.stride(1), out.stride(0), out.stride(1), out.stride(2),
         state.stride(0), state.stride(1), state.stride(2),
-        length, dk, dv, chunks, C=chunk, BK=bk, BV=bv, num_warps=8 if bk >= 128 else 4,
+        length, dk, dv, chunks, C=chunk, BK=bk, BV=bv, **SCAN_LAUNCH,
     )
     return out, state

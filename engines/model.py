@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import norm_rope, paged_decode_attention, rms_norm, silu_mul, triton_usable
+from .kernels import paged_decode_attention, triton_usable
 from .linear_attention import GatedDeltaNet, check_shardable, hybrid_fields, shard_linear_tensor
 from .moe import SparseMoE, check_moe_shardable, expert_names, shard_expert_tensor
 
@@ -405,8 +405,10 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         x = self.model.embed_tokens(input_ids)
         scale = cfg.head_dim**-0.5
-        if triton_usable(x.device):
-            return self._decode_fused(x, positions, slots, block_tables, context_lens, k_cache, v_cache)
+        if triton_usable(x.device):  # the per-layer work in few kernels: engines/fused_decode.py
+            from .fused_decode import decode_fused
+
+            return decode_fused(self, x, positions, slots, block_tables, context_lens, k_cache, v_cache)
         cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
@@ -424,49 +426,6 @@ class CausalLM(nn.Module):
         kvh, d = self.cfg.local_kv_heads, self.cfg.head_dim
         kc.view(-1, kvh, d).index_copy_(0, slots, k.reshape(-1, kvh, d).to(kc.dtype))
         vc.view(-1, kvh, d).index_copy_(0, slots, v.reshape(-1, kvh, d).to(vc.dtype))
-
-    def _decode_fused(self, x, positions, slots, block_tables, context_lens, k_cache, v_cache) -> torch.Tensor:
-        """``decode`` with the elementwise chains fused into Triton kernels (CUDA, or the
-        Triton interpreter): same maths, a third of the kernel launches."""
-        cfg = self.cfg
-        b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        scale = d**-0.5
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            if residual is None:
-                hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps), x
-            else:
-                hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual=residual)
-            q = norm_rope(
-                attn.q_proj(hidden).view(b, h, d),
-                attn.q_norm.weight if cfg.qk_norm else None,
-                positions,
-                self.inv_freq,
-                eps,
-            )
-            k = norm_rope(
-                attn.k_proj(hidden).view(b, kvh, d),
-                attn.k_norm.weight if cfg.qk_norm else None,
-                positions,
-                self.inv_freq,
-                eps,
-            )
-            v = attn.v_proj(hidden).view(b, kvh, d)
-            self._write_kv(k_cache[i], v_cache[i], slots, k, v)
-            o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
-            hidden, residual = rms_norm(
-                self._reduce(attn.o_proj(o.view(b, h * d))), layer.post_attention_layernorm.weight, eps,
-                residual=residual,
-            )
-            mlp = layer.mlp
-            if isinstance(mlp, SparseMoE):
-                x = self._reduce(mlp(hidden))
-            else:
-                x = self._reduce(mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden))))
-        hidden, _ = rms_norm(x, self.model.norm.weight, eps, residual=residual)
-        return self._vocab(self.lm_head(hidden))
-
 
 def shard_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of the full HF tensor ``name`` (``cfg.shard_for``): Q/K/V, gate and

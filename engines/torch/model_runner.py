@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fused_decode import pack_projections
 from ..hybrid_model import build_causal_lm
 from ..interface import SamplingParams
 from ..model import ModelConfig, _inv_freq
@@ -46,6 +47,7 @@ class ModelRunner:
         model.inv_freq = _inv_freq(self.cfg).to(device)  # buffers are not in the checkpoint
         if self.cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        pack_projections(model)  # one GEMM for q/k/v and one for gate/up in decode (engines/fused_decode.py)
         load_weights(model, model_path)
         model.eval()
         model.tp = tp

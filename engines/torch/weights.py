@@ -12,6 +12,7 @@ import uuid
 
 import torch
 
+from ..fused_decode import pack_projections, unpack_projections
 from ..model import ModelConfig
 from ..weight_names import place_weight
 
@@ -68,6 +69,7 @@ class Weights:
             p.data = torch.empty(shape, dtype=dtype, device=self.device)
             if self.mode == "backup":
                 p.data.copy_(self.backup[n], non_blocking=True)
+        pack_projections(self.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.present = True
@@ -83,6 +85,7 @@ class Weights:
         self.backup = None
 
     def _empty_parameters(self) -> None:
+        unpack_projections(self.model)
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.present = False

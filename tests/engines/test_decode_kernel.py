@@ -176,3 +176,82 @@ def test_fused_ops_match_the_torch_modules():
         print(worst)
     """)
     assert float(out.split()[-1]) < 1e-4
+
+
+def test_qkv_rope_write_matches_norm_rope_and_the_cache_writes():
+    """The fused q/k/v kernel of a decode step (engines/fused_decode.py) against the separate
+    kernels and cache writes it replaces: queries as ``norm_rope``, each token's k (normed,
+    rotated) and v in its cache slot, every other slot untouched; with and without q/k norm,
+    GQA groups 2 and 3, head dims 16 and 24."""
+    out = _interpret("""
+        import torch
+        from engines.fused_decode import qkv_rope_write
+        from engines.kernels import norm_rope
+        torch.manual_seed(4)
+        worst, untouched = 0.0, True
+        for h, kvh, d, norm in [(4, 2, 16, True), (6, 2, 24, False), (3, 1, 16, True)]:
+            b, blocks, page = 5, 6, 4
+            qkv = torch.randn(b, (h + 2 * kvh) * d)
+            qn, kn = (torch.randn(d), torch.randn(d)) if norm else (None, None)
+            inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+            pos = torch.tensor([0, 5, 9, 200, 3])
+            slots = torch.tensor([7, 2, 19, 12, 0])
+            kc, vc = torch.randn(blocks, page, kvh, d), torch.randn(blocks, page, kvh, d)
+            k0, v0 = kc.clone(), vc.clone()
+            q = qkv_rope_write(qkv, qn, kn, pos, inv, slots, kc, vc, h, kvh, 1e-6)
+            qs, ks, vs = qkv.split([h * d, kvh * d, kvh * d], dim=1)
+            worst = max(worst, (q - norm_rope(qs.reshape(b, h, d), qn, pos, inv, 1e-6)).abs().max().item())
+            k = norm_rope(ks.reshape(b, kvh, d), kn, pos, inv, 1e-6)
+            worst = max(worst, (kc.view(-1, kvh, d)[slots] - k).abs().max().item())
+            worst = max(worst, (vc.view(-1, kvh, d)[slots] - vs.reshape(b, kvh, d)).abs().max().item())
+            rest = torch.ones(blocks * page, dtype=torch.bool)
+            rest[slots] = False
+            untouched &= bool((kc.view(-1, kvh, d)[rest] == k0.view(-1, kvh, d)[rest]).all())
+            untouched &= bool((vc.view(-1, kvh, d)[rest] == v0.view(-1, kvh, d)[rest]).all())
+        print(worst, untouched)
+    """)
+    worst, untouched = out.split()[-2:]
+    assert float(worst) < 1e-5 and untouched == "True"
+
+
+def test_packed_projections_follow_loads_updates_and_sleep(tmp_path):
+    """Each layer's q/k/v and gate/up parameters are views of one packed tensor (what the
+    fused decode step multiplies by): equal to the parameters after loading, after a weight
+    update of one of them, released with them by a discarding sleep, packed again on wake
+    and equal to the parameters once a full update refills them."""
+    import asyncio
+
+    import torch
+
+    from engines.model_builder import make_model
+    from engines.torch import TorchEngine
+
+    path = make_model("qwen2", "tiny", str(tmp_path / "m"), seed=1)  # q/k/v biases too
+
+    def check(model) -> None:
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            assert torch.equal(a.qkv_weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            assert torch.equal(a.qkv_bias, torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            assert torch.equal(m.gate_up_weight, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            assert a.k_proj.weight.untyped_storage().data_ptr() == a.qkv_weight.untyped_storage().data_ptr()
+
+    async def main():
+        eng = TorchEngine(path, kv_cache_tokens=256)
+        model = eng.runner.model
+        check(model)
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        new_k = torch.randn_like(full["model.layers.1.self_attn.k_proj.weight"])
+        await eng.update_weights([{"model.layers.1.self_attn.k_proj.weight": new_k}], 1)
+        check(model)
+        a = model.model.layers[1].self_attn
+        assert torch.equal(a.qkv_weight[a.q_proj.weight.shape[0]:][: new_k.shape[0]], new_k)
+        await eng.sleep()
+        assert model.model.layers[0].self_attn.qkv_weight is None and model.model.layers[0].mlp.gate_up_weight is None
+        await eng.wake()
+        await eng.update_weights([full], 2)
+        check(model)
+        assert torch.equal(model.model.layers[0].mlp.up_proj.weight, full["model.layers.0.mlp.up_proj.weight"])
+        await eng.close()
+
+    asyncio.run(main())

@@ -1,0 +1,178 @@
+"""The decode step of a dense-attention model (Qwen2/3, Llama, Qwen3-MoE, Qwen3-VL text) with
+its per-layer work in few kernels, for CUDA (or Triton's interpreter). Per layer:
+
+    rms_norm (+ residual) -> one q/k/v GEMM -> qkv_rope_write -> paged attention -> o GEMM
+    -> rms_norm (+ residual) -> one gate/up GEMM -> silu_mul -> down GEMM   (MoE: its block)
+
+``qkv_rope_write`` is one kernel for what took five: the q and k heads' RMSNorm and rotary
+embedding, and K and V written straight into their cache slots.
+
+The single GEMMs read packed weights: :func:`pack_projections` lays each layer's q/k/v weights
+(and biases) out as consecutive rows of one tensor and its gate/up weights likewise; the
+parameters become views of those rows, so loading, weight updates and sleep see the same
+parameters as before. It runs after every (re)allocation of the parameters;
+:func:`unpack_projections` drops the packed tensors with them. A layer without packed weights
+(e.g. between the two) runs its separate GEMMs: same maths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .kernels import paged_decode_attention, rms_norm, silu_mul, triton
+from .moe import SparseMoE
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        QKV, QW, KW, POS, INV, SLOTS, QOUT, KC, VC,
+        s_b, s_qob, s_qoh, s_cs, s_ch, eps,
+        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        j = tl.program_id(1)  # a query head (j < H) or a KV head (j - H)
+        half: tl.constexpr = D // 2
+        i = tl.arange(0, HALF_P)
+        mask = i < half
+        row = QKV + b * s_b
+        is_q = j < H
+        kvh = tl.maximum(j - H, 0)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        base = row + tl.where(is_q, j * D, H * D + kvh * D)
+        w_ptr = tl.where(is_q, QW, KW)
+        x1 = tl.load(base + i, mask=mask, other=0.0)
+        x2 = tl.load(base + half + i, mask=mask, other=0.0)
+        if NORM:  # as kernels._norm_rope_kernel: statistics in float32, the normalised rounded first
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            r = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+            w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + half + i, mask=mask, other=0.0).to(tl.float32)
+            x1 = (w1 * (f1 * r).to(QKV.dtype.element_ty).to(tl.float32)).to(QKV.dtype.element_ty)
+            x2 = (w2 * (f2 * r).to(QKV.dtype.element_ty).to(tl.float32)).to(QKV.dtype.element_ty)
+        angle = tl.load(POS + b).to(tl.float32) * tl.load(INV + i, mask=mask, other=0.0)
+        c = tl.cos(angle)
+        s = tl.sin(angle)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        out1, out2 = f1 * c - f2 * s, f2 * c + f1 * s
+        if is_q:
+            out = QOUT + b * s_qob + j * s_qoh
+            tl.store(out + i, out1.to(QOUT.dtype.element_ty), mask=mask)
+            tl.store(out + half + i, out2.to(QOUT.dtype.element_ty), mask=mask)
+        else:
+            out = KC + slot * s_cs + kvh * s_ch
+            tl.store(out + i, out1.to(KC.dtype.element_ty), mask=mask)
+            tl.store(out + half + i, out2.to(KC.dtype.element_ty), mask=mask)
+            d = tl.arange(0, D_P)
+            v = tl.load(row + (H + KVH) * D + kvh * D + d, mask=d < D, other=0.0)
+            tl.store(VC + slot * s_cs + kvh * s_ch + d, v.to(VC.dtype.element_ty), mask=d < D)
+
+
+def qkv_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                   positions: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    """From one decode step's packed projections ``qkv`` [B, (H + 2 KVH) D] (q heads, k
+    heads, v heads): the queries [B, H, D] (RMSNorm with ``q_norm`` unless None, then the
+    rotary embedding at ``positions`` [B]); each token's k (``k_norm``, rotary) and v written
+    to cache slot ``slots[b]`` of ``k_cache`` / ``v_cache`` [N, P, KVH, D] (contiguous)."""
+    b = qkv.shape[0]
+    _, _, kvh, d = k_cache.shape
+    assert kvh == kv_heads and qkv.shape[1] == (heads + 2 * kv_heads) * d and qkv.stride(1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert (q_norm is None) == (k_norm is None)
+    q = torch.empty((b, heads, d), dtype=qkv.dtype, device=qkv.device)
+    norm = q_norm is not None
+    _qkv_rope_kernel[(b, heads + kv_heads)](
+        qkv, q_norm if norm else qkv, k_norm if norm else qkv, positions, inv_freq, slots, q, k_cache, v_cache,
+        qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), eps,
+        H=heads, KVH=kv_heads, D=d, HALF_P=triton.next_power_of_2(d // 2), D_P=triton.next_power_of_2(d),
+        NORM=norm, num_warps=1,
+    )
+    return q
+
+
+def _pack(parts: list[nn.Parameter | None]) -> torch.Tensor | None:
+    """One tensor whose row blocks are ``parts`` (in order); each part becomes a view of its
+    rows. None when any part is None (no bias)."""
+    if any(p is None for p in parts):
+        return None
+    with torch.no_grad():
+        packed = torch.cat([p.data for p in parts])
+    start = 0
+    for p in parts:
+        p.data = packed[start:start + p.shape[0]]
+        start += p.shape[0]
+    return packed
+
+
+def pack_projections(model: nn.Module) -> None:
+    """Pack every dense-attention layer's q/k/v (an output-gated attention's excepted) and
+    every dense MLP's gate/up (see the module docstring). Keeps the parameters' values."""
+    if model.cfg.attn_output_gate:
+        return
+    for layer in model.model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and attn.q_proj.weight.numel():
+            attn.qkv_weight = _pack([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            attn.qkv_bias = _pack([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoE) and mlp.gate_proj.weight.numel():
+            mlp.gate_up_weight = _pack([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def unpack_projections(model: nn.Module) -> None:
+    """Forget the packed tensors (the parameters' memory is being released)."""
+    for layer in model.model.layers:
+        for module, names in ((getattr(layer, "self_attn", None), ("qkv_weight", "qkv_bias")),
+                              (layer.mlp, ("gate_up_weight",))):
+            for name in names:
+                if module is not None and hasattr(module, name):
+                    setattr(module, name, None)
+
+
+def _qkv(attn: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """[B, (H + 2 KVH) D]: the packed GEMM, or the three GEMMs side by side."""
+    weight = getattr(attn, "qkv_weight", None)
+    if weight is not None:
+        return torch.nn.functional.linear(hidden, weight, getattr(attn, "qkv_bias", None))
+    return torch.cat([attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)], dim=-1)
+
+
+def _mlp(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    weight = getattr(mlp, "gate_up_weight", None)
+    if weight is None:
+        return mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+    gate_up = torch.nn.functional.linear(hidden, weight)
+    n = gate_up.shape[1] // 2
+    return mlp.down_proj(silu_mul(gate_up[:, :n], gate_up[:, n:]))
+
+
+def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tables, context_lens, k_cache,
+                 v_cache) -> torch.Tensor:
+    """``CausalLM.decode`` from the embedded tokens ``x`` [B, hidden] on (see the module
+    docstring): [B, vocab] float32 logits."""
+    cfg = model.cfg
+    b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    scale = d**-0.5
+    residual = None
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if residual is None:
+            hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps), x
+        else:
+            hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual=residual)
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+        q = qkv_rope_write(_qkv(attn, hidden), *norms, positions, model.inv_freq, slots, k_cache[i], v_cache[i],
+                           h, kvh, eps)
+        o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
+        hidden, residual = rms_norm(
+            model._reduce(attn.o_proj(o.view(b, h * d))), layer.post_attention_layernorm.weight, eps,
+            residual=residual,
+        )
+        mlp = layer.mlp
+        x = model._reduce(mlp(hidden) if isinstance(mlp, SparseMoE) else _mlp(mlp, hidden))
+    hidden, _ = rms_norm(x, model.model.norm.weight, eps, residual=residual)
+    return model._vocab(model.lm_head(hidden))
