@@ -1,8 +1,7 @@
 """Gated DeltaNet, the linear-attention token mixer of Qwen3.5's hybrid models
 (``qwen3_5_moe``: most layers are this, every ``full_attention_interval``-th layer is gated
 full attention): the reference path (plain torch on any device, float32 recurrence) and, for
-prefill and decode on CUDA (or under Triton's interpreter), the Triton kernels of
-engines/linear_kernels.py.
+decode on CUDA (or under Triton's interpreter), the Triton kernels of engines/linear_kernels.py.
 
 A layer keeps, per sequence, a fixed-size state instead of a growing KV cache: the last
 ``K - 1`` inputs of its short causal convolution (``conv`` [C, K - 1], C the q/k/v channels)
@@ -15,8 +14,8 @@ log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``, each token does
 then ``o`` goes through an RMSNorm gated by ``silu(z)`` and ``out_proj``. Decode runs that
 recurrence for one token (:func:`recurrent_step`); prefill runs it chunk by chunk
 (:func:`chunked_delta_rule`: inside a chunk the updates are solved at once as a triangular
-system, the state carried between chunks; on CUDA or under the interpreter the same maths in
-the two Triton kernels of ``linear_kernels.chunked_prefill``). Padding rows of a prefill take ``beta = 0`` and
+system, the state carried between chunks; ``linear_kernels.chunked_prefill`` is the same maths in
+Triton, tested but not used: slower than this on an H200 so far). Padding rows of a prefill take ``beta = 0`` and
 ``g = 0``: they leave the state as the last real token left it.
 
 The state lives in the engine's state pool (engines/torch/state_pool.py), one slot per
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import triton_usable
-from .linear_kernels import chunked_prefill, conv_decode, recurrent_decode
+from .linear_kernels import conv_decode, recurrent_decode
 
 #: chunk length of the prefill's chunked delta rule
 CHUNK = 64
@@ -191,8 +190,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v, beta, g = self._heads(mixed, x)
         real = (torch.arange(length, device=x.device)[None, :] < lens[:, None])[..., None]  # [S, L, 1]
         beta, g = beta * real, g * real  # padding: no update, no decay
-        rule = chunked_prefill if triton_usable(x.device) else chunked_delta_rule
-        o, state = rule(q, k, v, beta, g)
+        # (linear_kernels.chunked_prefill computes the same in Triton, but is slower on an H200 so
+        # far: docs/PERFORMANCE.md; the torch rule runs everywhere)
+        o, state = chunked_delta_rule(q, k, v, beta, g)
         rec.index_copy_(0, rows, state.to(rec.dtype))
         return self._out(o, x)
 

@@ -159,6 +159,11 @@ def recurrent_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_lo
 # (sequence, head, chunk), forward substitution on a [C, C] tile); ``_chunk_scan_kernel`` then
 # walks the chunks of one (sequence, head, tile of ``BV`` value columns) in order, carrying
 # its [Dk, BV] slice of the state in registers: every chunk is six small matrix products.
+#
+# Not used by the engine yet: on an H200 (8 prompts x 512 tokens, 32 heads of 128) the torch
+# rule takes 3.4 ms, the solve kernel alone 5.4 ms (64 sequential row steps) and the scan
+# 15.5 ms with float32 ("ieee") dots, 1.3 ms with TF32 dots (max error 2.7e-4). Next: a
+# blockwise solve (16 x 16 diagonal blocks, merged by products) and TF32 (or 3xTF32) dots.
 
 if triton is not None:
 
@@ -200,7 +205,7 @@ if triton is not None:
         s_ks, s_kl, s_kh, s_vs, s_vl, s_vh, s_bs, s_bl, s_bh, s_ts, s_th, s_tc, s_cs, s_ch,
         s_os, s_ol, s_oh, s_ss, s_sh, s_sk,
         L, DK, DV, CHUNKS,
-        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr = "ieee",
     ):
         s = tl.program_id(0)
         h = tl.program_id(1)
@@ -225,15 +230,15 @@ if triton is not None:
             inv = tl.load(T + s * s_ts + h * s_th + ch * s_tc + t[:, None] * C + t[None, :])
             last = tl.sum(tl.where(t == C - 1, c, 0.0), axis=0)
             # u = (I + A)^-1 (beta v - beta exp(c) K S)
-            rhs = beta[:, None] * v - tl.dot(k * (beta * tl.exp(c))[:, None], state, input_precision="ieee")
-            u = tl.dot(inv, rhs, input_precision="ieee")
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            rhs = beta[:, None] * v - tl.dot(k * (beta * tl.exp(c))[:, None], state, input_precision=DOT)
+            u = tl.dot(inv, rhs, input_precision=DOT)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT)
             qk = tl.where(causal, qk * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
-            o = tl.dot(q * tl.exp(c)[:, None], state, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+            o = tl.dot(q * tl.exp(c)[:, None], state, input_precision=DOT) + tl.dot(qk, u, input_precision=DOT)
             tl.store(OUT + s * s_os + pos[:, None] * s_ol + h * s_oh + dv[None, :], o,
                      mask=valid[:, None] & mv[None, :])
             k_out = k * tl.exp(last - c)[:, None]
-            state = state * tl.exp(last) + tl.dot(tl.trans(k_out), u, input_precision="ieee")
+            state = state * tl.exp(last) + tl.dot(tl.trans(k_out), u, input_precision=DOT)
         tl.store(STATE + s * s_ss + h * s_sh + dk[:, None] * s_sk + dv[None, :], state,
                  mask=mk[:, None] & mv[None, :])
 
