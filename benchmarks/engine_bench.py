@@ -147,6 +147,8 @@ def main() -> None:
              "per shape)",
     )
     ap.add_argument("--no-swap", action="store_true", help="skip the sleep/wake figures")
+    ap.add_argument("--compare-run-ahead", action="store_true",
+                    help="also an engine with run_ahead=False (every step waits for the one before), alternated")
     ap.add_argument(
         "--rounds",
         type=int,
@@ -194,15 +196,22 @@ def main() -> None:
     rounds = a.rounds or (1 if dev == "cuda" else 5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(dev).eval()
     hf_runs: dict[int, list] = {b: [] for b in batches}
+    plain_runs: dict[int, list] = {b: [] for b in batches}  # run_ahead=False, with --compare-run-ahead
 
     async def run_builtin():
         # Built-in and transformers alternate, batch size by batch size, so a noisy spell of
         # the machine hits both sides; each figure is the median over rounds.
         eng = TorchEngine(path, device=dev, dtype=dtype, kv_cache_tokens=kv_tokens, max_running=max(batches))
+        plain = None
+        if a.compare_run_ahead:
+            plain = TorchEngine(path, device=dev, dtype=dtype, kv_cache_tokens=kv_tokens, max_running=max(batches),
+                                run_ahead=False)
         runs: dict[int, list] = {b: [] for b in batches}
         for _ in range(rounds):
             for b in batches:
                 runs[b].append(await builtin_tok_s(eng, b, prompt, new))
+                if plain is not None:
+                    plain_runs[b].append(await builtin_tok_s(plain, b, prompt, new))
                 if b <= a.skip_hf_above:
                     hf_runs[b].append(hf_tok_s(hf, b, prompt, new, dev))
         out = {b: statistics.median(v) for b, v in runs.items()}
@@ -218,6 +227,8 @@ def main() -> None:
                     out[f"graph_ms_b{b}"] = (time.perf_counter() - t) / 20 * 1e3
         weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())  # before close releases them
         await eng.close()
+        if plain is not None:
+            await plain.close()
         return out, weights, eng.cfg
 
     builtin, weight_bytes, cfg = asyncio.run(run_builtin())
@@ -226,6 +237,8 @@ def main() -> None:
         result[key] = round(builtin.pop(key), 3)
     for b in batches:
         result[f"tok_s_b{b}_builtin"] = round(builtin[b], 1)
+        if plain_runs[b]:
+            result[f"tok_s_b{b}_no_run_ahead"] = round(statistics.median(plain_runs[b]), 1)
         result[f"tok_s_b{b}_hf"] = round(statistics.median(hf_runs[b]), 1) if hf_runs[b] else None
         if result[f"tok_s_b{b}_hf"]:
             result[f"speedup_b{b}"] = round(result[f"tok_s_b{b}_builtin"] / result[f"tok_s_b{b}_hf"], 2)
@@ -248,7 +261,7 @@ def main() -> None:
 
             state_per_seq = StatePool(cfg, 1, torch.device("cpu"), torch.bfloat16).row_bytes()
             result["state_mb_per_seq"] = round(state_per_seq / 1e6, 2)
-        for b in (64, 256):
+        for b in (1, 64, 256):
             if b in builtin:
                 step_s = b / builtin[b]
                 ctx = prompt + new / 2
@@ -260,6 +273,10 @@ def main() -> None:
                 result[f"step_ms_b{b}"] = round(step_s * 1e3, 2)
                 result[f"roofline_frac_b{b}"] = round(bytes_step / step_s / (result["read_gb_s"] * 1e9), 3)
                 result[f"flops_frac_b{b}"] = round(flops_step / step_s / (result["matmul_tflops"] * 1e12), 4)
+                if f"graph_ms_b{b}" in result:  # time outside the decode graph: host, sampling, prefill share
+                    result[f"outside_graph_share_b{b}"] = round(1 - result[f"graph_ms_b{b}"] / (step_s * 1e3), 3)
+                if f"tok_s_b{b}_no_run_ahead" in result:
+                    result[f"step_ms_b{b}_no_run_ahead"] = round(b / result[f"tok_s_b{b}_no_run_ahead"] * 1e3, 2)
     if not a.no_swap:
         result.update(
             {

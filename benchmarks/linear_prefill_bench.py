@@ -1,7 +1,8 @@
 """The Gated DeltaNet prefill rule: the torch chunked reference (``chunked_delta_rule``) vs
-the Triton kernels (``chunked_prefill``), one after the other in one run, at Qwen3.5-35B-A3B's
-layer shape (32 value heads, head dims 128) on float32 inputs. Prints one JSON line: ms per
-call of each, the speed-up, the largest output/state difference between them.
+the Triton kernels (``chunked_prefill``, float32 and TF32 products), one after the other in
+one run, at Qwen3.5-35B-A3B's layer shape (32 value heads, head dims 128) on float32 inputs.
+Prints one JSON line: ms per call of each, the speed-ups, the largest output/state
+difference from the torch rule.
 
     python benchmarks/linear_prefill_bench.py --shapes 1x1024,8x512,32x256
 """
@@ -43,10 +44,14 @@ def _row(shape: str, h: int, d: int, iters: int, dev: str) -> dict:
     g = -torch.rand(s, length, h, device=dev)
     (o1, s1), (o2, s2) = chunked_delta_rule(q, k, v, beta, g), chunked_prefill(q, k, v, beta, g)
     gap = max((o1 - o2).abs().max().item(), (s1 - s2).abs().max().item())
+    o3, s3 = chunked_prefill(q, k, v, beta, g, tf32=True)
+    gap_tf32 = max((o1 - o3).abs().max().item(), (s1 - s3).abs().max().item())
     torch_ms = _ms(lambda: chunked_delta_rule(q, k, v, beta, g), iters, dev)
     triton_ms = _ms(lambda: chunked_prefill(q, k, v, beta, g), iters, dev)
-    return {"shape": shape, "torch_ms": round(torch_ms, 3), "triton_ms": round(triton_ms, 3),
-            "speedup": round(torch_ms / triton_ms, 2), "max_abs_diff": gap}
+    tf32_ms = _ms(lambda: chunked_prefill(q, k, v, beta, g, tf32=True), iters, dev)
+    return {"shape": shape, "torch_ms": round(torch_ms, 3), "triton_fp32_ms": round(triton_ms, 3),
+            "triton_tf32_ms": round(tf32_ms, 3), "speedup_fp32": round(torch_ms / triton_ms, 2),
+            "speedup_tf32": round(torch_ms / tf32_ms, 2), "max_abs_diff_fp32": gap, "max_abs_diff_tf32": gap_tf32}
 
 
 def main() -> None:

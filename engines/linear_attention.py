@@ -14,9 +14,10 @@ log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``, each token does
 then ``o`` goes through an RMSNorm gated by ``silu(z)`` and ``out_proj``. Decode runs that
 recurrence for one token (:func:`recurrent_step`); prefill runs it chunk by chunk
 (:func:`chunked_delta_rule`: inside a chunk the updates are solved at once as a triangular
-system, the state carried between chunks; ``linear_kernels.chunked_prefill`` is the same maths in
-Triton, tested but not used: slower than this on an H200 so far). Padding rows of a prefill take ``beta = 0`` and
-``g = 0``: they leave the state as the last real token left it.
+system, the state carried between chunks; ``linear_kernels.chunked_prefill`` is the same
+maths in Triton, tested but not used: slower for batched prompts on an H200 so far). Padding
+rows of a prefill take ``beta = 0`` and ``g = 0``: they leave the state as the last real token
+left it.
 
 The state lives in the engine's state pool (engines/torch/state_pool.py), one slot per
 running sequence; prefill writes a sequence's slot from scratch (a preempted sequence is
@@ -190,8 +191,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v, beta, g = self._heads(mixed, x)
         real = (torch.arange(length, device=x.device)[None, :] < lens[:, None])[..., None]  # [S, L, 1]
         beta, g = beta * real, g * real  # padding: no update, no decay
-        # (linear_kernels.chunked_prefill computes the same in Triton, but is slower on an H200 so
-        # far: docs/PERFORMANCE.md; the torch rule runs everywhere)
+        # (linear_kernels.chunked_prefill computes the same in Triton; not used: on an H200 it is
+        # slower than this for batched prompts so far, docs/PERFORMANCE.md)
         o, state = chunked_delta_rule(q, k, v, beta, g)
         rec.index_copy_(0, rows, state.to(rec.dtype))
         return self._out(o, x)

@@ -153,51 +153,109 @@ def recurrent_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_lo
 
 # ---------------------------------------------------------------------- chunked prefill
 #
-# The gated delta rule over whole prompts (``chunked_delta_rule``'s maths, float32 throughout)
-# in two kernels. The triangular system of a chunk depends only on its keys, betas and decays,
-# so ``_chunk_solve_kernel`` inverts every chunk's ``I + A`` at once (one program per
-# (sequence, head, chunk), forward substitution on a [C, C] tile); ``_chunk_scan_kernel`` then
+# The gated delta rule over whole prompts (``chunked_delta_rule``'s maths, float32 state) in
+# two kernels. The triangular system of a chunk depends only on its keys, betas and decays,
+# so ``_chunk_solve_kernel`` inverts every 64-position chunk's ``I + A`` at once (one program
+# per (sequence, head, chunk), by 16 x 16 blocks); ``_chunk_scan_kernel`` then
 # walks the chunks of one (sequence, head, tile of ``BV`` value columns) in order, carrying
 # its [Dk, BV] slice of the state in registers: every chunk is six small matrix products.
 #
-# Not used by the engine yet: on an H200 (8 prompts x 512 tokens, 32 heads of 128) the torch
-# rule takes 3.4 ms, the solve kernel alone 5.4 ms (64 sequential row steps) and the scan
-# 15.5 ms with float32 ("ieee") dots, 1.3 ms with TF32 dots (max error 2.7e-4). Next: a
-# blockwise solve (16 x 16 diagonal blocks, merged by products) and TF32 (or 3xTF32) dots.
+# Not used by the engine yet (it runs the torch rule). On an H200, 32 heads of 128, float32
+# inputs (docs/PERFORMANCE.md): with TF32 products (``tf32=True``, max error 1e-3 - 3e-3) 3.7x
+# faster than the torch rule for one 1,024-token prompt, 0.85-0.92x for batches (8 x 512,
+# 32 x 256, 64 x 1,024); with float32 products 0.16-0.78x. The first version's row-by-row
+# 64 x 64 solve took 5.4 ms at 8 x 512; this one solves 16 x 16 blocks and merges them.
 
 if triton is not None:
 
     @triton.jit
-    def _chunk_solve_kernel(
-        K, BETA, G, T, CUM,
-        s_ks, s_kl, s_kh, s_bs, s_bl, s_bh, s_ts, s_th, s_tc, s_cs, s_ch,
-        L, DK,
-        C: tl.constexpr, BK: tl.constexpr,
-    ):
-        s = tl.program_id(0)
-        h = tl.program_id(1)
-        ch = tl.program_id(2)
-        t = tl.arange(0, C)
-        pos = ch * C + t
+    def _block_in(K, BETA, G, s, h, first, L, DK, s_ks, s_kl, s_kh, s_bs, s_bl, s_bh, BK: tl.constexpr):
+        """Keys [16, BK], betas and log-decays [16] of the 16 positions from ``first``."""
+        t = tl.arange(0, 16)
+        pos = first + t
         valid = pos < L
         dk = tl.arange(0, BK)
         k = tl.load(K + s * s_ks + pos[:, None] * s_kl + h * s_kh + dk[None, :],
                     mask=valid[:, None] & (dk[None, :] < DK), other=0.0)
         beta = tl.load(BETA + s * s_bs + pos * s_bl + h * s_bh, mask=valid, other=0.0)
         g = tl.load(G + s * s_bs + pos * s_bl + h * s_bh, mask=valid, other=0.0)
-        c = tl.cumsum(g, axis=0)  # padding: g = 0 carries the last real decay on
-        below = t[:, None] > t[None, :]
-        decay = tl.exp(tl.where(below, c[:, None] - c[None, :], 0.0))
-        a = tl.where(below, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision="ieee"), 0.0)
-        # T = (I + A)^-1, row by row: T_i = e_i - sum_{j < i} A_ij T_j (rows >= i still zero)
-        inv = tl.zeros([C, C], tl.float32)
-        for i in range(C):
+        return k, beta, g
+
+    @triton.jit
+    def _a_block(k_i, k_j, beta_i, c_i, c_j, DIAG: tl.constexpr):
+        """Block (i, j) of ``A``: ``beta_r exp(c_r - c_s) k_r . k_s`` for rows r after columns s."""
+        t = tl.arange(0, 16)
+        later = (t[:, None] > t[None, :]) if DIAG else (t[:, None] >= 0)
+        decay = tl.exp(tl.where(later, c_i[:, None] - c_j[None, :], 0.0))
+        return tl.where(later, beta_i[:, None] * decay * tl.dot(k_i, tl.trans(k_j), input_precision="ieee"), 0.0)
+
+    @triton.jit
+    def _inv_unit_lower(a):
+        """``(I + a)^-1`` of a strictly lower [16, 16] ``a``, row by row (rows >= i still zero)."""
+        t = tl.arange(0, 16)
+        inv = tl.zeros([16, 16], tl.float32)
+        for i in range(16):
             a_i = tl.sum(tl.where(t[:, None] == i, a, 0.0), axis=0)
             row = tl.where(t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, axis=0)
             inv = tl.where(t[:, None] == i, row[None, :], inv)
+        return inv
+
+    @triton.jit
+    def _mm(a, b):
+        return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _chunk_solve_kernel(
+        K, BETA, G, T, CUM,
+        s_ks, s_kl, s_kh, s_bs, s_bl, s_bh, s_ts, s_th, s_tc, s_cs, s_ch,
+        L, DK,
+        BK: tl.constexpr,
+    ):
+        """One 64-position chunk: ``T = (I + A)^-1`` by 16 x 16 blocks (the diagonal blocks
+        inverted row by row, the blocks below from ``X_ij = -X_ii sum_k A_ik X_kj``) and the
+        cumulative log-decays ``c``."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        ch = tl.program_id(2)
+        first = ch * 64
+        args = (L, DK, s_ks, s_kl, s_kh, s_bs, s_bl, s_bh)
+        k0, b0, g0 = _block_in(K, BETA, G, s, h, first, *args, BK)
+        k1, b1, g1 = _block_in(K, BETA, G, s, h, first + 16, *args, BK)
+        k2, b2, g2 = _block_in(K, BETA, G, s, h, first + 32, *args, BK)
+        k3, b3, g3 = _block_in(K, BETA, G, s, h, first + 48, *args, BK)
+        # padding: g = 0 carries the last real decay on
+        c0 = tl.cumsum(g0, axis=0)
+        c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+        c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+        c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
+        x00 = _inv_unit_lower(_a_block(k0, k0, b0, c0, c0, True))
+        x11 = _inv_unit_lower(_a_block(k1, k1, b1, c1, c1, True))
+        x22 = _inv_unit_lower(_a_block(k2, k2, b2, c2, c2, True))
+        x33 = _inv_unit_lower(_a_block(k3, k3, b3, c3, c3, True))
+        a10 = _a_block(k1, k0, b1, c1, c0, False)
+        a20 = _a_block(k2, k0, b2, c2, c0, False)
+        a21 = _a_block(k2, k1, b2, c2, c1, False)
+        a30 = _a_block(k3, k0, b3, c3, c0, False)
+        a31 = _a_block(k3, k1, b3, c3, c1, False)
+        a32 = _a_block(k3, k2, b3, c3, c2, False)
+        x10 = -_mm(x11, _mm(a10, x00))
+        x21 = -_mm(x22, _mm(a21, x11))
+        x20 = -_mm(x22, _mm(a20, x00) + _mm(a21, x10))
+        x32 = -_mm(x33, _mm(a32, x22))
+        x31 = -_mm(x33, _mm(a31, x11) + _mm(a32, x21))
+        x30 = -_mm(x33, _mm(a30, x00) + _mm(a31, x10) + _mm(a32, x20))
+        t = tl.arange(0, 16)
         base = T + s * s_ts + h * s_th + ch * s_tc
-        tl.store(base + t[:, None] * C + t[None, :], inv)
-        tl.store(CUM + s * s_cs + h * s_ch + ch * C + t, c)
+        zero = tl.zeros([16, 16], tl.float32)
+        rows = (x00, zero, zero, zero, x10, x11, zero, zero, x20, x21, x22, zero, x30, x31, x32, x33)
+        for i in tl.static_range(4):
+            for j in tl.static_range(4):
+                tl.store(base + (i * 16 + t)[:, None] * 64 + (j * 16 + t)[None, :], rows[i * 4 + j])
+        cum = CUM + s * s_cs + h * s_ch + first + t
+        tl.store(cum, c0)
+        tl.store(cum + 16, c1)
+        tl.store(cum + 32, c2)
+        tl.store(cum + 48, c3)
 
     @triton.jit
     def _chunk_scan_kernel(
@@ -249,15 +307,18 @@ SCAN_LAUNCH = {"num_warps": 8, "num_stages": 2}
 
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-                    chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                    tf32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunked_delta_rule`` (engines/linear_attention.py) in Triton: ``q, k`` [S, L, H, Dk],
     ``v`` [S, L, H, Dv], ``beta, g`` [S, L, H], all float32, from a zero state. Returns
-    (outputs [S, L, H, Dv], final states [S, H, Dk, Dv]), float32."""
+    (outputs [S, L, H, Dv], final states [S, H, Dk, Dv]), float32. Chunks of 64 positions.
+    ``tf32``: the scan's matrix products on TF32 tensor cores (10-bit mantissas: for inputs
+    that come from bf16 or fp16 activations, which carry 7 or 10 bits); else float32."""
     s, length, h, dk = k.shape
     dv = v.shape[-1]
     assert q.shape == k.shape and v.shape[:3] == k.shape[:3] and beta.shape == g.shape == k.shape[:3]
     assert all(x.dtype == torch.float32 for x in (q, k, v, beta, g)), "chunked_prefill takes float32"
     q, k, v, beta, g = (x.contiguous() for x in (q, k, v, beta, g))
+    chunk = 64
     chunks = triton.cdiv(length, chunk)
     inv = torch.empty((s, h, chunks, chunk, chunk), dtype=torch.float32, device=k.device)
     cum = torch.empty((s, h, chunks * chunk), dtype=torch.float32, device=k.device)
@@ -266,7 +327,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: tor
         k, beta, g, inv, cum,
         k.stride(0), k.stride(1), k.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
         inv.stride(0), inv.stride(1), inv.stride(2), cum.stride(0), cum.stride(1),
-        length, dk, C=chunk, BK=bk, num_warps=4,  # ~33 KB of shared memory
+        length, dk, BK=bk, num_warps=4,
     )
     out = torch.empty_like(v)
     state = torch.empty((s, h, dk, dv), dtype=torch.float32, device=k.device)
@@ -277,6 +338,6 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: tor
         beta.stride(0), beta.stride(1), beta.stride(2), inv.stride(0), inv.stride(1), inv.stride(2),
         cum.stride(0), cum.stride(1), out.stride(0), out.stride(1), out.stride(2),
         state.stride(0), state.stride(1), state.stride(2),
-        length, dk, dv, chunks, C=chunk, BK=bk, BV=bv, **SCAN_LAUNCH,
+        length, dk, dv, chunks, C=chunk, BK=bk, BV=bv, DOT="tf32" if tf32 else "ieee", **SCAN_LAUNCH,
     )
     return out, state

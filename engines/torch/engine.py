@@ -35,11 +35,16 @@ from ..interface import (
 )
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .penalties import to_device
+from .prompts import encode_prompt
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
 
 log = logging.getLogger("relay.engine")
+
+#: decode steps launched ahead (each before the last one's tokens are read) per scheduled step
+RUN_AHEAD = 8
 
 
 class TorchEngine(Engine):
@@ -62,13 +67,16 @@ class TorchEngine(Engine):
         tp: tuple[str, int, int] | None = None,
         max_context_len: int | None = None,
         ep_size: int = 1,
+        run_ahead: bool | None = None,
     ):
         """``tp``: (address, port, size) of the tensor-parallel group whose rank 0 this engine
         is (engines/torch/tp.py: :func:`~.tp.start_engine` starts the followers first).
         ``max_context_len``: prompt + max_new_tokens of a request at most (else it is refused
         with a ValueError naming the limit; the judge's ``engine_config.max_context_len``).
         ``ep_size``: a MoE model's experts in that many expert-parallel groups of the
-        engine's ranks (``engine_config.ep_size``; engines/moe.py)."""
+        engine's ranks (``engine_config.ep_size``; engines/moe.py). ``run_ahead``: launch
+        decode steps before the last one's tokens are read (:meth:`_run_ahead`); default: on
+        CUDA (on CPU the device is the host: nothing to overlap)."""
         self.max_context_len = max_context_len
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) "
@@ -77,6 +85,7 @@ class TorchEngine(Engine):
 
         self.name = name
         self.device = torch.device(device)
+        self.run_ahead = self.device.type == "cuda" if run_ahead is None else run_ahead
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, dtype)
@@ -124,6 +133,7 @@ class TorchEngine(Engine):
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._tokens_out = 0
+        self._steps_ahead = 0  # decode steps launched before the last one's tokens were read
         self._requests_done = 0  # requests answered (any finish reason)
         self._t0 = time.monotonic()
         self.events: list[tuple] = []  # (monotonic time, event, detail): sleep/wake/sync log
@@ -222,12 +232,53 @@ class TorchEngine(Engine):
         return done
 
     def _step(self) -> list[Sequence]:
+        """A scheduled step, then up to ``RUN_AHEAD`` decode steps each launched before the
+        tokens of the one before are read (see :meth:`_run_ahead`): the host appends tokens,
+        ends requests and prepares the next step while the device computes. Every step
+        launched here is read here (nothing is in flight when this returns)."""
         plan = self.scheduler.schedule()
         if not plan.batch:
             return plan.finished
-        token_ids, logprobs = self.sampler.sample_batch(self.runner.run(plan), plan.batch)
-        self._tokens_out += len(token_ids)
-        return plan.finished + self.scheduler.postprocess(plan, token_ids, logprobs, self.sampler.is_finished)
+        step = (plan.batch, self.sampler.sample_batch(self.runner.run(plan), plan.batch))
+        done = list(plan.finished)
+        for _ in range(RUN_AHEAD):
+            ahead = self._run_ahead(step, done)
+            done += self._land(step)
+            if ahead is None:
+                return done
+            step = ahead
+        return done + self._land(step)
+
+    def _land(self, step: tuple) -> list[Sequence]:
+        """Read a launched step's tokens and append them; the requests it finished."""
+        seqs, sampled = step
+        token_ids, logprobs = sampled.read()
+        self._tokens_out += sum(s.finish_reason is None for s in seqs)
+        return self.scheduler.postprocess(seqs, token_ids, logprobs, self.sampler.is_finished)
+
+    def _run_ahead(self, step: tuple, done: list[Sequence]) -> tuple | None:
+        """Launch the decode step after ``step`` before ``step``'s tokens are read: its
+        requests (those not finished, nor ending by length with ``step``'s token) feed those
+        tokens from the device. Only when nothing waits to be admitted or aborted, the
+        engine runs on one GPU, every request samples on the device (:meth:`Sampler.on_device`)
+        and free blocks hold the next slots. A request that ``step`` ends has a void row (its
+        KV write lands in its own, not yet reused, block); every other row is as a regular
+        step would compute it."""
+        seqs, sampled = step
+        if (not self.run_ahead or self._paused or self.runner.tp is not None or self.scheduler.has_input()
+                or (done and self.scheduler.waiting_count())):
+            return None
+        live = [s for s in seqs if s.finish_reason is None and len(s.output) + 1 < s.sampling.max_new_tokens]
+        if (not live or not all(self.sampler.on_device(s.sampling) for s in live)
+                or not self.scheduler.reserve_ahead(live)):
+            return None
+        if len(live) == len(seqs):
+            ids = sampled.tok
+        else:
+            index = {id(s): i for i, s in enumerate(seqs)}
+            ids = sampled.tok[to_device([index[id(s)] for s in live], torch.int64, sampled.tok.device)]
+        self._steps_ahead += 1
+        return live, self.sampler.sample_batch(self.runner.decode(live, ids), live, 1)
 
     def _recover(self, exc: BaseException) -> BaseException | None:
         """Engine thread, after a step raised: fail the step's requests (every running one:
@@ -384,6 +435,7 @@ class TorchEngine(Engine):
             "tokens_generated": self._tokens_out,
             "requests_finished": self._requests_done,
             "step_failures": self._step_failures,
+            "steps_run_ahead": self._steps_ahead,
             "weight_version": self.weight_version,
             "kv_blocks_free": len(self.blocks.free_blocks),
             "prefill_tokens": self.runner.prefill_tokens,
@@ -422,31 +474,6 @@ class TorchEngine(Engine):
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._exec.shutdown(wait=False, cancel_futures=True)
-
-
-#: chat content parts this engine refuses (it runs a VL checkpoint's text model only)
-MEDIA_PARTS = ("image", "image_url", "video", "video_url")
-
-
-def encode_prompt(tokenizer, vocab_size: int, prompt, chat_template_kwargs) -> list:
-    """Token ids of a prompt given as text, chat messages (rendered by the chat template) or
-    token ids (checked against the vocabulary)."""
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        for m in prompt:  # a VL checkpoint serves its text model: no vision tower
-            parts = m.get("content") if isinstance(m, dict) else None
-            if isinstance(parts, list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in parts):
-                raise ValueError("an image or video content part: this engine serves text only")
-        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                            **(chat_template_kwargs or {}))
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
-        return list(prompt)
-    raise ValueError("prompt must be a non-empty list of token ids, a string, or chat messages [{role, content}]")
 
 
 def _settle_error(future: asyncio.Future, error: BaseException) -> None:

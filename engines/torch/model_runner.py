@@ -225,39 +225,53 @@ class ModelRunner:
         state = () if rows is None else (self.state.tensors, rows.to(dev))
         return self.model.prefill(ids.to(dev), lens.to(dev), slots.to(dev), self.k, self.v, *state)
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the next token of running requests (each feeds its last token); on
-        CUDA through a captured graph of the padded batch size."""
+        CUDA through a captured graph of the padded batch size. ``ids`` [len(seqs)]: the
+        tokens to feed instead, on the device: sampled by the step before and not appended
+        yet (each request feeds it at position ``n_tokens``; its block has the slot)."""
         bs = self.blocks.block_size
         n = len(seqs)
         padded = bucket(n) if self.use_cuda_graph else n
         scratch_slot = self.blocks.scratch_block * bs
-        ids = [s.last_token for s in seqs]
-        pos = [s.n_tokens - 1 for s in seqs]
+        ahead = ids is not None
+        tokens = [0] * n if ahead else [s.last_token for s in seqs]
+        pos = [s.n_tokens - 1 + ahead for s in seqs]
         slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
         pad = padded - n
-        meta = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad,
+        meta = torch.tensor([tokens + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad,
                              [p + 1 for p in pos] + [1] * pad])
         width = max(len(s.blocks) for s in seqs)
         rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
-        return self.decode_tensors(meta, tables, n, None if self.state is None else rows)  # a hybrid's state rows
+        return self.decode_tensors(meta, tables, n, None if self.state is None else rows, ids)  # a hybrid's rows
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the device's queued work (CUDA:
+        through pinned memory; a copy from pageable memory waits for the stream)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def decode_tensors(self, meta: torch.Tensor, tables: torch.Tensor, n: int,
-                       rows: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`decode` once its inputs are tensors (what followers run): ``meta`` [4, B]
         ids, positions, slots, context lengths of the padded batch; ``tables`` its block
-        tables; ``n`` the real rows; ``rows`` a hybrid model's state rows (= table rows)."""
+        tables; ``n`` the real rows; ``rows`` a hybrid model's state rows (= table rows);
+        ``ids`` (device, one engine GPU only) the first ``n`` ids instead of meta's."""
+        if ids is not None and self.tp is not None:
+            raise RuntimeError("decode with device-side ids runs on an engine of one GPU only")
         self._mirror("decode_tensors", meta, tables, n, rows)
         if not self.use_cuda_graph:
-            dev = self.device
-            meta = meta.to(dev)
-            state = () if rows is None else (self.state.tensors, rows.to(dev))
-            return self.model.decode(meta[0], meta[1], meta[2], tables.to(dev), meta[3].to(torch.int32), self.k,
-                                     self.v, *state)
+            meta = self._to_device(meta)
+            if ids is not None:
+                meta[0, :n] = ids
+            state = () if rows is None else (self.state.tensors, self._to_device(rows))
+            return self.model.decode(meta[0], meta[1], meta[2], self._to_device(tables), meta[3].to(torch.int32),
+                                     self.k, self.v, *state)
         if self.graphs is None:
             self.graphs = DecodeGraphs(self)
-        return self.graphs.run(meta, tables, rows)[:n]
+        return self.graphs.run(meta, tables, rows, ids)[:n]
 
     def self_test(self) -> None:
         """One prefill and one decode of a one-token prompt through the engine's own paths
@@ -338,12 +352,18 @@ class DecodeGraphs:
         torch.cuda.synchronize(dev)
         self.bytes += max(0, before - torch.cuda.mem_get_info(dev)[0])  # device memory the capture took
 
-    def run(self, meta: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, meta: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor | None = None,
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph of ``meta``'s (padded) batch size on these inputs (host tensors,
+        copied through pinned memory without waiting for queued work; ``ids``: device ids of
+        the first rows instead of meta's); its output buffer is overwritten by the next replay."""
         b = meta.shape[1]
-        self.meta[:, :b].copy_(meta, non_blocking=True)
-        self.tables[:b, : tables.shape[1]].copy_(tables, non_blocking=True)
+        self.meta[:, :b].copy_(meta.pin_memory(), non_blocking=True)
+        if ids is not None:
+            self.meta[0, : ids.shape[0]].copy_(ids)
+        self.tables[:b, : tables.shape[1]].copy_(tables.pin_memory(), non_blocking=True)
         if rows is not None:
-            self.rows[:b].copy_(rows, non_blocking=True)
+            self.rows[:b].copy_(rows.pin_memory(), non_blocking=True)
         if b not in self.graphs:
             self._capture(b)
         graph, out = self.graphs[b]

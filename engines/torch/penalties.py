@@ -26,6 +26,14 @@ import torch
 from .sequence import Sequence
 
 
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``data`` as a tensor on ``device`` without waiting for the device: on CUDA through
+    pinned memory (a copy from pageable memory waits for the stream's earlier work)."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class PenaltyState:
     """One request's token statistics, on the logits' device."""
 
@@ -108,5 +116,5 @@ def min_p_mask(logp: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
     (``logp``: the rows' log-softmax at their temperature), or None when no row sets min_p."""
     if not any(s.sampling.min_p > 0 for s in seqs):
         return None
-    mins = torch.tensor([s.sampling.min_p for s in seqs], device=logp.device, dtype=logp.dtype)
+    mins = to_device([s.sampling.min_p for s in seqs], logp.dtype, logp.device)
     return logp < logp.max(dim=-1, keepdim=True).values + torch.log(mins)[:, None]

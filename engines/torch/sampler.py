@@ -7,34 +7,82 @@ import torch
 
 from ..interface import SamplingParams
 from ..kernels import seeded_gumbel_argmax, seeded_uniform, triton_usable
-from .penalties import apply_penalties, min_p_mask
+from .penalties import apply_penalties, min_p_mask, to_device
 from .sequence import Sequence
+
+
+class Sampled:
+    """One step's tokens [B] and their log-probs, on the device and on their way to the host
+    (into a pinned buffer, the copy's completion marked by an event): :meth:`read` waits for
+    that step's work only, not for work queued after it."""
+
+    def __init__(self, tok: torch.Tensor, lp: torch.Tensor, pinned: torch.Tensor | None):
+        self.tok = tok
+        pair = torch.stack((tok.double(), lp.double()))
+        self.event = None
+        if pinned is None:
+            self.host = pair
+        else:
+            self.host = pinned[:, : tok.shape[0]]
+            self.host.copy_(pair, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self.event is not None:
+            self.event.synchronize()
+        toks, lps = self.host.tolist()
+        return [int(t) for t in toks], lps
 
 
 class Sampler:
     def __init__(self, tokenizer, eos: set):
         self.tokenizer = tokenizer
         self.eos = eos  # the engine's set: shared, not copied
+        self._pinned: list[torch.Tensor] = []  # two host buffers, used in turn (CUDA)
+        self._turn = 0
 
-    def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-        """Sample one token per row on the device, with one host transfer for the batch.
-        Seeded rows use Gumbel-max over :func:`seeded_uniform` noise (batched); rows that
-        truncate by top-k / top-p are handled row by row (min_p alone is batched: a mask).
-        Penalties change the rows that ask for them first (:mod:`.penalties`)."""
+    @staticmethod
+    def on_device(sampling: SamplingParams) -> bool:
+        """Whether a row is sampled without the host's help (:meth:`sample_batch` waits on
+        nothing): greedy, or drawn from the whole (min_p-masked) distribution; not penalized
+        (penalties count the tokens the host has seen), not truncated by top-k / top-p (drawn
+        row by row)."""
+        return not sampling.penalized and (
+            sampling.temperature == 0 or (sampling.top_k < 0 and sampling.top_p >= 1.0))
+
+    def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> Sampled:
+        """Sample one token per row on the device; the result's :meth:`Sampled.read` gives
+        them (one device->host transfer for the batch). Seeded rows use Gumbel-max over
+        :func:`seeded_uniform` noise (batched) at position ``len(output) + ahead`` (``ahead``:
+        tokens of the request sampled but not yet appended); rows that truncate by top-k /
+        top-p are handled row by row (min_p alone is batched: a mask). Penalties change the
+        rows that ask for them first (:mod:`.penalties`)."""
         logits = apply_penalties(logits, seqs, self.eos)
         if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
             tok = logits.argmax(dim=-1)  # (one read of the logits more, no [B, V] log-softmax written)
             lp = logits.gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         else:
-            tok, logp = self._sample_rows(logits, seqs)
+            tok, logp = self._sample_rows(logits, seqs, ahead)
             lp = logp.gather(1, tok[:, None])[:, 0]
-        toks, lps = torch.stack((tok.double(), lp.double())).tolist()  # one device->host transfer
-        return [int(t) for t in toks], lps
+        return Sampled(tok, lp, self._pinned_buffer(logits.device, len(seqs)))
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pinned_buffer(self, device: torch.device, rows: int) -> torch.Tensor | None:
+        """The next of two pinned [2, N] buffers: a step's buffer is read before the step
+        two later writes it (the engine lands a step before launching the one after next)."""
+        if device.type != "cuda":
+            return None
+        if not self._pinned or self._pinned[0].shape[1] < rows:
+            size = max(rows, 256)
+            self._pinned = [torch.empty((2, size), dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        self._turn ^= 1
+        return self._pinned[self._turn]
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
+                     ahead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B] and the log-softmax at each row's temperature [B, V]."""
         dev = logits.device
-        temps = torch.tensor([s.sampling.temperature or 1.0 for s in seqs], device=dev, dtype=logits.dtype)
+        temps = to_device([s.sampling.temperature or 1.0 for s in seqs], logits.dtype, dev)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         tok = logits.argmax(dim=-1)  # greedy rows; every other row is drawn below
         drop = min_p_mask(logp, seqs)  # min_p: tokens no row may draw
@@ -45,12 +93,15 @@ class Sampler:
         plain = [i for i in untruncated if seqs[i].generator is None]
         seeded = [i for i in untruncated if seqs[i].generator is not None]
         if plain:
-            idx = torch.tensor(plain, device=dev)
-            tok[idx] = torch.multinomial(draw_logp[idx].exp(), 1)[:, 0]
+            if len(plain) == len(seqs):
+                tok = torch.multinomial(draw_logp.exp(), 1)[:, 0]
+            else:
+                idx = to_device(plain, torch.int64, dev)
+                tok[idx] = torch.multinomial(draw_logp[idx].exp(), 1)[:, 0]
         if seeded:  # Gumbel-max with noise from (seed, position): batched and batch-independent
-            idx = torch.tensor(seeded, device=dev)
-            seeds = torch.tensor([seqs[i].sampling.seed for i in seeded], device=dev, dtype=torch.int64)
-            pos = torch.tensor([len(seqs[i].output) for i in seeded], device=dev, dtype=torch.int64)
+            idx = to_device(seeded, torch.int64, dev)
+            seeds = to_device([seqs[i].sampling.seed for i in seeded], torch.int64, dev)
+            pos = to_device([len(seqs[i].output) + ahead for i in seeded], torch.int64, dev)
             rows, row_temps = draw_logits[idx], temps[idx]
             if triton_usable(dev):  # one fused pass over the vocabulary per row
                 tok[idx] = seeded_gumbel_argmax(rows, row_temps, seeds, pos)

@@ -170,12 +170,30 @@ class Scheduler:
             self.blocks.assign_row(seq)
             plan.admitted.append(seq)
 
-    def postprocess(self, plan: StepPlan, token_ids: list[int], logprobs: list[float],
+    def reserve_ahead(self, seqs: list[Sequence]) -> bool:
+        """A slot for one more token of each of ``seqs`` beyond the one in flight (a decode
+        step launched before the last step's tokens are appended), taking blocks but never
+        preempting: False, taking nothing, when the free blocks do not cover them (the step
+        is then not launched; a regular step follows)."""
+        bs = self.blocks.block_size
+        need = [s for s in seqs if s.n_tokens + 1 > len(s.blocks) * bs]
+        if len(need) > len(self.blocks.free_blocks):
+            return False
+        for seq in need:
+            self.blocks.append_block(seq)
+        return True
+
+    def postprocess(self, plan: StepPlan | list[Sequence], token_ids: list[int], logprobs: list[float],
                     is_finished: Callable[[Sequence, int], bool]) -> list[Sequence]:
-        """Append each request's sampled token; the requests that ``is_finished`` ends
-        (it sets their finish reason), finished and holding no blocks."""
+        """Append each request's sampled token (``plan``: a step's plan, or the requests of
+        its batch in order); the requests that ``is_finished`` ends (it sets their finish
+        reason), finished and holding no blocks. A request already finished (by an earlier
+        step, while this one ran ahead) is skipped: its row is void."""
         finished = []
-        for seq, token, logprob in zip(plan.batch, token_ids, logprobs):
+        batch = plan.batch if isinstance(plan, StepPlan) else plan
+        for seq, token, logprob in zip(batch, token_ids, logprobs):
+            if seq.finish_reason is not None:
+                continue
             seq.cached_tokens = seq.n_tokens
             seq.output.append(token)
             seq.logprobs.append(logprob)

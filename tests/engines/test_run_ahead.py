@@ -1,0 +1,108 @@
+"""Decode steps launched before the last step's tokens are read (TorchEngine ``run_ahead``,
+the default on CUDA; forced on here, on CPU) give exactly what step-by-step decoding gives:
+tokens, log-probs, finish reasons and texts, for requests that end at different steps
+(length, stop token, stop string), seeded sampling, min_p, block boundaries crossed while
+running ahead, KV pressure that makes the run ahead give way and preemption happen,
+penalized requests (never run ahead) and a hybrid model (whose recurrent state a void row
+must not corrupt)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.model_builder import make_model
+from engines.torch import TorchEngine
+from tests.engines.test_qwen35 import hybrid_model
+from tests.helpers import run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _prompts():
+    return [[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 5, 9, 12, 17, 23, 30, 41)]
+
+
+async def _generate(path: str, requests: list, run_ahead: bool, **engine) -> tuple[list, dict]:
+    eng = TorchEngine(path, run_ahead=run_ahead, **engine)
+    try:
+        res = await asyncio.gather(*(eng.generate(p, s) for p, s in requests))
+        stats = await eng.stats()
+    finally:
+        await eng.close()
+    return [(r.token_ids, r.logprobs, r.finish_reason, r.text) for r in res], stats
+
+
+def _both(path: str, requests: list, **engine) -> tuple[list, dict, list, dict]:
+    async def main():
+        return (*await _generate(path, requests, True, **engine), *await _generate(path, requests, False, **engine))
+
+    return run(main(), 240)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_model("llama", "tiny", str(tmp_path_factory.mktemp("m") / "llama"), seed=1)
+
+
+def _mixed_requests(path: str) -> list:
+    """Requests that end at different steps, found from a step-by-step run of seeded ones."""
+    seeded = [{"temperature": 0.9, "seed": 100 + i, "max_new_tokens": 24, "ignore_eos": True} for i in range(8)]
+    probe, _ = run(_generate(path, list(zip(_prompts(), seeded)), False, kv_cache_tokens=4096), 120)
+    stop_tok = probe[1][0][6]  # the 7th token of request 1: it stops there (or at an earlier copy)
+    stop_text = probe[2][3][-3:] if len(probe[2][3]) >= 3 else probe[2][3]
+    sampling = [
+        {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True},
+        {**seeded[1], "stop_token_ids": [stop_tok]},
+        {**seeded[2], "stop": [stop_text]} if stop_text else seeded[2],
+        {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
+        {**seeded[4], "min_p": 0.2},
+        {"temperature": 0.7, "max_new_tokens": 19, "ignore_eos": True, "seed": 7},
+        {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True},
+        seeded[7],
+    ]
+    return list(zip(_prompts(), sampling))
+
+
+def test_run_ahead_equals_step_by_step_decoding(llama):
+    requests = _mixed_requests(llama)
+    ahead, stats, plain, plain_stats = _both(llama, requests, kv_cache_tokens=4096, block_size=4)
+    assert ahead == plain
+    assert [r[2] for r in ahead][:4] == ["length", "stop", "stop", "length"]
+    assert len(ahead[0][0]) == 1 and len(ahead[1][0]) < 24
+    assert stats["steps_run_ahead"] > 10 and plain_stats["steps_run_ahead"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == 0
+
+
+def test_run_ahead_gives_way_under_kv_pressure(llama):
+    """A cache of 40 blocks of 4 tokens for 8 requests of up to 71 tokens: running ahead
+    stops when no block is free for the next slots, requests are preempted and recomputed,
+    and the tokens still equal step-by-step decoding's (log-probs to rounding)."""
+    greedy = [(p, {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}) for p in _prompts()]
+    ahead, stats, plain, _ = _both(llama, greedy, kv_cache_tokens=160, block_size=4)
+    # a preempted request is readmitted a few steps later when running ahead, so the batches a
+    # request decodes in differ: on CPU a matmul's rounding depends on its batch (< 1e-6 here)
+    assert [(r[0], r[2], r[3]) for r in ahead] == [(r[0], r[2], r[3]) for r in plain]
+    assert max(abs(x - y) for a, b in zip(ahead, plain) for x, y in zip(a[1], b[1])) < 1e-5
+    assert stats["steps_run_ahead"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["prefill_tokens"] > sum(len(p) for p in _prompts())  # preempted requests were prefilled again
+
+
+def test_penalized_requests_never_run_ahead(llama):
+    """A penalty counts the tokens the host has appended, so a batch with one never runs ahead."""
+    reqs = [(p, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "repetition_penalty": 1.3})
+            for p in _prompts()[:4]]
+    ahead, stats, plain, _ = _both(llama, reqs, kv_cache_tokens=4096)
+    assert ahead == plain and stats["steps_run_ahead"] == 0
+
+
+def test_a_hybrid_model_runs_ahead_with_its_recurrent_state_intact(tmp_path):
+    """qwen3_5_moe: rows of requests that ended are void but still advance their state row;
+    the live rows' states (and so their tokens) are those of step-by-step decoding."""
+    path = hybrid_model(str(tmp_path / "h"), 3)
+    reqs = [(p, {"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+            for p, n in zip(_prompts()[:5], (1, 3, 8, 14, 20))]
+    reqs += [(_prompts()[5], {"temperature": 0.8, "seed": 3, "max_new_tokens": 16, "ignore_eos": True})]
+    ahead, stats, plain, _ = _both(path, reqs, kv_cache_tokens=2048, block_size=8)
+    assert ahead == plain and stats["steps_run_ahead"] > 0
