@@ -26,6 +26,8 @@ from .moe import SparseMoE
 if triton is not None:
     import triton.language as tl
 
+    from .kernels import normed_rotated
+
     @triton.jit
     def _qkv_rope_kernel(
         QKV, QW, KW, POS, INV, SLOTS, QOUT, KC, VC,
@@ -42,22 +44,9 @@ if triton is not None:
         is_q = j < H
         kvh = tl.maximum(j - H, 0)
         slot = tl.load(SLOTS + b).to(tl.int64)
-        base = row + tl.where(is_q, j * D, H * D + kvh * D)
-        w_ptr = tl.where(is_q, QW, KW)
-        x1 = tl.load(base + i, mask=mask, other=0.0)
-        x2 = tl.load(base + half + i, mask=mask, other=0.0)
-        if NORM:  # as kernels._norm_rope_kernel: statistics in float32, the normalised rounded first
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            r = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
-            w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
-            w2 = tl.load(w_ptr + half + i, mask=mask, other=0.0).to(tl.float32)
-            x1 = (w1 * (f1 * r).to(QKV.dtype.element_ty).to(tl.float32)).to(QKV.dtype.element_ty)
-            x2 = (w2 * (f2 * r).to(QKV.dtype.element_ty).to(tl.float32)).to(QKV.dtype.element_ty)
-        angle = tl.load(POS + b).to(tl.float32) * tl.load(INV + i, mask=mask, other=0.0)
-        c = tl.cos(angle)
-        s = tl.sin(angle)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        out1, out2 = f1 * c - f2 * s, f2 * c + f1 * s
+        # as kernels._norm_rope_kernel: a query head with q_norm, a key head with k_norm
+        out1, out2 = normed_rotated(row + tl.where(is_q, j * D, H * D + kvh * D), tl.where(is_q, QW, KW),
+                                    tl.load(POS + b), INV, eps, D, HALF_P, NORM)
         if is_q:
             out = QOUT + b * s_qob + j * s_qoh
             tl.store(out + i, out1.to(QOUT.dtype.element_ty), mask=mask)

@@ -229,7 +229,20 @@ if triton is not None:
         half: tl.constexpr = D // 2
         i = tl.arange(0, HALF_P)
         mask = i < half
-        base = X + b * s_xb + h * s_xh
+        out1, out2 = normed_rotated(X + b * s_xb + h * s_xh, W, tl.load(POS + b), INV, eps, D, HALF_P, NORM)
+        out = Y + b * s_yb + h * s_yh
+        tl.store(out + i, out1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(out + half + i, out2.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def normed_rotated(base, W, pos, INV, eps, D: tl.constexpr, HALF_P: tl.constexpr, NORM: tl.constexpr):
+        """One head at ``base`` (D values, rotate-half convention) as its float32 halves: when
+        ``NORM``, RMSNorm with weight ``W`` (statistics in float32, the normalised values
+        rounded to the input's dtype before the weight, as torch); then the rotary embedding
+        at position ``pos``."""
+        half: tl.constexpr = D // 2
+        i = tl.arange(0, HALF_P)
+        mask = i < half
         x1 = tl.load(base + i, mask=mask, other=0.0)
         x2 = tl.load(base + half + i, mask=mask, other=0.0)
         if NORM:
@@ -237,15 +250,13 @@ if triton is not None:
             r = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
             w1 = tl.load(W + i, mask=mask, other=0.0).to(tl.float32)
             w2 = tl.load(W + half + i, mask=mask, other=0.0).to(tl.float32)
-            x1 = (w1 * (f1 * r).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
-            x2 = (w2 * (f2 * r).to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty)
-        angle = tl.load(POS + b).to(tl.float32) * tl.load(INV + i, mask=mask, other=0.0)
+            x1 = (w1 * (f1 * r).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+            x2 = (w2 * (f2 * r).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        angle = pos.to(tl.float32) * tl.load(INV + i, mask=mask, other=0.0)
         c = tl.cos(angle)
         s = tl.sin(angle)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        out = Y + b * s_yb + h * s_yh
-        tl.store(out + i, (f1 * c - f2 * s).to(Y.dtype.element_ty), mask=mask)
-        tl.store(out + half + i, (f2 * c + f1 * s).to(Y.dtype.element_ty), mask=mask)
+        return f1 * c - f2 * s, f2 * c + f1 * s
 
     @triton.jit
     def _silu_mul_kernel(G, U, Y, s_g, s_u, s_y, n, BLOCK: tl.constexpr):
