@@ -47,14 +47,19 @@ def paged_decode_attention(
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float):
-    """Torch reference: gathers each sequence's blocks, masks past its length."""
+    """Torch reference: gathers each sequence's blocks, masks past its length. Slots past a
+    length are zeroed after the gather: the cache is not initialised, and a NaN there would
+    reach the output through the masked scores (NaN + -inf)."""
     b, h, d = q.shape
     n, page, kvh, _ = k_cache.shape
     width = block_tables.shape[1]
     tables = block_tables.reshape(-1).long()
-    keys = k_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
-    vals = v_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)
     mask = torch.arange(width * page, device=q.device)[None, :] < context_lens.long()[:, None]
+    keep = mask[:, None, :, None]
+    keys = k_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
+    keys = keys.masked_fill(~keep, 0)
+    vals = v_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)
+    vals = vals.masked_fill(~keep, 0)
     out = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None, :],
         keys.to(q.dtype),

@@ -107,9 +107,12 @@ class ModelRunner:
         self._mirror("allocate_kv", blocks)
         c = self.cfg
         # One extra block, never handed out: the scratch block padding rows write and read.
+        # Not zeroed (a wake's cost on a large cache): a slot is written before it is read (a
+        # prompt's by its prefill, a token's in its decode step); padding rows read garbage
+        # into rows nobody reads.
         shape = (c.kv_layers, blocks + 1, self.blocks.block_size, c.local_kv_heads, c.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
         if self.state is not None:
             self.state.allocate()
         self.blocks.resize(blocks, self.cfg.max_position_embeddings)

@@ -255,3 +255,41 @@ def test_packed_projections_follow_loads_updates_and_sleep(tmp_path):
         await eng.close()
 
     asyncio.run(main())
+
+
+def test_an_uninitialised_cache_never_reaches_the_output(tmp_path):
+    """The KV cache is allocated without zeroing: every slot a step reads was written first.
+    An engine whose cache is filled with NaN before any request (and again after a sleep
+    and wake) gives exactly a fresh engine's greedy tokens and log-probs, on the torch path
+    here and through the Triton kernels under the interpreter."""
+    code = f"""
+        import asyncio, json, torch
+        from engines.model_builder import make_model
+        from engines.torch import TorchEngine
+        path = make_model("qwen3", "tiny", {str(tmp_path / "m")!r}, seed=5)
+        prompts = [[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)]
+        greedy = {{"temperature": 0, "max_new_tokens": 9, "ignore_eos": True}}
+        async def main(poison):
+            eng = TorchEngine(path, kv_cache_tokens=1024, block_size=8, weights_mode="backup")
+            out = []
+            for _ in range(2):
+                if poison:
+                    eng.runner.k.fill_(float("nan"))
+                    eng.runner.v.fill_(float("nan"))
+                res = await asyncio.gather(*(eng.generate(p, greedy) for p in prompts))
+                out.append([(r.token_ids, r.logprobs) for r in res])
+                await eng.sleep()
+                await eng.wake()
+            await eng.close()
+            return out
+        print(json.dumps([asyncio.run(main(False)), asyncio.run(main(True))]))
+    """
+    import json
+
+    for interpret in (False, True):
+        out = _interpret(code) if interpret else subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=240, cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+        clean, poisoned = json.loads(out.strip().splitlines()[-1])
+        assert clean == poisoned
+        assert clean[0] == clean[1] and len(clean[0][0][0]) == 9
