@@ -35,16 +35,13 @@ from ..interface import (
 )
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .penalties import to_device
 from .prompts import encode_prompt
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .stepper import Stepper
 
 log = logging.getLogger("relay.engine")
-
-#: decode steps launched ahead (each before the last one's tokens are read) per scheduled step
-RUN_AHEAD = 8
 
 
 class TorchEngine(Engine):
@@ -75,8 +72,8 @@ class TorchEngine(Engine):
         with a ValueError naming the limit; the judge's ``engine_config.max_context_len``).
         ``ep_size``: a MoE model's experts in that many expert-parallel groups of the
         engine's ranks (``engine_config.ep_size``; engines/moe.py). ``run_ahead``: launch
-        decode steps before the last one's tokens are read (:meth:`_run_ahead`); default: on
-        CUDA (on CPU the device is the host: nothing to overlap)."""
+        decode steps before the last one's tokens are read (engines/torch/stepper.py); default:
+        on CUDA (on CPU the device is the host: nothing to overlap)."""
         self.max_context_len = max_context_len
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) "
@@ -85,7 +82,6 @@ class TorchEngine(Engine):
 
         self.name = name
         self.device = torch.device(device)
-        self.run_ahead = self.device.type == "cuda" if run_ahead is None else run_ahead
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, dtype)
@@ -132,8 +128,8 @@ class TorchEngine(Engine):
             self._exec.submit(torch.set_num_threads, threads).result()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._tokens_out = 0
-        self._steps_ahead = 0  # decode steps launched before the last one's tokens were read
+        self.stepper = Stepper(self.scheduler, self.runner, self.sampler, paused=lambda: self._paused,
+                               run_ahead=self.device.type == "cuda" if run_ahead is None else run_ahead)
         self._requests_done = 0  # requests answered (any finish reason)
         self._t0 = time.monotonic()
         self.events: list[tuple] = []  # (monotonic time, event, detail): sleep/wake/sync log
@@ -198,7 +194,7 @@ class TorchEngine(Engine):
                 await self._wakeup.wait()
                 continue
             try:
-                done = await loop.run_in_executor(self._exec, self._steps)
+                done = await loop.run_in_executor(self._exec, self.stepper.steps)
             except Exception as e:  # noqa: BLE001 (every caller gets the error; nothing waits forever)
                 self._step_failures += 1
                 broken = await loop.run_in_executor(self._exec, self._recover, e)
@@ -220,65 +216,6 @@ class TorchEngine(Engine):
                                              len(seq.prompt), self.weight_version))
 
     # ------------------------------------------------------------------ the step (engine thread)
-
-    def _steps(self, most: int = 8) -> list[Sequence]:
-        """Up to ``most`` steps in one hop to the engine thread: it returns as soon as a
-        request finishes (so its caller hears at once) or anything arrives to admit or abort,
-        or the engine is paused."""
-        for _ in range(most):
-            done = self._step()
-            if done or self._paused or not self.scheduler.running or self.scheduler.has_input():
-                return done
-        return done
-
-    def _step(self) -> list[Sequence]:
-        """A scheduled step, then up to ``RUN_AHEAD`` decode steps each launched before the
-        tokens of the one before are read (see :meth:`_run_ahead`): the host appends tokens,
-        ends requests and prepares the next step while the device computes. Every step
-        launched here is read here (nothing is in flight when this returns)."""
-        plan = self.scheduler.schedule()
-        if not plan.batch:
-            return plan.finished
-        step = (plan.batch, self.sampler.sample_batch(self.runner.run(plan), plan.batch))
-        done = list(plan.finished)
-        for _ in range(RUN_AHEAD):
-            ahead = self._run_ahead(step, done)
-            done += self._land(step)
-            if ahead is None:
-                return done
-            step = ahead
-        return done + self._land(step)
-
-    def _land(self, step: tuple) -> list[Sequence]:
-        """Read a launched step's tokens and append them; the requests it finished."""
-        seqs, sampled = step
-        token_ids, logprobs = sampled.read()
-        self._tokens_out += sum(s.finish_reason is None for s in seqs)
-        return self.scheduler.postprocess(seqs, token_ids, logprobs, self.sampler.is_finished)
-
-    def _run_ahead(self, step: tuple, done: list[Sequence]) -> tuple | None:
-        """Launch the decode step after ``step`` before ``step``'s tokens are read: its
-        requests (those not finished, nor ending by length with ``step``'s token) feed those
-        tokens from the device. Only when nothing waits to be admitted or aborted, the
-        engine runs on one GPU, every request samples on the device (:meth:`Sampler.on_device`)
-        and free blocks hold the next slots. A request that ``step`` ends has a void row (its
-        KV write lands in its own, not yet reused, block); every other row is as a regular
-        step would compute it."""
-        seqs, sampled = step
-        if (not self.run_ahead or self._paused or self.runner.tp is not None or self.scheduler.has_input()
-                or (done and self.scheduler.waiting_count())):
-            return None
-        live = [s for s in seqs if s.finish_reason is None and len(s.output) + 1 < s.sampling.max_new_tokens]
-        if (not live or not all(self.sampler.on_device(s.sampling) for s in live)
-                or not self.scheduler.reserve_ahead(live)):
-            return None
-        if len(live) == len(seqs):
-            ids = sampled.tok
-        else:
-            index = {id(s): i for i, s in enumerate(seqs)}
-            ids = sampled.tok[to_device([index[id(s)] for s in live], torch.int64, sampled.tok.device)]
-        self._steps_ahead += 1
-        return live, self.sampler.sample_batch(self.runner.decode(live, ids), live, 1)
 
     def _recover(self, exc: BaseException) -> BaseException | None:
         """Engine thread, after a step raised: fail the step's requests (every running one:
@@ -431,11 +368,11 @@ class TorchEngine(Engine):
             "bytes": self.runner.memory_bytes(),
             "running": len(self.scheduler.running),
             "waiting": self.scheduler.waiting_count(),
-            "tokens_per_s": self._tokens_out / elapsed,
-            "tokens_generated": self._tokens_out,
+            "tokens_per_s": self.stepper.tokens_out / elapsed,
+            "tokens_generated": self.stepper.tokens_out,
             "requests_finished": self._requests_done,
             "step_failures": self._step_failures,
-            "steps_run_ahead": self._steps_ahead,
+            "steps_run_ahead": self.stepper.steps_ahead,
             "weight_version": self.weight_version,
             "kv_blocks_free": len(self.blocks.free_blocks),
             "prefill_tokens": self.runner.prefill_tokens,

@@ -1,0 +1,90 @@
+"""The engine thread's steps (engines/torch/engine.py hands each hop of work to
+:meth:`Stepper.steps`): the scheduler plans a step, the model runner runs it, the sampler
+picks the tokens and the scheduler appends them; with ``run_ahead``, decode steps are
+launched before the tokens of the one before are read (:meth:`Stepper._run_ahead`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .model_runner import ModelRunner
+from .penalties import to_device
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+#: decode steps launched ahead (each before the last one's tokens are read) per scheduled step
+RUN_AHEAD = 8
+
+
+class Stepper:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, *, run_ahead: bool,
+                 paused: Callable[[], bool]):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.run_ahead = run_ahead
+        self.paused = paused  # whether the engine is paused (read between steps)
+        self.tokens_out = 0  # tokens appended to requests
+        self.steps_ahead = 0  # decode steps launched before the last one's tokens were read
+
+    def steps(self, most: int = 8) -> list[Sequence]:
+        """Up to ``most`` steps in one hop to the engine thread: it returns as soon as a
+        request finishes (so its caller hears at once) or anything arrives to admit or abort,
+        or the engine is paused."""
+        for _ in range(most):
+            done = self.step()
+            if done or self.paused() or not self.scheduler.running or self.scheduler.has_input():
+                return done
+        return done
+
+    def step(self) -> list[Sequence]:
+        """A scheduled step, then up to ``RUN_AHEAD`` decode steps each launched before the
+        tokens of the one before are read (see :meth:`_run_ahead`): the host appends tokens,
+        ends requests and prepares the next step while the device computes. Every step
+        launched here is read here (nothing is in flight when this returns)."""
+        plan = self.scheduler.schedule()
+        if not plan.batch:
+            return plan.finished
+        step = (plan.batch, self.sampler.sample_batch(self.runner.run(plan), plan.batch))
+        done = list(plan.finished)
+        for _ in range(RUN_AHEAD):
+            ahead = self._run_ahead(step, done)
+            done += self._land(step)
+            if ahead is None:
+                return done
+            step = ahead
+        return done + self._land(step)
+
+    def _land(self, step: tuple) -> list[Sequence]:
+        """Read a launched step's tokens and append them; the requests it finished."""
+        seqs, sampled = step
+        token_ids, logprobs = sampled.read()
+        self.tokens_out += sum(s.finish_reason is None for s in seqs)
+        return self.scheduler.postprocess(seqs, token_ids, logprobs, self.sampler.is_finished)
+
+    def _run_ahead(self, step: tuple, done: list[Sequence]) -> tuple | None:
+        """Launch the decode step after ``step`` before ``step``'s tokens are read: its
+        requests (those not finished, nor ending by length with ``step``'s token) feed those
+        tokens from the device. Only when nothing waits to be admitted or aborted, the
+        engine runs on one GPU, every request samples on the device (:meth:`Sampler.on_device`)
+        and free blocks hold the next slots. A request that ``step`` ends has a void row (its
+        KV write lands in its own, not yet reused, block); every other row is as a regular
+        step would compute it."""
+        seqs, sampled = step
+        if (not self.run_ahead or self.paused() or self.runner.tp is not None or self.scheduler.has_input()
+                or (done and self.scheduler.waiting_count())):
+            return None
+        live = [s for s in seqs if s.finish_reason is None and len(s.output) + 1 < s.sampling.max_new_tokens]
+        if (not live or not all(self.sampler.on_device(s.sampling) for s in live)
+                or not self.scheduler.reserve_ahead(live)):
+            return None
+        if len(live) == len(seqs):
+            ids = sampled.tok
+        else:
+            index = {id(s): i for i, s in enumerate(seqs)}
+            ids = sampled.tok[to_device([index[id(s)] for s in live], torch.int64, sampled.tok.device)]
+        self.steps_ahead += 1
+        return live, self.sampler.sample_batch(self.runner.decode(live, ids), live, 1)
