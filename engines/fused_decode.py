@@ -11,8 +11,8 @@ The single GEMMs read packed weights: :func:`pack_projections` lays each layer's
 (and biases) out as consecutive rows of one tensor and its gate/up weights likewise; the
 parameters become views of those rows, so loading, weight updates and sleep see the same
 parameters as before. It runs after every (re)allocation of the parameters;
-:func:`unpack_projections` drops the packed tensors with them. A layer without packed weights
-(e.g. between the two) runs its separate GEMMs: same maths.
+:func:`unpack_projections` drops the packed tensors with them. A model whose weights were not
+packed (built outside the engine's runner, as some tests do) runs the separate GEMMs: same maths.
 """
 
 from __future__ import annotations
@@ -83,13 +83,17 @@ def qkv_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch
     return q
 
 
-def _pack(parts: list[nn.Parameter | None]) -> torch.Tensor | None:
-    """One tensor whose row blocks are ``parts`` (in order); each part becomes a view of its
-    rows. None when any part is None (no bias)."""
+def _pack(parts: list[nn.Parameter | None], keep_values: bool) -> torch.Tensor | None:
+    """One tensor whose row blocks are ``parts`` (in order; their values copied in when
+    ``keep_values``); each part becomes a view of its rows. None when any part is None (no
+    bias)."""
     if any(p is None for p in parts):
         return None
-    with torch.no_grad():
-        packed = torch.cat([p.data for p in parts])
+    if keep_values:
+        with torch.no_grad():
+            packed = torch.cat([p.data for p in parts])
+    else:
+        packed = parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
     start = 0
     for p in parts:
         p.data = packed[start:start + p.shape[0]]
@@ -97,19 +101,20 @@ def _pack(parts: list[nn.Parameter | None]) -> torch.Tensor | None:
     return packed
 
 
-def pack_projections(model: nn.Module) -> None:
+def pack_projections(model: nn.Module, keep_values: bool = True) -> None:
     """Pack every dense-attention layer's q/k/v (an output-gated attention's excepted) and
-    every dense MLP's gate/up (see the module docstring). Keeps the parameters' values."""
+    every dense MLP's gate/up (see the module docstring); the parameters' values are kept
+    unless ``keep_values`` is False (freshly allocated parameters, filled afterwards)."""
     if model.cfg.attn_output_gate:
         return
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
         if attn is not None and attn.q_proj.weight.numel():
-            attn.qkv_weight = _pack([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            attn.qkv_bias = _pack([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            attn.qkv_weight = _pack([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], keep_values)
+            attn.qkv_bias = _pack([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], keep_values)
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoE) and mlp.gate_proj.weight.numel():
-            mlp.gate_up_weight = _pack([mlp.gate_proj.weight, mlp.up_proj.weight])
+            mlp.gate_up_weight = _pack([mlp.gate_proj.weight, mlp.up_proj.weight], keep_values)
 
 
 def unpack_projections(model: nn.Module) -> None:

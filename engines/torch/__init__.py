@@ -13,7 +13,8 @@
 - :mod:`.sampler`: the next token (greedy, seeded, top-k / top-p) and the stop checks.
 - :mod:`.weights`: sleep/wake of the weights, their updates by HF name (buckets, CUDA IPC,
   NCCL broadcast) and version.
-- :mod:`.sequence`: one request's state; :mod:`.prompts`: a prompt as token ids.
+- :mod:`.sequence`: one request's state; :mod:`.prompts`: a prompt as token ids;
+  :mod:`.transfer`: host data to the device without waiting for it.
 
 ``import torch`` in these modules is PyTorch: imports are absolute, and this package is
 only ever imported as ``engines.torch``.

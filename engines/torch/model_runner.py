@@ -17,6 +17,7 @@ from .block_manager import BlockManager
 from .scheduler import StepPlan
 from .sequence import Sequence
 from .state_pool import StatePool
+from .transfer import to_device
 from .weights import Weights
 
 
@@ -47,7 +48,7 @@ class ModelRunner:
         model.inv_freq = _inv_freq(self.cfg).to(device)  # buffers are not in the checkpoint
         if self.cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        pack_projections(model)  # one GEMM for q/k/v and one for gate/up in decode (engines/fused_decode.py)
+        pack_projections(model, keep_values=False)  # one GEMM for q/k/v and one for gate/up (fused_decode.py)
         load_weights(model, model_path)
         model.eval()
         model.tp = tp
@@ -249,13 +250,6 @@ class ModelRunner:
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
         return self.decode_tensors(meta, tables, n, None if self.state is None else rows, ids)  # a hybrid's rows
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without waiting for the device's queued work (CUDA:
-        through pinned memory; a copy from pageable memory waits for the stream)."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
-
     def decode_tensors(self, meta: torch.Tensor, tables: torch.Tensor, n: int,
                        rows: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`decode` once its inputs are tensors (what followers run): ``meta`` [4, B]
@@ -266,11 +260,11 @@ class ModelRunner:
             raise RuntimeError("decode with device-side ids runs on an engine of one GPU only")
         self._mirror("decode_tensors", meta, tables, n, rows)
         if not self.use_cuda_graph:
-            meta = self._to_device(meta)
+            meta = to_device(meta, self.device)
             if ids is not None:
                 meta[0, :n] = ids
-            state = () if rows is None else (self.state.tensors, self._to_device(rows))
-            return self.model.decode(meta[0], meta[1], meta[2], self._to_device(tables), meta[3].to(torch.int32),
+            state = () if rows is None else (self.state.tensors, to_device(rows, self.device))
+            return self.model.decode(meta[0], meta[1], meta[2], to_device(tables, self.device), meta[3].to(torch.int32),
                                      self.k, self.v, *state)
         if self.graphs is None:
             self.graphs = DecodeGraphs(self)

@@ -24,14 +24,7 @@ from __future__ import annotations
 import torch
 
 from .sequence import Sequence
-
-
-def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``data`` as a tensor on ``device`` without waiting for the device: on CUDA through
-    pinned memory (a copy from pageable memory waits for the stream's earlier work)."""
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+from .transfer import to_device
 
 
 class PenaltyState:
@@ -116,5 +109,5 @@ def min_p_mask(logp: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
     (``logp``: the rows' log-softmax at their temperature), or None when no row sets min_p."""
     if not any(s.sampling.min_p > 0 for s in seqs):
         return None
-    mins = to_device([s.sampling.min_p for s in seqs], logp.dtype, logp.device)
+    mins = to_device([s.sampling.min_p for s in seqs], logp.device, logp.dtype)
     return logp < logp.max(dim=-1, keepdim=True).values + torch.log(mins)[:, None]

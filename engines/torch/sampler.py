@@ -7,8 +7,9 @@ import torch
 
 from ..interface import SamplingParams
 from ..kernels import seeded_gumbel_argmax, seeded_uniform, triton_usable
-from .penalties import apply_penalties, min_p_mask, to_device
+from .penalties import apply_penalties, min_p_mask
 from .sequence import Sequence
+from .transfer import to_device
 
 
 class Sampled:
@@ -82,7 +83,7 @@ class Sampler:
                      ahead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B] and the log-softmax at each row's temperature [B, V]."""
         dev = logits.device
-        temps = to_device([s.sampling.temperature or 1.0 for s in seqs], logits.dtype, dev)
+        temps = to_device([s.sampling.temperature or 1.0 for s in seqs], dev, logits.dtype)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         tok = logits.argmax(dim=-1)  # greedy rows; every other row is drawn below
         drop = min_p_mask(logp, seqs)  # min_p: tokens no row may draw
@@ -96,12 +97,12 @@ class Sampler:
             if len(plain) == len(seqs):
                 tok = torch.multinomial(draw_logp.exp(), 1)[:, 0]
             else:
-                idx = to_device(plain, torch.int64, dev)
+                idx = to_device(plain, dev, torch.int64)
                 tok[idx] = torch.multinomial(draw_logp[idx].exp(), 1)[:, 0]
         if seeded:  # Gumbel-max with noise from (seed, position): batched and batch-independent
-            idx = to_device(seeded, torch.int64, dev)
-            seeds = to_device([seqs[i].sampling.seed for i in seeded], torch.int64, dev)
-            pos = to_device([len(seqs[i].output) + ahead for i in seeded], torch.int64, dev)
+            idx = to_device(seeded, dev, torch.int64)
+            seeds = to_device([seqs[i].sampling.seed for i in seeded], dev, torch.int64)
+            pos = to_device([len(seqs[i].output) + ahead for i in seeded], dev, torch.int64)
             rows, row_temps = draw_logits[idx], temps[idx]
             if triton_usable(dev):  # one fused pass over the vocabulary per row
                 tok[idx] = seeded_gumbel_argmax(rows, row_temps, seeds, pos)

@@ -183,14 +183,13 @@ class Scheduler:
             self.blocks.append_block(seq)
         return True
 
-    def postprocess(self, plan: StepPlan | list[Sequence], token_ids: list[int], logprobs: list[float],
+    def postprocess(self, batch: list[Sequence], token_ids: list[int], logprobs: list[float],
                     is_finished: Callable[[Sequence, int], bool]) -> list[Sequence]:
-        """Append each request's sampled token (``plan``: a step's plan, or the requests of
-        its batch in order); the requests that ``is_finished`` ends (it sets their finish
-        reason), finished and holding no blocks. A request already finished (by an earlier
-        step, while this one ran ahead) is skipped: its row is void."""
+        """Append to each request of a step's ``batch`` its sampled token; the requests that
+        ``is_finished`` ends (it sets their finish reason), finished and holding no blocks. A
+        request already finished (by an earlier step, while this one ran ahead) is skipped:
+        its row is void."""
         finished = []
-        batch = plan.batch if isinstance(plan, StepPlan) else plan
         for seq, token, logprob in zip(batch, token_ids, logprobs):
             if seq.finish_reason is not None:
                 continue

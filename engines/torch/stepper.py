@@ -10,10 +10,10 @@ from collections.abc import Callable
 import torch
 
 from .model_runner import ModelRunner
-from .penalties import to_device
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .transfer import to_device
 
 #: decode steps launched ahead (each before the last one's tokens are read) per scheduled step
 RUN_AHEAD = 8
@@ -85,6 +85,6 @@ class Stepper:
             ids = sampled.tok
         else:
             index = {id(s): i for i, s in enumerate(seqs)}
-            ids = sampled.tok[to_device([index[id(s)] for s in live], torch.int64, sampled.tok.device)]
+            ids = sampled.tok[to_device([index[id(s)] for s in live], sampled.tok.device, torch.int64)]
         self.steps_ahead += 1
         return live, self.sampler.sample_batch(self.runner.decode(live, ids), live, 1)

@@ -67,9 +67,10 @@ class Weights:
         for n, p in self.model.named_parameters():
             shape, dtype = self.shapes[n]
             p.data = torch.empty(shape, dtype=dtype, device=self.device)
-            if self.mode == "backup":
+        pack_projections(self.model, keep_values=False)  # q/k/v and gate/up: views of packed tensors
+        if self.mode == "backup":
+            for n, p in self.model.named_parameters():
                 p.data.copy_(self.backup[n], non_blocking=True)
-        pack_projections(self.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.present = True

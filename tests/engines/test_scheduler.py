@@ -42,7 +42,7 @@ def ends_at_max_new(seq: Sequence, token: int) -> bool:
 def step(s: Scheduler) -> tuple[StepPlan, list[Sequence]]:
     """One step with made-up tokens; the plan and every request finished in it."""
     plan = s.schedule()
-    finished = s.postprocess(plan, [TOKEN] * len(plan.batch), [-0.5] * len(plan.batch), ends_at_max_new)
+    finished = s.postprocess(plan.batch, [TOKEN] * len(plan.batch), [-0.5] * len(plan.batch), ends_at_max_new)
     return plan, plan.finished + finished
 
 
