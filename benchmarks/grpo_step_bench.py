@@ -147,6 +147,9 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
         vals = [r.get(f"time/{ph}", 0.0) for r in steady]
         out[f"{ph}_s"] = round(statistics.fmean(vals), 3)
     out["orchestration_share"] = round(out["orchestration_s"] / step, 4)
+    moves = sorted({k for r in steady for k in r if k.startswith("time/swap_")})
+    out["swap_moves_s"] = {k.removeprefix("time/swap_"): round(statistics.fmean(r.get(k, 0.0) for r in steady), 3)
+                           for k in moves}  # the swap phase, move by move (launcher/rl/swaps.py)
     out["rollout_tokens_per_s"] = round(statistics.fmean(r["rollout/tokens_per_s"] for r in steady), 1)
     for key in ("mem/gpu_used_generating", "mem/gpu_used_training", "mem/gpu_used_synced"):
         if key in steady[-1]:

@@ -10,7 +10,10 @@ line:
 - ``export_s_per_gb``: ``push_weights`` of the whole model into one built-in engine on the
   same device; on GPU by CUDA IPC both to an engine in the trainer's own worker process
   (``export_ipc_inproc_*``, the colocated layout) and in another process
-  (``export_ipc_xproc_*``); on CPU by the relay path.
+  (``export_ipc_xproc_*``); on CPU by the relay path. These run with the trainer
+  offloaded (its parameters come back to the device for the push);
+  ``export_ipc_*_resident_s`` with the trainer resident (its parameter buffer shared in
+  place: the loop's order when the GPU has room).
 
     python benchmarks/trainer_bench.py                                   # CPU: tiny Qwen3, fp32
     python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16
@@ -126,6 +129,12 @@ async def bench(args, path: str) -> dict:
     t0 = time.perf_counter()
     await t.onload.call_one().result(1200)
     on_s = time.perf_counter() - t0
+    if args.device == "cuda":  # the loop's order when the GPU has room: the trainer resident, its buffer shared
+        for name in ("inproc", "xproc"):
+            await t.push_weights.call_one([engines[name]], 3, args.bucket_mb << 20, 600.0, "ipc").result(1200)
+            t0 = time.perf_counter()
+            sent = await t.push_weights.call_one([engines[name]], 4, args.bucket_mb << 20, 600.0, "ipc").result(1200)
+            out[f"export_ipc_{name}_resident_s"] = time.perf_counter() - t0
     out["offload_gb"] = moved / GB
     out["offload_s_per_gb"] = off_s / (moved / GB)
     out["onload_s_per_gb"] = on_s / (moved / GB)

@@ -127,7 +127,7 @@ class EngineActor(Actor):
         return self.engine.weight_sync_info()
 
     @endpoint
-    async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
+    async def update_weights_from_ipc(self, handle: dict | list, metas: list, version: int, last: bool = True) -> None:
         await self.engine.update_weights_from_ipc(handle, metas, version, last)
 
     @endpoint

@@ -316,7 +316,7 @@ class Engine(abc.ABC):
         """``{"backend", "device_type", "uuid", ...}``: lets the trainer choose a transport."""
         return {"backend": type(self).__name__, "device_type": "cpu", "uuid": None}
 
-    async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
+    async def update_weights_from_ipc(self, handle: dict | list, metas: list, version: int, last: bool = True) -> None:
         raise NotImplementedError(_no_transport(self, "CUDA IPC"))
 
     async def init_weights_update_group(

@@ -310,11 +310,10 @@ class TorchEngine(Engine):
         """What a trainer needs to pick the transport: CUDA IPC needs the same physical GPU."""
         return self.weights.sync_info()
 
-    async def update_weights_from_ipc(self, handle: dict, metas: list, version: int, last: bool = True) -> None:
-        """Colocated weight sync, one flat bucket: map the trainer's buffer by its CUDA IPC
-        ``handle`` (see engines.weight_sync), copy each ``(name, shape, dtype, offset)``
-        tensor device to device, synchronize and unmap before returning (the trainer frees
-        the buffer only after that). ``last`` completes ``version``."""
+    async def update_weights_from_ipc(self, handle: dict | list, metas: list, version: int, last: bool = True) -> None:
+        """Colocated weight sync by CUDA IPC: one flat bucket (``handle`` a dict) or the
+        trainer's storages shared in place (a list of handles, ``metas`` views of them); see
+        ``Weights.receive_ipc``. ``last`` completes ``version``."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._exec, self.weights.receive_ipc, handle, metas, version, last)
         if last:

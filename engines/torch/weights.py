@@ -30,6 +30,7 @@ class Weights:
         self.present = True  # the parameters hold memory
         self.valid = True  # ... and the model's values (wake after a discarding sleep: not yet)
         self.backup: dict[str, torch.Tensor] | None = None
+        self.backup_current = False  # the backup holds the values the parameters hold now
         self.seen: set[str] = set()  # names updated since the last completed version
         self.groups: dict = {}  # group name -> weight_sync.BroadcastGroup
         self.engine_id = uuid.uuid4().hex  # lets a trainer keep one broadcast group per set of engines
@@ -38,6 +39,10 @@ class Weights:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.present else 0
 
+    def full_nbytes(self) -> int:
+        """What the parameters hold when present (this rank's shard), asleep or not."""
+        return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in self.shapes.values())
+
     def backup_nbytes(self) -> int:
         return 0 if self.backup is None else sum(t.numel() * t.element_size() for t in self.backup.values())
 
@@ -45,10 +50,12 @@ class Weights:
 
     def release(self) -> None:
         """Free the parameters' memory (``backup``: copied first to a CPU buffer, pinned
-        on GPU, allocated once and reused by every later sleep). Idempotent."""
+        on GPU, allocated once and reused by every later sleep; not copied again while it
+        still holds their values: a judge's weights, unchanged since its last sleep).
+        Idempotent."""
         if not self.present:
             return
-        if self.mode == "backup":
+        if self.mode == "backup" and not (self.backup is not None and self.backup_current):
             if self.backup is None:
                 pin = self.device.type == "cuda"
                 self.backup = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
@@ -57,6 +64,7 @@ class Weights:
                 self.backup[n].copy_(p.data, non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            self.backup_current = True
         self._empty_parameters()
 
     def restore(self) -> None:
@@ -83,7 +91,7 @@ class Weights:
         """Free the parameters and the backup for good."""
         self._empty_parameters()
         self.valid = False
-        self.backup = None
+        self.backup, self.backup_current = None, False
 
     def _empty_parameters(self) -> None:
         unpack_projections(self.model)
@@ -108,6 +116,7 @@ class Weights:
         the followers as one flat buffer."""
         if not self.present:
             raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
+        self.backup_current = False  # the values change: the next sleep backs them up again
         if self.cfg.tp_size > 1 and self.cfg.tp_rank == 0:
             from ..weight_sync import flatten
 
@@ -138,23 +147,29 @@ class Weights:
         from ..weight_sync import device_uuid
 
         return {"backend": "torch", "device_type": self.device.type, "uuid": device_uuid(self.device),
-                "pid": os.getpid(), "engine_id": self.engine_id}
+                "pid": os.getpid(), "engine_id": self.engine_id, "tp_size": self.cfg.tp_size,
+                "weights_bytes": self.full_nbytes()}
 
-    def receive_ipc(self, handle: dict, metas: list, version: int, last: bool) -> None:
-        """Map the trainer's flat buffer by its CUDA IPC ``handle``, copy each ``(name,
-        shape, dtype, offset)`` tensor device to device, synchronize and unmap before
-        returning (the trainer frees the buffer only after that). ``last`` completes
-        ``version``."""
-        from ..weight_sync import open_ipc, unflatten
+    def receive_ipc(self, handle: dict | list, metas: list, version: int, last: bool) -> None:
+        """Map the trainer's memory by CUDA IPC, copy each tensor device to device,
+        synchronize and unmap before returning (the trainer reuses or frees that memory only
+        after that). ``handle`` a dict: one flat bucket, ``metas`` ``(name, shape, dtype,
+        offset)``; a list: storages shared in place, ``metas`` views of them
+        (``weight_sync.share_in_place``). ``last`` completes ``version``."""
+        from ..weight_sync import open_ipc, open_views, unflatten
 
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not (handle and _in_process(handle)):
             raise RuntimeError(f"{self.name}: CUDA IPC weight sync needs a CUDA engine; this one runs on {self.device}")
-        buf = open_ipc(handle, self.device)
+        if isinstance(handle, list):
+            views = open_views(handle, metas, self.device)
+        else:
+            views = unflatten(open_ipc(handle, self.device), metas)
         try:
-            self.copy_in(unflatten(buf, metas))
-            torch.cuda.current_stream(self.device).synchronize()
+            self.copy_in(views)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         finally:
-            del buf
+            del views
         if last:
             self.finish_version(version)
 
@@ -170,3 +185,9 @@ class Weights:
         self.copy_in(unflatten(buf, metas))
         if last:
             self.finish_version(version)
+
+
+def _in_process(handle: dict | list) -> bool:
+    """Shared by this very process (colocated actors): no CUDA mapping involved."""
+    handles = handle if isinstance(handle, list) else [handle]
+    return all(h.get("pid") == os.getpid() and "handle" not in h for h in handles)

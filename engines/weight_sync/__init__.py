@@ -7,6 +7,10 @@
   storage (:func:`ipc_handle`, plain bytes/ints); the receiver opens it on its own device
   (:func:`open_ipc`), copies device to device and drops it; the sender frees the buffer
   only after the receiver acknowledged the bucket.
+- **CUDA IPC in place** (built-in engines): tensors inside a large storage (a trainer's
+  parameter buffer) are not packed at all: each storage is shared once and the receiver
+  copies every tensor from its view of it (:func:`share_in_place`, :func:`open_views`);
+  only the small rest goes through flat buckets.
 - **Broadcast group** (different GPUs or hosts): a standalone process group of trainer
   rank 0 (rank 0) and the engines (ranks 1..n), built on its own TCPStore so it never
   touches either side's default group; every wait has a timeout, so neither side can hang.
@@ -131,6 +135,59 @@ def ipc_handle(buf: torch.Tensor, cross_process: bool = True) -> dict:
             event_sync_required=bool(ev_sync),
         )
     return h
+
+
+#: A CUDA storage at least this large (a trainer's parameter buffer, a big embedding) is
+#: shared in place by :func:`share_in_place`; smaller tensors are packed into buckets.
+SHARE_MIN_BYTES = 64 << 20
+
+
+def share_in_place(named: list, cross_process: bool = True, min_bytes: int = SHARE_MIN_BYTES) -> tuple:
+    """CUDA IPC without staging copies. Of ``[(name, tensor)]``, the tensors that live in a
+    CUDA storage (any storage when every receiver is in this process) of at least
+    ``min_bytes`` are described as views of it, each storage shared
+    once: returns ``(handles, metas, rest)``, ``handles`` one :func:`ipc_handle` per storage,
+    ``metas`` ``[name, shape, stride, offset, dtype, storage index]`` (``offset`` and
+    ``stride`` in elements of ``dtype``) and ``rest`` the other ``(name, tensor)`` pairs.
+    The caller keeps the tensors unchanged until every receiver acknowledged, then releases
+    the handles (:func:`release`); :func:`open_views` is the receiver's side."""
+    handles: list = []
+    metas: list = []
+    rest: list = []
+    index: dict = {}
+    for name, t in named:
+        t = t.detach()
+        st = t.untyped_storage()
+        if (cross_process and not t.is_cuda) or st.nbytes() < min_bytes:
+            rest.append((name, t))
+            continue
+        key = st.data_ptr()
+        if key not in index:
+            index[key] = len(handles)
+            handles.append(ipc_handle(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st), cross_process))
+        metas.append([name, list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype).removeprefix("torch."),
+                      index[key]])
+    return handles, metas, rest
+
+
+def open_views(handles: list, metas: list, device) -> list:
+    """The receiver's side of :func:`share_in_place`: ``[(name, view)]`` reading the
+    sender's storages, each mapped once (bounds checked against its storage). The mappings
+    close when the views are freed."""
+    storages = [open_ipc(h, device).untyped_storage() for h in handles]
+    out = []
+    for name, shape, stride, offset, dtype, i in metas:
+        if not 0 <= int(i) < len(storages):
+            raise ValueError(f"weight sync: {name} names shared storage {i} of {len(storages)}")
+        st, dt = storages[int(i)], _dtype(dtype)
+        shape, stride, offset = [int(x) for x in shape], [int(x) for x in stride], int(offset)
+        end = offset + sum((n - 1) * d for n, d in zip(shape, stride)) + 1 if all(shape) else offset
+        if len(shape) != len(stride) or min([offset, *shape, *stride]) < 0 or end * dt.itemsize > st.nbytes():
+            raise ValueError(f"weight sync: {name} (shape {shape}, stride {stride}, offset {offset}, {dtype}) does "
+                             f"not lie within its shared storage of {st.nbytes()} bytes")
+        view = torch.empty(0, dtype=dt, device=st.device).set_(st, offset, shape, stride)
+        out.append((name, view))
+    return out
 
 
 def release(h: dict) -> None:

@@ -2,7 +2,8 @@
 weight version through it (the engine's side: ``TorchEngine.update_weights*``; the shared
 layout and transports: :mod:`engines.weight_sync`).
 
-Transports, per engine: ``ipc`` (CUDA IPC from the trainer rank on the engine's GPU),
+Transports, per engine: ``ipc`` (CUDA IPC from the trainer rank on the engine's GPU; to
+built-in engines the parameter buffer is shared in place, without staging copies),
 ``distributed`` (a broadcast group of trainer rank 0 and the engines, kept across pushes to
 the same engines) and ``relay`` (CPU tensors as relay frames: CPU engines). ``auto`` picks
 them in that order of preference. SGLang engines take the same three, through SGLang's own
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ALIGN, BroadcastGroup, device_uuid, flatten, ipc_handle, release
+from . import ALIGN, BroadcastGroup, device_uuid, flatten, ipc_handle, release, share_in_place
 
 TRANSPORTS = ("auto", "ipc", "distributed", "relay")
 ENGINES = ("torch", "sglang")  # backends whose engines take weights by CUDA IPC or a broadcast group
@@ -96,8 +97,15 @@ class WeightSender:
         by_transport = {t: [r.engine for r in mine if r.transport == t] for t in ("ipc", "distributed", "relay")}
         sent = 0
         if by_transport["ipc"]:
-            cross_process = any(r.info.get("pid") != os.getpid() for r in mine if r.transport == "ipc")
-            sent += self._push_ipc(by_transport["ipc"], buckets, version, timeout, cross_process)
+            ipc = [r for r in mine if r.transport == "ipc"]
+            cross_process = any(r.info.get("pid") != os.getpid() for r in ipc)
+            if all(r.info.get("backend") == "torch" for r in ipc):  # built-in engines read views in place
+                done, buckets_left = self._push_in_place(by_transport["ipc"], buckets, version, timeout, cross_process)
+                sent += done
+            else:
+                buckets_left = buckets
+            if buckets_left:
+                sent += self._push_ipc(by_transport["ipc"], buckets_left, version, timeout, cross_process)
         if by_transport["distributed"]:
             infos = [r.info for r in mine if r.transport == "distributed"]
             sent += self._push_broadcast(by_transport["distributed"], infos, buckets, version, timeout)
@@ -116,6 +124,32 @@ class WeightSender:
         kept, self._group = self._group, None
         _leave(kept.engines, kept.name, timeout)
         kept.group.close()
+
+    def _push_in_place(self, engines: list, buckets: list, version: int, timeout: float,
+                       cross_process: bool) -> tuple[int, list]:
+        """CUDA IPC without staging: the tensors inside large storages (the parameter
+        buffer), shared in place in one call per engine (:func:`engines.weight_sync.share_in_place`).
+        Returns (bytes sent, the buckets of what is left for :meth:`_push_ipc`); completes
+        ``version`` when nothing is left."""
+        handles, metas, rest = share_in_place([pair for bucket in buckets for pair in bucket], cross_process)
+        if not handles:
+            return 0, buckets
+        left = {name for name, _ in rest}
+        rest_buckets = [b for b in ([(n, t) for n, t in bucket if n in left] for bucket in buckets) if b]
+        torch.cuda.current_stream(self.device).synchronize()  # the values are final before anyone reads them
+        try:
+            calls = [e.update_weights_from_ipc.call(handles, metas, version, not rest_buckets) for e in engines]
+            for f in calls:
+                f.get(timeout)
+        finally:
+            for h in handles:
+                release(h)
+            if cross_process:
+                torch.cuda.ipc_collect()
+        sent = 0
+        for _, shape, _, _, dtype, _ in metas:
+            sent += torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+        return sent * len(engines), rest_buckets
 
     def _push_ipc(self, engines: list, buckets: list, version: int, timeout: float, cross_process: bool) -> int:
         """CUDA IPC, double-buffered: bucket i+1 is packed into the other buffer while the

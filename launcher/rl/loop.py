@@ -16,9 +16,10 @@ matters because the roles share GPU memory):
     compute advantages
     judge and rollout sleep, trainer onloads
     train
-    trainer offloads, rollout wakes its weights
+    rollout wakes its weights (beside the trainer's state when every GPU has room for
+     them; otherwise the trainer offloads first: launcher/rl/swaps.py)
     push the new weights (version + 1) and check every engine has them
-    rollout wakes its KV cache, judge wakes
+    trainer offloads (if it has not), rollout wakes its KV cache, judge wakes
     record metrics (+ the judge's drift audit and the weight probe)
 
 With dedicated pools the sleeping and waking are no-ops. Fully-async
@@ -44,7 +45,7 @@ from ..metrics import MetricsLog
 from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
 from .checkpoints import Checkpoints, StoppedWithCheckpoint, write_hf_checkpoint
-from .engine_pool import Engine, call_engines, engine_bytes, live, of_role, write_event_log
+from .engine_pool import Engine, call_engines, live, of_role, write_event_log
 from .evaluation import evaluate
 from .integrity import JudgeIntegrity
 from .judge import judge_deltas
@@ -53,6 +54,7 @@ from .rollout import group_seed, prompt_datasets, sampling_options, tokenize_pro
 from .sample import Sample, flatten, rollout_metrics
 from .scoring import Scorer, advantages, check_judged, reward_metrics
 from .startup import Roles, ensure_models, start_roles
+from .swaps import GpuSwaps
 from .timing import PhaseTimer
 
 __all__ = ["GRPOLoop", "StoppedWithCheckpoint"]
@@ -93,6 +95,7 @@ class GRPOLoop:
         self.respawn = respawn
         self.recovery: EngineRecovery | None = None
         self._weights_lock = asyncio.Lock()  # held from training until the new weights are synced
+        self.swaps = GpuSwaps(self)
 
     # ------------------------------------------------------------------ start and close
 
@@ -210,20 +213,19 @@ class GRPOLoop:
         judge_after = await self.judge.counts()
         step_advantages = advantages(samples, cfg.n_samples_per_prompt)
         async with self._weights_lock:  # an engine rebuilt meanwhile gets the new weights, not these
-            with timer.phase("swap"):
-                await self._free_gpus_for_training(memory)
+            await self.swaps.free_for_training(memory)
             with timer.phase("train"):
                 train_stats = await self.trainer.train_rl(samples, step_advantages, cfg.global_batch_size,
                                                           self.reference, self.colocate)
             await self._record_gpu_use("training", memory)
             if self.colocate:
                 memory["mem/trainer"] = await self.trainer.allocated_bytes()
-            with timer.phase("swap"):
-                await self._give_gpus_back_to_rollout()
+            trainer_resident = await self.swaps.wake_rollout_weights()
             with timer.phase("sync"):
                 synced = await self._sync_weights()
-        with timer.phase("swap"):
-            await self._resume_generation()
+            if trainer_resident:
+                await self.swaps.offload_trainer()
+        await self.swaps.resume_generation()
         timer.end_step()
         await self._record_gpu_use("synced", memory)
         record = self._record(step, samples, train_stats, judge_before, judge_after)
@@ -284,35 +286,14 @@ class GRPOLoop:
         rollout then wakes and gets its weights back. Elsewhere the judge is awake already."""
         if not self.defer:
             return await work()
-        with self.timer.phase("swap"):
-            await self.rollout.sleep()
-            await self.judge.wake()
+        await self.swaps.open_judge_window()
         try:
             return await work()
         finally:
-            with self.timer.phase("swap"):
-                await self.judge.sleep()
+            await self.swaps.close_judge_window()
             if resume_rollout:
                 await self.rollout.wake()
                 await self._push_weights()
-
-    async def _free_gpus_for_training(self, memory: dict) -> None:
-        """Colocated: the judge and the rollout engines sleep (in Defer-swap they already
-        do), then the trainer onloads."""
-        if not self.colocate:
-            return
-        if not self.defer:
-            await self.judge.sleep()
-            await self.rollout.sleep()
-        memory["mem/engine_bytes_training"] = await engine_bytes(self.rollout.engines + self.judge.engines)
-        await self.trainer.onload()
-
-    async def _give_gpus_back_to_rollout(self) -> None:
-        """Colocated: the trainer offloads and the rollout engines wake their weights' memory
-        (the weights themselves come with the sync)."""
-        if self.colocate:
-            await self.trainer.offload()
-            await self.rollout.wake(["weights"])
 
     async def _sync_weights(self) -> dict:
         """Push the trainer's weights to every rollout engine under a new version, then check
@@ -346,14 +327,6 @@ class GRPOLoop:
         async with self._weights_lock:
             await self.trainer.push_weights([mesh], self.version, self.cfg.update_weight_buffer_size)
             engine.replaced(mesh)
-
-    async def _resume_generation(self) -> None:
-        """Colocated: the rollout engines wake their KV cache; the judge wakes (in Defer-swap
-        it sleeps until the next batch is scored)."""
-        if self.colocate:
-            await self.rollout.wake(["kv_cache"])
-            if not self.defer:
-                await self.judge.wake()
 
     async def _record_gpu_use(self, phase: str, into: dict) -> None:
         """Bytes in use on each actor GPU (every process on it), as the driver reports; on

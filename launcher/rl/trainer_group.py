@@ -147,9 +147,10 @@ class TrainerGroup:
         """The whole model as HF-named tensors (rank 0's gathered export), in buckets."""
         return (await self.mesh.export_hf.call(1 << 62).result(timeouts.CHECKPOINT)).values()[0]
 
-    async def gpu_memory(self) -> list[dict]:
-        """Every rank's ``gpu_memory()`` figures."""
-        return (await self.mesh.gpu_memory.call().result(timeouts.CONTROL)).values()
+    async def gpu_memory(self, release_cache: bool = False) -> list[dict]:
+        """Every rank's ``gpu_memory()`` figures (``release_cache``: after emptying its
+        allocator's cache)."""
+        return (await self.mesh.gpu_memory.call(release_cache).result(timeouts.CONTROL)).values()
 
     async def allocated_bytes(self) -> int:
         """Device bytes rank 0's process has allocated."""

@@ -201,6 +201,42 @@ def test_sleep_frees_memory_and_wake_restores_identical_output(models, mode):
     assert after.token_ids == before.token_ids
 
 
+def test_a_backup_is_copied_again_only_after_the_weights_changed(models):
+    """A judge (backup mode) sleeps every step with weights that never change: only the
+    first sleep copies them out; after an update, the next sleep backs up the new values."""
+    from safetensors.torch import load_file
+
+    other = load_file(f"{models['qwen3-other']}/model.safetensors")
+
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=1024, weights_mode="backup")
+        ref = TorchEngine(models["qwen3-other"], kv_cache_tokens=1024)
+        first = await eng.generate(prompts()[4], GREEDY)
+        copies = []
+        for _ in range(2):
+            await eng.sleep(["weights", "kv_cache"])
+            copies.append(eng.weights.backup_current)
+            backup = {n: t.clone() for n, t in eng.weights.backup.items()}
+            await eng.wake(["weights", "kv_cache"])
+        again = await eng.generate(prompts()[4], GREEDY)
+        await eng.update_weights([other], version=1)
+        assert not eng.weights.backup_current
+        await eng.sleep(["weights", "kv_cache"])
+        changed = any(not torch.equal(backup[n], t) for n, t in eng.weights.backup.items())
+        await eng.wake(["weights", "kv_cache"])
+        updated, expected = await eng.generate(prompts()[4], GREEDY), await ref.generate(prompts()[4], GREEDY)
+        for e in (eng, ref):
+            await e.close()
+        return first, again, copies, changed, updated, expected
+
+    first, again, copies, changed, updated, expected = run(main())
+    assert copies == [True, True] and changed
+    assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
+    assert updated.token_ids == expected.token_ids
+    assert updated.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+    assert updated.logprobs != pytest.approx(first.logprobs, abs=1e-3)  # the backup took the new weights
+
+
 def test_update_weights_switches_to_the_new_model(models):
     from safetensors.torch import load_file
 

@@ -109,18 +109,28 @@ def test_cuda_ipc_export_into_engines_on_the_same_gpu(tmp_path):
         for e in (local, others):
             await e.wake.call(["kv_cache"]).result(300)
         outs = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (remote, local, relay_ref)]
+        # again with the trainer resident (the loop's order when the GPU has room): the
+        # parameter buffer itself is shared, no copy of it brought back from the host
+        await t.onload.call_one().result(600)
+        await t.train_step.call_one(SEQS, MASKS, [-1.0, 1.0] * 4).result(600)
+        await t.push_weights.call_one([remote, local], 2, 64 << 20, 600.0, "auto").result(600)
+        await t.push_weights.call_one([relay_ref], 2, 64 << 20, 600.0, "relay").result(600)
+        outs += [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (remote, local, relay_ref)]
         mem = await t.gpu_memory.call_one()
         await t.shutdown.call().result(60)
         await procs.stop()
         await eprocs.stop()
         return before, outs, ipc_bytes, mem
 
-    before, (remote, local, ref), ipc_bytes, mem = run(main(), 880)
+    before, (remote, local, ref, remote2, local2, ref2), ipc_bytes, mem = run(main(), 880)
     assert ipc_bytes > 2 * 1.0e9  # 0.6B bf16 params (~1.2 GB with tied embeddings), to two engines
     assert remote.token_ids == local.token_ids == ref.token_ids
     assert remote.logprobs == local.logprobs == ref.logprobs
     assert remote.weight_version == local.weight_version == ref.weight_version == 1
     assert remote.logprobs != before.logprobs  # the weights really changed
+    assert remote2.token_ids == local2.token_ids == ref2.token_ids
+    assert remote2.logprobs == local2.logprobs == ref2.logprobs != ref.logprobs
+    assert remote2.weight_version == local2.weight_version == 2
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

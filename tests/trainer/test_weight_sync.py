@@ -71,6 +71,64 @@ def test_a_receiver_in_the_senders_process_reads_the_bucket_until_it_is_released
         weight_sync.open_ipc(h, "cpu")
 
 
+@pytest.mark.unit
+def test_tensors_inside_a_large_storage_are_shared_in_place_as_views():
+    """The trainer's parameter buffer is shared once; each tensor is a view of it (strided
+    ones included, as a q/k/v split of a fused weight is); small tensors are left to the
+    flat buckets. The receiver's views read the very same memory."""
+    flat = torch.arange(64, dtype=torch.float32)
+    fused = flat[:48].view(6, 8)
+    named = [("whole", fused), ("strided", fused[:, 2:5]), ("tail", flat[48:]), ("small", torch.ones(3))]
+    handles, metas, rest = weight_sync.share_in_place(named, cross_process=False, min_bytes=64 * 4)
+    assert len(handles) == 1 and [n for n, _ in rest] == ["small"]
+    assert [m[5] for m in metas] == [0, 0, 0]
+    views = weight_sync.open_views(handles, metas, "cpu")
+    for (name, view), (_, t) in zip(views, named):
+        assert torch.equal(view, t) and view.stride() == t.stride(), name
+        assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # no copy
+    for bad in (["x", [4], [1], 61, "float32", 0],  # runs past the end of the 64-element storage
+                ["x", [2, 2], [63, 1], 0, "float32", 0], ["x", [2], [-1], 5, "float32", 0],
+                ["x", [4], [1], 31, "float64", 0]):
+        with pytest.raises(ValueError, match="does not lie within"):
+            weight_sync.open_views(handles, [bad], "cpu")
+    assert torch.equal(weight_sync.open_views(handles, [["x", [4], [1], 60, "float32", 0]], "cpu")[0][1], flat[60:])
+    with pytest.raises(ValueError, match="shared storage 1 of 1"):
+        weight_sync.open_views(handles, [["x", [1], [1], 0, "float32", 1]], "cpu")
+    for h in handles:
+        weight_sync.release(h)
+
+
+def test_an_engine_takes_weights_shared_in_place_as_from_update_weights(policy):
+    """The receiving side of in-place sharing (``update_weights_from_ipc`` with a list of
+    handles), in the sender's process as colocated actors are: the engine ends up with the
+    same outputs as an engine given the same tensors by ``update_weights``."""
+    from safetensors.torch import load_file
+
+    async def main():
+        a, b = TorchEngine(policy, kv_cache_tokens=256), TorchEngine(policy, kv_cache_tokens=256)
+        gen = torch.Generator().manual_seed(0)
+        new = {n: t.float() + 0.05 * torch.randn(t.shape, generator=gen)
+               for n, t in load_file(f"{policy}/model.safetensors").items()}
+        # one storage for every tensor, as a trainer's parameter buffer holds them
+        total = sum(t.numel() for t in new.values())
+        flat, named, off = torch.empty(total, dtype=torch.float32), [], 0
+        for n, t in new.items():
+            flat[off:off + t.numel()].copy_(t.reshape(-1))
+            named.append((n, flat[off:off + t.numel()].view(t.shape)))
+            off += t.numel()
+        handles, metas, rest = weight_sync.share_in_place(named, cross_process=False, min_bytes=1)
+        assert not rest
+        await a.update_weights_from_ipc(handles, metas, 3)
+        await b.update_weights([new], 3)
+        outs = [await e.generate(SEQS[0][:8], GREEDY) for e in (a, b)]
+        for e in (a, b):
+            await e.close()
+        return outs
+
+    x, y = run(main(), 120)
+    assert x.token_ids == y.token_ids and x.logprobs == y.logprobs and x.weight_version == 3
+
+
 def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(policy):
     async def main():
         tprocs = this_host().spawn_procs(per_host={"gpus": 1})

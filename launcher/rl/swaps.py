@@ -1,0 +1,116 @@
+"""Who holds the GPU memory when, in colocated layouts: the rollout and judge engines sleep
+and wake, the trainer offloads and onloads (the order of one step: launcher/rl/loop.py).
+Every move is a ``swap`` phase of the step, and each kind of move is also a span of its own
+(``time/swap_<move>``: ``rollout_sleep``, ``judge_wake``, ``judge_sleep``, ``trainer_onload``,
+``trainer_offload``, ``rollout_wake_weights``, ``rollout_wake_kv``), so a slow swap says
+which part is slow.
+
+After training, the rollout engines wake their weights *beside* the trainer's state when
+every GPU has room for them (the engines' ``weights_bytes`` and the trainer's free-memory
+figures, per physical GPU, with :data:`MARGIN_BYTES` to spare): the weight sync then reads
+the trainer's device-resident parameters, and the trainer offloads after it. Otherwise the
+trainer offloads first, and the sync brings the parameters back to the device for its
+duration (one more host-to-device copy of them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+from . import timeouts
+from .engine_pool import call_engines, engine_bytes
+
+MARGIN_BYTES = 1 << 30  # left free on a GPU when the rollout weights wake beside the trainer
+
+
+class GpuSwaps:
+    """The colocated loop's memory moves (no-ops with dedicated pools). ``loop`` gives the
+    roles (``rollout``, ``judge``, ``trainer``), ``timer``, ``colocate`` and ``defer``."""
+
+    def __init__(self, loop):
+        self.loop = loop
+
+    @contextlib.contextmanager
+    def _move(self, what: str):
+        with self.loop.timer.phase("swap"), self.loop.timer.span(f"swap_{what}"):
+            yield
+
+    async def open_judge_window(self) -> None:
+        """Defer-swap: the rollout sleeps, then the judge wakes."""
+        with self._move("rollout_sleep"):
+            await self.loop.rollout.sleep()
+        with self._move("judge_wake"):
+            await self.loop.judge.wake()
+
+    async def close_judge_window(self) -> None:
+        with self._move("judge_sleep"):
+            await self.loop.judge.sleep()
+
+    async def free_for_training(self, memory: dict) -> None:
+        """Colocated: the judge and the rollout engines sleep (in Defer-swap they already
+        do), then the trainer onloads. ``memory`` gets ``mem/engine_bytes_training``."""
+        loop = self.loop
+        if not loop.colocate:
+            return
+        if not loop.defer:
+            with self._move("judge_sleep"):
+                await loop.judge.sleep()
+            with self._move("rollout_sleep"):
+                await loop.rollout.sleep()
+        memory["mem/engine_bytes_training"] = await engine_bytes(loop.rollout.engines + loop.judge.engines)
+        with self._move("trainer_onload"):
+            await loop.trainer.onload()
+
+    async def wake_rollout_weights(self) -> bool:
+        """Colocated, after training: the rollout engines wake their weights' memory (the
+        weights themselves come with the sync). True when they woke beside the trainer's
+        state (the caller offloads the trainer after the sync: :meth:`offload_trainer`);
+        False when the trainer offloaded first, for want of room."""
+        loop = self.loop
+        if not loop.colocate:
+            return False
+        beside = await self.room_beside_trainer()
+        if not beside:
+            await self.offload_trainer()
+        with self._move("rollout_wake_weights"):
+            await loop.rollout.wake(["weights"])
+        return beside
+
+    async def offload_trainer(self) -> None:
+        with self._move("trainer_offload"):
+            await self.loop.trainer.offload()
+
+    async def resume_generation(self) -> None:
+        """Colocated: the rollout engines wake their KV cache; the judge wakes (in Defer-swap
+        it sleeps until the next batch is scored)."""
+        loop = self.loop
+        if not loop.colocate:
+            return
+        with self._move("rollout_wake_kv"):
+            await loop.rollout.wake(["kv_cache"])
+        if not loop.defer:
+            with self._move("judge_wake"):
+                await loop.judge.wake()
+
+    async def room_beside_trainer(self) -> bool:
+        """Does every GPU the rollout engines use have room for their weights beside the
+        trainer's state, with :data:`MARGIN_BYTES` to spare? False when either side cannot say
+        (an engine that does not report ``weights_bytes``, a trainer on CPU)."""
+        loop = self.loop
+        infos = await call_engines(loop.rollout.engines, "weight_sync_info", timeout=timeouts.CONTROL)
+        figures = await loop.trainer.gpu_memory(release_cache=True)
+        free = {m.get("uuid"): m["free"] for m in figures if m.get("uuid") and m["total"]}
+        if not infos or not free:
+            return False
+        need: dict = defaultdict(int)
+        for info in infos:
+            size = info.get("weights_bytes")
+            if not isinstance(size, int) or info.get("uuid") not in free:
+                return False
+            if int(info.get("tp_size", 1)) > 1:  # its other ranks' GPUs: count it on every trainer GPU
+                for uuid in free:
+                    need[uuid] += size
+            else:
+                need[info["uuid"]] += size
+        return all(need[u] + MARGIN_BYTES <= free[u] for u in need)
