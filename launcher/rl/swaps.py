@@ -70,7 +70,8 @@ class GpuSwaps:
         loop = self.loop
         if not loop.colocate:
             return False
-        beside = await self.room_beside_trainer()
+        with self._move("rollout_wake_weights"):  # the check is part of the move
+            beside = await self.room_beside_trainer()
         if not beside:
             await self.offload_trainer()
         with self._move("rollout_wake_weights"):
