@@ -326,17 +326,19 @@ class TrainerActor(Actor):
         return out
 
     @contextlib.contextmanager
-    def _hf_weights(self, copy: bool = True):
+    def _hf_weights(self, copy: bool = True, lazy: bool = False):
         """The full weights under HF names (TP shards gathered; a collective over TP), on the
         trainer's device. Works while offloaded: the params come back for the body only, so
-        with ``copy=False`` (views of the params where TP = 1) use them inside the body."""
+        with ``copy=False`` (views of the params where TP = 1) use them inside the body.
+        ``lazy``: q/k/v are views of the fused weight (``weight_sync.shaped``), for the
+        in-place weight sync only."""
         from .megatron_model import gather_full, megatron_to_hf
 
         with self.opt.params_present():
             full = gather_full(
                 self.model, self.tp_group if self.tp > 1 else None, copy, self.ep_group, self.cfg.num_experts
             )
-            yield megatron_to_hf(self.cfg, full)
+            yield megatron_to_hf(self.cfg, full, lazy=lazy)
 
     @endpoint
     def export_hf(self, bucket_bytes: int = 512 << 20) -> list:
@@ -358,8 +360,9 @@ class TrainerActor(Actor):
         :meth:`engines.weight_sync.sender.WeightSender.push`. Every trainer rank must call
         (the TP gather). Returns the bytes this rank sent."""
         plan = self.sender.plan(engines, transport, timeout)
-        with self._hf_weights(copy=False) as full:
-            return self.sender.push(plan, weight_sync.buckets(full, bucket_bytes), version, timeout)
+        lazy = self.sender.in_place_only(plan, self.rank)  # q/k/v as views of the fused weight
+        with self._hf_weights(copy=False, lazy=lazy) as full:
+            return self.sender.push(plan, full, bucket_bytes, version, timeout)
 
     @endpoint
     def offload(self) -> int:

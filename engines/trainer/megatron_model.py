@@ -125,13 +125,26 @@ def _qkv_rows(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, *rest)
 
 
-def _split_qkv(cfg: ModelConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _split_qkv(cfg: ModelConfig, w: torch.Tensor, lazy: bool = False) -> tuple[torch.Tensor, ...]:
+    """Megatron's per-group [q..., k, v] rows -> HF q, k, v. ``lazy``: views of ``w`` where
+    the HF shape is not one (``weight_sync.shaped``) instead of copies."""
+    from engines.weight_sync import shaped
+
     g, d = cfg.num_kv_heads, cfg.head_dim
     per = cfg.num_heads // g
     rest = w.shape[1:]
     w = w.reshape(g, (per + 2) * d, *rest)
-    q, k, v = w.split([per * d, d, d], dim=1)
-    return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
+    out = []
+    for part, rows in zip(w.split([per * d, d, d], dim=1), (per * d, d, d)):
+        shape = (g * rows, *rest)
+        if not lazy:
+            out.append(part.reshape(shape))
+            continue
+        try:
+            out.append(part.view(shape))
+        except RuntimeError:  # not expressible as a view of w: the receiver reshapes it
+            out.append(shaped(part, shape))
+    return tuple(out)
 
 
 def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -195,16 +208,18 @@ def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor], lazy: bool = False) -> dict[str, torch.Tensor]:
     """The GPTModel state dict (TP=1, EP=1) -> HF tensor names (the inverse of :func:`hf_to_megatron`;
-    experts under their per-expert checkpoint names; the text model under ``cfg.text_prefix``)."""
+    experts under their per-expert checkpoint names; the text model under ``cfg.text_prefix``).
+    ``lazy``: q/k/v as views of the fused weight (``weight_sync.shaped``; the in-place weight
+    sync reads them), not copies."""
     from .moe_convert import megatron_to_hf_moe
 
     out = {h: sd[m] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         for kind in _qkv_kinds(cfg):
-            q, k, v = _split_qkv(cfg, sd[m + f"self_attention.linear_qkv.{kind}"])
+            q, k, v = _split_qkv(cfg, sd[m + f"self_attention.linear_qkv.{kind}"], lazy)
             out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
         if cfg.is_moe_layer(i):
             out.update(megatron_to_hf_moe(cfg, sd, i))

@@ -34,12 +34,26 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+def shaped(view: torch.Tensor, shape) -> torch.Tensor:
+    """Mark ``view`` as the tensor of HF shape ``shape`` that it cannot be as a view (q, k or v
+    split out of a fused weight, in its per-group layout): the in-place path sends the view
+    and the receiver reshapes it; packing it (:func:`flatten`) writes the bytes of
+    ``view.contiguous()``, which are those of the HF tensor, under ``shape``."""
+    view.hf_shape = tuple(int(x) for x in shape)
+    return view
+
+
+def hf_shape(t: torch.Tensor) -> tuple:
+    """The shape ``t`` stands for: its own, or the one :func:`shaped` gave it."""
+    return getattr(t, "hf_shape", tuple(t.shape))
+
+
 def layout(named: list, align: int = ALIGN) -> tuple[list, int]:
     """``[(name, tensor)]`` -> (metas, total bytes) of the flat buffer. ``align`` 1 packs
     the tensors back to back: SGLang's ``FlattenedTensorBucket`` layout."""
     metas, off = [], 0
     for name, t in named:
-        metas.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), off])
+        metas.append([name, list(hf_shape(t)), str(t.dtype).removeprefix("torch."), off])
         off += -(-t.numel() * t.element_size() // align) * align
     return metas, off
 
@@ -142,32 +156,45 @@ def ipc_handle(buf: torch.Tensor, cross_process: bool = True) -> dict:
 SHARE_MIN_BYTES = 64 << 20
 
 
-def share_in_place(named: list, cross_process: bool = True, min_bytes: int = SHARE_MIN_BYTES) -> tuple:
+def share_in_place(named: list, cross_process: bool = True, min_bytes: int | None = None) -> tuple:
     """CUDA IPC without staging copies. Of ``[(name, tensor)]``, the tensors that live in a
     CUDA storage (any storage when every receiver is in this process) of at least
-    ``min_bytes`` are described as views of it, each storage shared
+    ``min_bytes`` (default :data:`SHARE_MIN_BYTES`) are described as views of it, each storage shared
     once: returns ``(handles, metas, rest)``, ``handles`` one :func:`ipc_handle` per storage,
-    ``metas`` ``[name, shape, stride, offset, dtype, storage index]`` (``offset`` and
-    ``stride`` in elements of ``dtype``) and ``rest`` the other ``(name, tensor)`` pairs.
-    The caller keeps the tensors unchanged until every receiver acknowledged, then releases
-    the handles (:func:`release`); :func:`open_views` is the receiver's side."""
+    ``metas`` ``[name, shape, stride, offset, dtype, storage index, HF shape]`` (``offset``
+    and ``stride`` in elements of ``dtype``; the view is reshaped to the HF shape, see
+    :func:`shaped`) and ``rest`` the other ``(name, tensor)`` pairs. The caller keeps the
+    tensors unchanged until every receiver acknowledged, then releases the handles
+    (:func:`release`); :func:`open_views` is the receiver's side."""
+    min_bytes = SHARE_MIN_BYTES if min_bytes is None else min_bytes
     handles: list = []
     metas: list = []
     rest: list = []
     index: dict = {}
-    for name, t in named:
-        t = t.detach()
+    for name, given in named:
+        shape = list(hf_shape(given))
+        t = given.detach()  # (a new tensor object: without ``hf_shape``)
         st = t.untyped_storage()
         if (cross_process and not t.is_cuda) or st.nbytes() < min_bytes:
-            rest.append((name, t))
+            rest.append((name, given))
             continue
         key = st.data_ptr()
         if key not in index:
             index[key] = len(handles)
             handles.append(ipc_handle(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st), cross_process))
         metas.append([name, list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype).removeprefix("torch."),
-                      index[key]])
+                      index[key], shape])
     return handles, metas, rest
+
+
+def packed_views(buf: torch.Tensor, packed: list, index: int) -> list:
+    """:func:`flatten`'s metas of ``buf`` as :func:`share_in_place` metas of shared storage
+    ``index`` (a packed bucket sent along with the storages shared in place)."""
+    out = []
+    for name, shape, dtype, off in packed:
+        stride = torch.empty(shape, device="meta").stride()
+        out.append([name, list(shape), list(stride), off // _dtype(dtype).itemsize, dtype, index, list(shape)])
+    return out
 
 
 def open_views(handles: list, metas: list, device) -> list:
@@ -176,7 +203,7 @@ def open_views(handles: list, metas: list, device) -> list:
     close when the views are freed."""
     storages = [open_ipc(h, device).untyped_storage() for h in handles]
     out = []
-    for name, shape, stride, offset, dtype, i in metas:
+    for name, shape, stride, offset, dtype, i, target in metas:
         if not 0 <= int(i) < len(storages):
             raise ValueError(f"weight sync: {name} names shared storage {i} of {len(storages)}")
         st, dt = storages[int(i)], _dtype(dtype)
@@ -186,6 +213,11 @@ def open_views(handles: list, metas: list, device) -> list:
             raise ValueError(f"weight sync: {name} (shape {shape}, stride {stride}, offset {offset}, {dtype}) does "
                              f"not lie within its shared storage of {st.nbytes()} bytes")
         view = torch.empty(0, dtype=dt, device=st.device).set_(st, offset, shape, stride)
+        target = [int(x) for x in target]
+        if target != shape:
+            if torch.Size(target).numel() != view.numel():
+                raise ValueError(f"weight sync: {name} of shape {shape} cannot become shape {target}")
+            view = view.reshape(target)  # a copy here when the view cannot take the HF shape
         out.append((name, view))
     return out
 

@@ -23,7 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ALIGN, BroadcastGroup, device_uuid, flatten, ipc_handle, release, share_in_place
+from . import (
+    ALIGN,
+    BroadcastGroup,
+    buckets,
+    device_uuid,
+    flatten,
+    ipc_handle,
+    packed_views,
+    release,
+    share_in_place,
+)
 
 TRANSPORTS = ("auto", "ipc", "distributed", "relay")
 ENGINES = ("torch", "sglang")  # backends whose engines take weights by CUDA IPC or a broadcast group
@@ -89,10 +99,18 @@ class WeightSender:
             routes.append(Route(engine, chosen, colocated if chosen == "ipc" else 0, info))
         return routes
 
-    def push(self, routes: list[Route], buckets: list, version: int, timeout: float) -> int:
-        """Send ``buckets`` (lists of (HF name, tensor)) as ``version`` to the engines routed
-        to this rank. Returns once every engine applied every bucket (no bucket buffer is
-        reused or freed before its receiver acknowledged it); the bytes this rank sent."""
+    @staticmethod
+    def in_place_only(routes: list[Route], rank: int) -> bool:
+        """Does ``rank`` send only to built-in engines by CUDA IPC (so the weights it sends
+        may be views that only the in-place path reads: :func:`engines.weight_sync.shaped`)?"""
+        mine = [r for r in routes if r.sender_rank == rank]
+        return all(r.transport == "ipc" and r.info.get("backend") == "torch" for r in mine)
+
+    def push(self, routes: list[Route], named: dict, bucket_bytes: int, version: int, timeout: float) -> int:
+        """Send ``named`` ({HF name: tensor}) as ``version`` to the engines routed to this
+        rank, in buckets of about ``bucket_bytes`` where a transport packs them. Returns once
+        every engine applied everything (no buffer is reused or freed before its receiver
+        acknowledged it); the bytes this rank sent."""
         mine = [r for r in routes if r.sender_rank == self.rank]
         by_transport = {t: [r.engine for r in mine if r.transport == t] for t in ("ipc", "distributed", "relay")}
         sent = 0
@@ -100,18 +118,18 @@ class WeightSender:
             ipc = [r for r in mine if r.transport == "ipc"]
             cross_process = any(r.info.get("pid") != os.getpid() for r in ipc)
             if all(r.info.get("backend") == "torch" for r in ipc):  # built-in engines read views in place
-                done, buckets_left = self._push_in_place(by_transport["ipc"], buckets, version, timeout, cross_process)
-                sent += done
+                sent += self._push_in_place(by_transport["ipc"], named, bucket_bytes, version, timeout, cross_process)
             else:
-                buckets_left = buckets
-            if buckets_left:
-                sent += self._push_ipc(by_transport["ipc"], buckets_left, version, timeout, cross_process)
+                sent += self._push_ipc(by_transport["ipc"], buckets(named, bucket_bytes), version, timeout,
+                                       cross_process)
         if by_transport["distributed"]:
             infos = [r.info for r in mine if r.transport == "distributed"]
-            sent += self._push_broadcast(by_transport["distributed"], infos, buckets, version, timeout)
+            sent += self._push_broadcast(by_transport["distributed"], infos, buckets(named, bucket_bytes), version,
+                                         timeout)
         if by_transport["relay"]:
             # copies: the relay may move what it sends into shared memory (never the params)
-            cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket} for bucket in buckets]
+            cpu = [{n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket}
+                   for bucket in buckets(named, bucket_bytes)]
             for f in [e.update_weights.call(cpu, version) for e in by_transport["relay"]]:
                 f.get(timeout)
             sent += sum(t.numel() * t.element_size() for b in cpu for t in b.values()) * len(by_transport["relay"])
@@ -125,31 +143,35 @@ class WeightSender:
         _leave(kept.engines, kept.name, timeout)
         kept.group.close()
 
-    def _push_in_place(self, engines: list, buckets: list, version: int, timeout: float,
-                       cross_process: bool) -> tuple[int, list]:
-        """CUDA IPC without staging: the tensors inside large storages (the parameter
-        buffer), shared in place in one call per engine (:func:`engines.weight_sync.share_in_place`).
-        Returns (bytes sent, the buckets of what is left for :meth:`_push_ipc`); completes
-        ``version`` when nothing is left."""
-        handles, metas, rest = share_in_place([pair for bucket in buckets for pair in bucket], cross_process)
-        if not handles:
-            return 0, buckets
-        left = {name for name, _ in rest}
-        rest_buckets = [b for b in ([(n, t) for n, t in bucket if n in left] for bucket in buckets) if b]
-        torch.cuda.current_stream(self.device).synchronize()  # the values are final before anyone reads them
+    def _push_in_place(self, engines: list, named: dict, bucket_bytes: int, version: int, timeout: float,
+                       cross_process: bool) -> int:
+        """CUDA IPC without staging: the tensors inside large storages (the parameter buffer)
+        are shared in place (:func:`engines.weight_sync.share_in_place`) and the first
+        ``bucket_bytes`` of the rest packed into one buffer shared with them, all in one
+        call per engine; what is left after that goes through :meth:`_push_ipc`'s buckets."""
+        handles, metas, rest = share_in_place(sorted(named.items()), cross_process)
+        chunks = buckets(dict(rest), bucket_bytes)
+        staging = None
+        if chunks:
+            staging, packed = flatten(chunks.pop(0), self.device)
+            metas += packed_views(staging, packed, len(handles))
+            handles.append(ipc_handle(staging, cross_process))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the values are final before anyone reads them
         try:
-            calls = [e.update_weights_from_ipc.call(handles, metas, version, not rest_buckets) for e in engines]
+            calls = [e.update_weights_from_ipc.call(handles, metas, version, not chunks) for e in engines]
             for f in calls:
                 f.get(timeout)
         finally:
             for h in handles:
                 release(h)
+            staging = None
             if cross_process:
                 torch.cuda.ipc_collect()
-        sent = 0
-        for _, shape, _, _, dtype, _ in metas:
-            sent += torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-        return sent * len(engines), rest_buckets
+        sent = sum(torch.Size(m[1]).numel() * getattr(torch, m[4]).itemsize for m in metas) * len(engines)
+        if chunks:
+            sent += self._push_ipc(engines, chunks, version, timeout, cross_process)
+        return sent
 
     def _push_ipc(self, engines: list, buckets: list, version: int, timeout: float, cross_process: bool) -> int:
         """CUDA IPC, double-buffered: bucket i+1 is packed into the other buffer while the
@@ -165,7 +187,8 @@ class WeightSender:
             for i, bucket in enumerate(buckets):
                 buffer, metas = flatten(bucket, self.device, out=buffers[i % 2])
                 buffers[i % 2] = buffer
-                torch.cuda.current_stream(self.device).synchronize()  # packed before anyone reads it
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # packed before anyone reads it
                 handle = ipc_handle(buffer, cross_process)
                 for f in pending:  # bucket i-1 acknowledged: its buffer may be reused next round
                     f.get(timeout)
@@ -181,7 +204,8 @@ class WeightSender:
             if previous is not None:
                 release(previous)
         buffers = buffer = None  # noqa: F841 (freed before collecting the IPC limbo)
-        torch.cuda.ipc_collect()
+        if cross_process:
+            torch.cuda.ipc_collect()
         return sent
 
     def _push_broadcast(self, engines: list, infos: list, buckets: list, version: int, timeout: float) -> int:

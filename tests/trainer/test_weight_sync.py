@@ -79,23 +79,48 @@ def test_tensors_inside_a_large_storage_are_shared_in_place_as_views():
     flat = torch.arange(64, dtype=torch.float32)
     fused = flat[:48].view(6, 8)
     named = [("whole", fused), ("strided", fused[:, 2:5]), ("tail", flat[48:]), ("small", torch.ones(3))]
+    # q split out of a fused [group x (q, k, v)] weight: no 2-D view of it exists
+    split = weight_sync.shaped(fused.view(2, 3, 8)[:, :2], (4, 8))
+    named.append(("split", split))
     handles, metas, rest = weight_sync.share_in_place(named, cross_process=False, min_bytes=64 * 4)
     assert len(handles) == 1 and [n for n, _ in rest] == ["small"]
-    assert [m[5] for m in metas] == [0, 0, 0]
+    assert [m[5] for m in metas] == [0, 0, 0, 0]
     views = weight_sync.open_views(handles, metas, "cpu")
-    for (name, view), (_, t) in zip(views, named):
+    for (name, view), (_, t) in zip(views[:3], named):
         assert torch.equal(view, t) and view.stride() == t.stride(), name
         assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # no copy
-    for bad in (["x", [4], [1], 61, "float32", 0],  # runs past the end of the 64-element storage
-                ["x", [2, 2], [63, 1], 0, "float32", 0], ["x", [2], [-1], 5, "float32", 0],
-                ["x", [4], [1], 31, "float64", 0]):
+    assert views[3][0] == "split" and torch.equal(views[3][1], split.reshape(4, 8))  # the HF tensor
+    for bad in (["x", [4], [1], 61, "float32", 0, [4]],  # runs past the end of the 64-element storage
+                ["x", [2, 2], [63, 1], 0, "float32", 0, [2, 2]], ["x", [2], [-1], 5, "float32", 0, [2]],
+                ["x", [4], [1], 31, "float64", 0, [4]]):
         with pytest.raises(ValueError, match="does not lie within"):
             weight_sync.open_views(handles, [bad], "cpu")
-    assert torch.equal(weight_sync.open_views(handles, [["x", [4], [1], 60, "float32", 0]], "cpu")[0][1], flat[60:])
+    ok = weight_sync.open_views(handles, [["x", [4], [1], 60, "float32", 0, [2, 2]]], "cpu")[0][1]
+    assert torch.equal(ok, flat[60:].view(2, 2))
+    with pytest.raises(ValueError, match="cannot become shape"):
+        weight_sync.open_views(handles, [["x", [4], [1], 60, "float32", 0, [5]]], "cpu")
     with pytest.raises(ValueError, match="shared storage 1 of 1"):
-        weight_sync.open_views(handles, [["x", [1], [1], 0, "float32", 1]], "cpu")
+        weight_sync.open_views(handles, [["x", [1], [1], 0, "float32", 1, [1]]], "cpu")
+    # packing a shaped view writes the HF tensor under its HF shape
+    buf, packed = weight_sync.flatten([("split", split)], "cpu")
+    assert packed[0][1] == [4, 8] and torch.equal(weight_sync.unflatten(buf, packed)[0][1], split.reshape(4, 8))
     for h in handles:
         weight_sync.release(h)
+
+
+@pytest.mark.unit
+def test_a_lazy_qkv_split_is_views_of_the_fused_weight_with_the_same_values():
+    from types import SimpleNamespace
+
+    from engines.trainer.megatron_model import _split_qkv
+
+    for groups in (1, 2):
+        cfg = SimpleNamespace(num_kv_heads=groups, head_dim=4, num_heads=4)
+        w = torch.randn(groups * (4 // groups + 2) * 4, 8)
+        for eager, lazy in zip(_split_qkv(cfg, w), _split_qkv(cfg, w, lazy=True)):
+            assert lazy.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()  # no copy
+            assert weight_sync.hf_shape(lazy) == tuple(eager.shape)
+            assert torch.equal(lazy.reshape(eager.shape), eager)
 
 
 def test_an_engine_takes_weights_shared_in_place_as_from_update_weights(policy):
@@ -127,6 +152,71 @@ def test_an_engine_takes_weights_shared_in_place_as_from_update_weights(policy):
 
     x, y = run(main(), 120)
     assert x.token_ids == y.token_ids and x.logprobs == y.logprobs and x.weight_version == 3
+
+
+def test_the_in_place_push_sends_views_packed_rest_and_later_buckets(policy, monkeypatch):
+    """``WeightSender.push`` to a built-in engine by IPC (in the sender's process, as
+    colocated actors are): tensors of the large storage go as views, q/k/v as views the
+    engine reshapes, the small rest packed with them in the same call and, past
+    ``bucket_bytes``, in further buckets. The engine then equals one given the same tensors
+    by ``update_weights``; every byte is counted once."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from engines.weight_sync.sender import Route, WeightSender
+
+    gen = torch.Generator().manual_seed(1)
+    new = {n: t.float() + 0.05 * torch.randn(t.shape, generator=gen)
+           for n, t in load_file(f"{policy}/model.safetensors").items()}
+    big = sorted(n for n in new if n.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight")))
+    qs = sorted(n for n in new if n.endswith("q_proj.weight"))
+    # a parameter buffer holding those, and each q inside a fused per-group weight (two groups,
+    # each [its q rows; 3 more rows]) whose split hands q over as a view of another shape
+    fused = {n: torch.cat([new[n].view(2, new[n].shape[0] // 2, -1), torch.zeros(2, 3, new[n].shape[1])], 1)
+             for n in qs}
+    flat = torch.cat([new[n].reshape(-1) for n in big] + [fused[n].reshape(-1) for n in qs])
+    named, off = {}, 0
+    for n in big + qs:
+        shape = new[n].shape if n in big else fused[n].shape
+        part = flat[off:off + shape.numel()].view(shape)
+        named[n] = part if n in big else weight_sync.shaped(part[:, :new[n].shape[0] // 2], new[n].shape)
+        off += shape.numel()
+    for n, t in new.items():
+        if n not in named:
+            named[n] = t.clone()  # small tensors of their own
+
+    async def main():
+        a, b = TorchEngine(policy, kv_cache_tokens=256), TorchEngine(policy, kv_cache_tokens=256)
+        loop = asyncio.get_running_loop()
+
+        class Call:
+            def __init__(self, *args):
+                self.future = asyncio.run_coroutine_threadsafe(a.update_weights_from_ipc(*args), loop)
+                calls.append(args)
+
+            def get(self, timeout):
+                return self.future.result(timeout)
+
+        calls: list = []
+        mesh = type("Mesh", (), {"update_weights_from_ipc": type("E", (), {"call": staticmethod(Call)})})
+        route = Route(mesh, "ipc", 0, {"backend": "torch", "pid": os.getpid()})
+        sender = WeightSender(0, torch.device("cpu"))
+        assert sender.in_place_only([route], 0)
+        monkeypatch.setattr(weight_sync, "SHARE_MIN_BYTES", flat.numel() * 4)  # only the "parameter buffer"
+        sent = await asyncio.to_thread(sender.push, [route], named, 2048, 5, 60.0)
+        await b.update_weights([new], 5)
+        outs = [await e.generate(SEQS[0][:8], GREEDY) for e in (a, b)]
+        for e in (a, b):
+            await e.close()
+        return sent, calls, outs
+
+    sent, calls, (x, y) = run(main(), 120)
+    total = sum(t.numel() * 4 for t in new.values())
+    assert total <= sent <= total + weight_sync.ALIGN * len(new)  # packed buckets count their alignment
+    assert isinstance(calls[0][0], list) and len(calls) > 2  # views first, then buckets
+    assert [c[3] for c in calls] == [False] * (len(calls) - 1) + [True]  # the last call completes the version
+    assert x.token_ids == y.token_ids and x.logprobs == y.logprobs and x.weight_version == 5
 
 
 def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(policy):
