@@ -73,6 +73,19 @@ def unwatch_heartbeats(proc_id: str) -> None:
     _current_runtime().procs.unwatch_remote(proc_id)
 
 
+def prefork(modules) -> None:
+    """Start this process's fork server: it imports ``modules`` (names, or
+    ``"module:function"`` to also call one) once, in the background, and the worker
+    processes this process spawns from then on are forked from it, starting with them
+    imported (relay/_forkserver.py). Workers behave as without it; one it cannot fork starts
+    as a new process. Call it early (before the spawns) on the loop thread; idempotent."""
+    rt = _current_runtime()
+    if not rt.in_loop_thread():
+        rt.loop.call_soon_threadsafe(rt.procs.prefork, list(modules))
+        return
+    rt.procs.prefork(list(modules))
+
+
 def start_heartbeat(address: str, proc_id: str) -> None:
     """Beat, on a thread of this process, to the monitor at ``address`` (another process's
     :func:`heartbeat_address`) as ``proc_id``. This process exits when the monitor stops
@@ -107,6 +120,7 @@ __all__ = [
     "heartbeat_address",
     "inbox_address",
     "job_secret",
+    "prefork",
     "read_secret_file",
     "register",
     "set_unhandled_fault_hook",

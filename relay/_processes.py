@@ -106,6 +106,7 @@ class Processes:
         self._remote: dict[str, tuple[ProcRef, str]] = {}  # proc_id -> (ref, owner actor): watched, not owned
         self._hb: HeartbeatMonitor | None = None
         self._mesh_seq = 0
+        self._fork = None  # ForkServer, once prefork() started one
 
     def owns(self, addr: str) -> bool:
         return any(o.ref.addr == addr for o in self._owned.values())
@@ -150,20 +151,50 @@ class Processes:
                 RELAY_SYS_PATH=os.pathsep.join(p for p in sys.path if p),
                 RELAY_MAIN_FILE=getattr(sys.modules.get("__main__"), "__file__", "") or "",
             )
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "relay._worker"], env=env, stdin=subprocess.DEVNULL, close_fds=True
-            )
+            forked = self._fork is not None and self._fork.alive
+            if forked:  # a child of the fork server, which is then its parent
+                env["RELAY_PARENT_PID"] = str(self._fork.pid)
+                popen = self._fork.spawn(env, lambda proc_id=proc_id: self._forked_event(proc_id))
+            else:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "relay._worker"], env=env, stdin=subprocess.DEVNULL, close_fds=True
+                )
             ref = ProcRef(proc_id, addr, mesh, i, host, popen.pid)
             o = Owned(ref, popen, owner_actor, self._loop.create_future(), self._loop.create_future())
             self._owned[proc_id] = o
             self._hb.watch(proc_id)
-            try:
-                o.pidfd = os.pidfd_open(popen.pid)
-                self._loop.add_reader(o.pidfd, self._on_exit, proc_id)
-            except (AttributeError, OSError):
-                self._loop.create_task(self._poll_exit(proc_id))
+            if not forked:
+                self._watch_exit(o)
             out.append(o)
         return out
+
+    def prefork(self, modules: list[str]) -> None:
+        """Start this runtime's fork server (relay/_forkserver.py), importing ``modules``
+        (``module`` or ``module:function`` to call) now, in the background; the workers
+        spawned from then on are forked from it. Idempotent."""
+        from ._forkserver import ForkServer
+
+        if self._fork is None or not self._fork.alive:
+            self._fork = ForkServer(self._loop, list(modules), dict(os.environ))
+
+    def _watch_exit(self, o: Owned) -> None:
+        """Learn of ``o``'s exit: a pidfd, else polling (a process this runtime started)."""
+        try:
+            o.pidfd = os.pidfd_open(o.popen.pid)
+            self._loop.add_reader(o.pidfd, self._on_exit, o.ref.proc_id)
+        except (AttributeError, OSError):
+            self._loop.create_task(self._poll_exit(o.ref.proc_id))
+
+    def _forked_event(self, proc_id: str) -> None:
+        """The fork server reported a worker's exit, or started it as a new process instead
+        (then watched as one)."""
+        o = self._owned.get(proc_id)
+        if o is None:
+            return
+        if getattr(o.popen, "_fallback", None) is not None and o.pidfd < 0:
+            o.ref.pid = o.popen.pid
+            self._watch_exit(o)
+        self._on_exit(proc_id)
 
     def on_started(self, msg: Started) -> None:
         o = self._owned.get(msg.proc_id)
@@ -310,6 +341,8 @@ class Processes:
 
     def kill_all(self) -> None:
         """Kill every owned process now (SIGKILL) and reap it. Safe from any thread or hook."""
+        if self._fork is not None:
+            self._fork.kill()  # no more forks; a worker it forked meanwhile exits with it
         for o in list(self._owned.values()):
             o.stopping = True
             if o.popen.poll() is None:
@@ -324,6 +357,8 @@ class Processes:
                 pass
 
     def close(self) -> None:
+        if self._fork is not None:
+            self._fork.close()
         if self._hb is not None:
             self._hb.stop()
         for o in self._owned.values():

@@ -118,6 +118,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("RELAY_MAIN_FILE", "main_file", "", _str, _W, "the spawner's __main__ script, for classes defined there"),
     Variable("RELAY_LOG_FILE", "log_file", "", _str, _W,
              "the file this worker's stdout and stderr go to instead of the console (set by the launcher's agent)"),
+    Variable("RELAY_PRELOAD", "preload", "", _str, _W,
+             "what a fork server imports before forking workers (comma-separated; `module:function` calls one)"),
+    Variable("RELAY_ZYGOTE_PARENT", "zygote_parent", 0, _int, _W, "a fork server's spawner (it exits with it)"),
     Variable("RELAY_IGNORE_SIGTERM", "ignore_sigterm", False, _flag_on, _W,
              "`1`: the worker ignores SIGTERM and SIGUSR1; its spawner stops it (set by the launcher)"),
     # set or read by the launcher, the engines and the reward code
@@ -129,6 +132,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("RELAY_NODE", "node", -1, _int, _L, "the node a worker runs on (set for each worker)"),
     Variable("RELAY_DIST_INIT_TIMEOUT", "dist_init_timeout", 60.0, _seconds, _L,
              "seconds the trainer's torch.distributed rendezvous may take"),
+    Variable("RELAY_FORK_SERVER", "fork_server", True, _flag_off, _L,
+             "`0`: node agents start workers as new processes (default: forked from a process that imported "
+             "torch, transformers and Megatron once)"),
     Variable("RELAY_ENGINE_CPU_THREADS", "engine_cpu_threads", 1, _int, _L, "intra-op threads of a CPU engine's step"),
     Variable("RELAY_SGLANG_LAUNCH", "sglang_launch", "sglang.launch_server", _str, _L,
              "the module the SGLang engine runs to start its server"),
@@ -183,6 +189,9 @@ class Settings:
     bundle: int = -1
     node: int = -1
     dist_init_timeout: float = 60.0
+    fork_server: bool = True
+    preload: str = ""
+    zygote_parent: int = 0
     engine_cpu_threads: int = 1
     sglang_launch: str = "sglang.launch_server"
     genrm_addr: str = ""

@@ -283,3 +283,14 @@ class Caller(Actor):
             return ["ok", await getattr(self.target, method).call_one(*args).result(60), time.monotonic() - t0]
         except Exception as e:  # noqa: BLE001 - reported to the test
             return [type(e).__name__, str(e), time.monotonic() - t0]
+
+
+class Probe(Actor):
+    """What a worker process looks like from inside (fork-server tests)."""
+
+    @endpoint
+    async def info(self, modules: list, var: str) -> dict:
+        import sys
+
+        return {"pid": os.getpid(), "ppid": os.getppid(), "modules": [m in sys.modules for m in modules],
+                "var": os.environ.get(var), "cwd": os.getcwd()}

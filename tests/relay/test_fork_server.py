@@ -1,0 +1,148 @@
+"""The fork server (relay.prefork, relay/_forkserver.py, relay/_zygote.py): workers forked
+from a process that imported modules once behave as workers started as new processes:
+their own environment and directory, the same failures on a real exit or SIGKILL, nothing
+left behind on stop or when their spawner is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import relay
+from relay import SupervisionError, this_host
+from tests.helpers import run, tagged_pids
+from tests.relay.actors import Faulty, Probe
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRELOADED = "wave"  # nothing else in a worker imports it
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def test_forked_workers_start_with_the_preload_their_own_env_and_directory(tmp_path, monkeypatch):
+    async def main():
+        relay.prefork([PRELOADED, "json:dumps"])  # "module:function" calls it (dumps() raises: reported, skipped)
+        server = relay._runtime.current_runtime().procs._fork
+        monkeypatch.chdir(tmp_path)
+        procs = this_host().spawn_procs(per_host={"gpus": 2}, env=lambda p: {"PROBE": f"w{p.coords['gpus']}"})
+        infos = (await procs.spawn("p", Probe).info.call([PRELOADED], "PROBE").result(60)).values()
+        pids = [i["pid"] for i in infos]
+        await procs.stop()
+        return server.pid, infos, pids
+
+    server, infos, pids = run(main())
+    assert [i["ppid"] for i in infos] == [server, server]  # forked by the server
+    assert [i["modules"] for i in infos] == [[True], [True]]  # already imported
+    assert [i["var"] for i in infos] == ["w0", "w1"]
+    assert {i["cwd"] for i in infos} == {str(tmp_path)}
+    time.sleep(0.3)
+    assert all(_gone(p) for p in pids)  # stopped and reaped
+
+
+@pytest.mark.parametrize("fault,expected", [(("exit_with", 3), "exited with code 3"),
+                                            (("kill_self", signal.SIGKILL), "killed by signal SIGKILL")],
+                         ids=["os._exit(3)", "SIGKILL"])
+def test_a_forked_worker_dies_with_the_same_failure(faults, fault, expected):
+    async def main():
+        relay.prefork([PRELOADED])
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        mesh = procs.spawn("faulty", Faulty)
+        victim = mesh.slice(gpus=0)
+        method, *args = fault
+        with pytest.raises(SupervisionError, match=expected):
+            await getattr(victim, method).call_one(*args).result(timeout=30)
+        with pytest.raises(SupervisionError, match=expected):  # later callers, at once
+            await victim.ok.call_one().result(timeout=5)
+        assert await mesh.slice(gpus=1).ok.call_one() == "ok"
+        await procs.stop()
+
+    run(main())
+    assert len(faults) == 1 and expected in str(faults[0])
+
+
+def test_without_its_fork_server_a_worker_starts_as_a_new_process(faults):
+    async def main():
+        relay.prefork([PRELOADED])
+        rt = relay._runtime.current_runtime()
+        first = this_host().spawn_procs(per_host={"gpus": 1})
+        server = rt.procs._fork.pid
+        assert (await first.spawn("p", Probe).info.call_one([], "X").result(60))["ppid"] == server
+        os.kill(server, signal.SIGKILL)  # its worker exits with it (its parent is gone)
+        deadline = time.monotonic() + 10
+        while rt.procs._fork.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        later = this_host().spawn_procs(per_host={"gpus": 1})
+        info = await later.spawn("p", Probe).info.call_one([PRELOADED], "X").result(60)
+        await later.stop()
+        await first.stop()
+        return info
+
+    info = run(main())
+    assert info["ppid"] == os.getpid() and info["modules"] == [False]  # a new process of ours
+    assert len(faults) == 1  # the forked worker, gone with its server
+
+
+def test_a_fork_server_with_threads_does_not_fork_and_workers_start_as_new_processes(capfd):
+    """Forking a threaded process can deadlock the child: the server refuses, says why, and
+    the worker starts as a new process."""
+    async def main():
+        relay.prefork(["tests.relay.starts_a_thread"])
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        info = await procs.spawn("p", Probe).info.call_one(["tests.relay.starts_a_thread"], "X").result(60)
+        await procs.stop()
+        return info
+
+    info = run(main())
+    assert info["ppid"] == os.getpid() and info["modules"] == [False]
+    assert "threads; it forks only with one" in capfd.readouterr().err
+
+
+def test_the_fork_server_and_its_workers_exit_when_the_spawner_is_killed():
+    code = (
+        "import asyncio, os, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import relay\n"
+        "from relay import this_host\n"
+        "from tests.relay.actors import Probe\n"
+    ) + textwrap.dedent(
+        f"""
+        async def main():
+            relay.prefork([{PRELOADED!r}])
+            procs = this_host().spawn_procs(per_host={{"gpus": 2}})
+            infos = (await procs.spawn("p", Probe).info.call([], "X").result(60)).values()
+            print("pids", [i["ppid"] for i in infos][:1] + [i["pid"] for i in infos], flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+        """
+    )
+    root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = eval(root.stdout.readline().split("pids", 1)[1])
+        assert len(pids) == 3 and not any(_gone(p) for p in pids)
+        root.kill()
+        root.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+            time.sleep(0.01)
+        assert all(_gone(p) for p in pids), "the fork server or a worker survived its spawner"
+    finally:
+        if root.poll() is None:
+            root.kill()
+            root.wait()
+        for pid in tagged_pids(os.environ["RELAY_TEST_TAG"]):
+            os.kill(pid, signal.SIGKILL)
