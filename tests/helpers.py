@@ -96,3 +96,24 @@ def reap(procs) -> None:
         if p.poll() is None:
             p.kill()
         p.communicate()
+
+
+def ended(pid: int) -> bool:
+    """Whether ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def kill_root_and_tagged(root) -> None:
+    """Test cleanup: kill ``root`` (a ``subprocess.Popen``) if it still runs, and every
+    process carrying this test's tag."""
+    import signal
+
+    if root.poll() is None:
+        root.kill()
+        root.wait()
+    for pid in tagged_pids(os.environ["RELAY_TEST_TAG"]):
+        os.kill(pid, signal.SIGKILL)

@@ -17,21 +17,13 @@ import pytest
 
 import relay
 from relay import SupervisionError, this_host
-from tests.helpers import run, tagged_pids
+from tests.helpers import ended, kill_root_and_tagged, run
 from tests.relay.actors import Faulty, Probe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRELOADED = "wave"  # nothing else in a worker imports it
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 def test_forked_workers_start_with_the_preload_their_own_env_and_directory(tmp_path, monkeypatch):
@@ -51,7 +43,7 @@ def test_forked_workers_start_with_the_preload_their_own_env_and_directory(tmp_p
     assert [i["var"] for i in infos] == ["w0", "w1"]
     assert {i["cwd"] for i in infos} == {str(tmp_path)}
     time.sleep(0.3)
-    assert all(_gone(p) for p in pids)  # stopped and reaped
+    assert all(ended(p) for p in pids)  # stopped and reaped
 
 
 @pytest.mark.parametrize("fault,expected", [(("exit_with", 3), "exited with code 3"),
@@ -133,16 +125,12 @@ def test_the_fork_server_and_its_workers_exit_when_the_spawner_is_killed():
     root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         pids = eval(root.stdout.readline().split("pids", 1)[1])
-        assert len(pids) == 3 and not any(_gone(p) for p in pids)
+        assert len(pids) == 3 and not any(ended(p) for p in pids)
         root.kill()
         root.wait(10)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        while time.monotonic() < deadline and not all(ended(p) for p in pids):
             time.sleep(0.01)
-        assert all(_gone(p) for p in pids), "the fork server or a worker survived its spawner"
+        assert all(ended(p) for p in pids), "the fork server or a worker survived its spawner"
     finally:
-        if root.poll() is None:
-            root.kill()
-            root.wait()
-        for pid in tagged_pids(os.environ["RELAY_TEST_TAG"]):
-            os.kill(pid, signal.SIGKILL)
+        kill_root_and_tagged(root)

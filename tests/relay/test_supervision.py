@@ -14,7 +14,7 @@ import time
 import pytest
 
 from relay import ActorError, SupervisionError, this_host
-from tests.helpers import run, tagged_pids
+from tests.helpers import kill_root_and_tagged, run
 from tests.relay.actors import BadInit, Caller, Cleanup, Faulty, Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -302,11 +302,7 @@ def test_workers_and_grandchildren_exit_when_the_root_is_killed():
         # generations): an orphan must not finish work its dead parent's job gave up
         assert time.monotonic() - killed < 0.45, time.monotonic() - killed
     finally:
-        if root.poll() is None:
-            root.kill()
-            root.wait()
-        for pid in tagged_pids(os.environ["RELAY_TEST_TAG"]):
-            os.kill(pid, signal.SIGKILL)
+        kill_root_and_tagged(root)
 
 
 def test_many_runtimes_one_after_another_in_one_process():
