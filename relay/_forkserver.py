@@ -188,9 +188,10 @@ class ForkServer:
                 sys.stderr.write(f"relay: {msg.get('error')}; starting the worker as a new process\n")
                 proc._start_instead()
 
-    def _died(self) -> None:
+    def _died(self, report: bool = True) -> None:
         """The server is gone: its workers die with it (they watch their parent); the
-        requests it did not answer start as new processes."""
+        requests it did not answer start as new processes. ``report``: their exits are
+        reported (not when the spawner itself is closing)."""
         if not self.alive:
             return
         self.alive = False
@@ -202,16 +203,19 @@ class ForkServer:
             except OSError:
                 pass
         waiting, self._waiting = list(self._waiting), deque()
+        procs, self._procs = list(self._procs.values()), {}
+        if not report:
+            return
         for proc in waiting:
             proc._start_instead()
-        procs, self._procs = list(self._procs.values()), {}
         for proc in procs:
             proc._exited(-signal.SIGKILL)
 
     def close(self) -> None:
-        """No more workers: the server exits (its workers were stopped before)."""
+        """No more workers: the server exits (its workers were stopped before; any left
+        exit with it)."""
         if self.alive:
-            self._died()
+            self._died(report=False)
 
     def kill(self) -> None:
         """Kill the server now (its workers then exit: their parent is gone)."""

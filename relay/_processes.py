@@ -175,7 +175,10 @@ class Processes:
         from ._forkserver import ForkServer
 
         if self._fork is None or not self._fork.alive:
-            self._fork = ForkServer(self._loop, list(modules), dict(os.environ))
+            try:
+                self._fork = ForkServer(self._loop, list(modules), dict(os.environ))
+            except OSError as e:  # workers then start as new processes, as without one
+                sys.stderr.write(f"relay: no fork server ({type(e).__name__}: {e}); workers start as new processes\n")
 
     def _watch_exit(self, o: Owned) -> None:
         """Learn of ``o``'s exit: a pidfd, else polling (a process this runtime started)."""
