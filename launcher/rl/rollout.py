@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 
 from ..data import Row, prompt_ids
 from . import timeouts
@@ -41,12 +42,23 @@ def prompt_datasets(cfg, rows: list[Row], eval_rows: list[Row] | None) -> list[t
     return out
 
 
+_TOKENIZER_IMPORT = threading.Lock()
+
+
+def auto_tokenizer():
+    """transformers' ``AutoTokenizer``, imported under a lock: while the roles start, the
+    controller imports it in two threads (:func:`tokenize_prompts` and the start-up), and two
+    threads importing transformers' lazy modules at once can fail with ``ImportError:
+    cannot import name 'AutoTokenizer'``."""
+    with _TOKENIZER_IMPORT:
+        from transformers import AutoTokenizer
+    return AutoTokenizer
+
+
 def tokenize_prompts(cfg, datasets: list[tuple[str, list[Row], int]]) -> dict:
     """Every prompt's token ids as the policy sees them, keyed as :class:`RolloutPool`
     caches them (run in a thread while the roles start)."""
-    from transformers import AutoTokenizer
-
-    pool = RolloutPool(cfg, [], AutoTokenizer.from_pretrained(cfg.hf_checkpoint))
+    pool = RolloutPool(cfg, [], auto_tokenizer().from_pretrained(cfg.hf_checkpoint))
     for _, rows, _ in datasets:
         for row in rows:
             pool.prompt_ids(row)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..allocator import Plan
 from .engine_pool import Engine, all_or_cancel, of_role, spawn_engines
 from .judge import Judge, judge_process
-from .rollout import RolloutPool
+from .rollout import RolloutPool, auto_tokenizer
 from .trainer_group import TrainerGroup, attach_claim, loss_options
 
 
@@ -101,13 +101,11 @@ async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, co
                   f"pids {p['pids']}, devices {p['devices']})", file=out, flush=True)
     roles.judge = Judge(cfg, of_role(roles.engines, "genrm"))
     await roles.judge.start_service(out, service_procs)
-    from transformers import AutoTokenizer  # imported meanwhile by loop.py's tokenize_prompts thread
-
     from reward.rewards import load_post_process, make_reward_fn
 
     roles.reward_fn = make_reward_fn(cfg, judge_address=roles.judge.address)
     roles.post_process = load_post_process(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    tokenizer = auto_tokenizer().from_pretrained(cfg.hf_checkpoint)  # (also imported by the prompts' thread)
     roles.rollout = RolloutPool(cfg, of_role(roles.engines, "rollout"), tokenizer)
     if defer:
         await roles.judge.set_admission(False)
