@@ -139,6 +139,34 @@ def check_rollout_order(evs: list[dict], n_rollout: int, before: list | None = N
         assert [d for ev, d in seq if ev == "update_weights"] == [0] * bool(before) + [1, 2]
 
 
+def test_split_with_the_fork_server_forks_every_worker_and_trains_the_same_way(data, tmp_path):
+    """``RELAY_FORK_SERVER=1``: the node agent's fork server (a child of the controller
+    process) is the parent of every worker, and the job trains as without it."""
+    from tests.helpers import children, reap
+
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, RELAY_CACHE=data["cache"], RELAY_FORK_SERVER="1")
+    p = subprocess.Popen(train_cmd("tiny-cpu-split", data, run_dir), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    forked = []
+    try:
+        deadline = time.monotonic() + 240
+        while not forked and p.poll() is None and time.monotonic() < deadline:
+            for pid in children(p.pid):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"relay._zygote" in f.read():
+                        forked = children(pid)
+            time.sleep(0.1)
+        out, err = p.communicate(timeout=240)
+    finally:
+        reap([p])
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    assert len(forked) >= 4, forked  # the 4 bundles' workers (and the judge service's process)
+    recs = records(run_dir)
+    check_common(recs, samples=32)
+    check_weights_changed(recs)
+
+
 @pytest.mark.parametrize("config", ["tiny-cpu-split", "tiny-cpu-shared"])
 def test_colocate_inline_rewards(config, data, tmp_path, request):
     if config == "tiny-cpu-split":
