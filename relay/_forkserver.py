@@ -26,11 +26,15 @@ from collections.abc import Callable
 from ._transport import remove_reader
 
 
+def start_worker(env: dict) -> subprocess.Popen:
+    """A worker as a new process: ``python -m relay._worker`` with environment ``env``."""
+    return subprocess.Popen([sys.executable, "-m", "relay._worker"], env=env, stdin=subprocess.DEVNULL, close_fds=True)
+
+
 class ForkedProc:
     """A worker forked by the fork server: the part of ``subprocess.Popen`` relay uses."""
 
-    def __init__(self, server: ForkServer, env: dict, on_exit: Callable[[], None]):
-        self.server = server
+    def __init__(self, env: dict, on_exit: Callable[[], None]):
         self.env = env
         self.pid = 0
         self.returncode: int | None = None
@@ -93,10 +97,7 @@ class ForkedProc:
 
     def _start_instead(self) -> None:
         """The server could not fork it: a new process, as without a fork server."""
-        env = dict(self.env, RELAY_PARENT_PID=str(os.getpid()))  # its parent is this process, not the server
-        self._fallback = subprocess.Popen(
-            [sys.executable, "-m", "relay._worker"], env=env, stdin=subprocess.DEVNULL, close_fds=True
-        )
+        self._fallback = start_worker(dict(self.env, RELAY_PARENT_PID=str(os.getpid())))  # its parent: this process
         self.pid = self._fallback.pid
         if self._signal is not None:
             self._fallback.send_signal(self._signal)
@@ -130,13 +131,12 @@ class ForkServer:
         self._in = b""
         self._waiting: deque[ForkedProc] = deque()  # requests answered in order
         self._procs: dict[int, ForkedProc] = {}
-        self._exits: dict[int, int] = {}  # exits reported before their pid was handed out (never, in order)
         loop.add_reader(self._rep, self._on_reports)
 
     def spawn(self, env: dict, on_exit: Callable[[], None]) -> ForkedProc:
         """Ask for a worker with environment ``env``; ``on_exit`` runs (in the loop) when it
         exited or was started as a new process instead."""
-        proc = ForkedProc(self, env, on_exit)
+        proc = ForkedProc(env, on_exit)
         if not self.alive:
             self.loop.call_soon(proc._start_instead)
             return proc
@@ -152,10 +152,8 @@ class ForkServer:
                 self._out = self._out[n:]
         except BlockingIOError:
             self.loop.add_writer(self._req, self._writable)
-            return
         except OSError:
             self._died()
-            return
 
     def _writable(self) -> None:
         self.loop.remove_writer(self._req)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _auth, _shm, _wire
 from ._errors import MeshFailure, SupervisionError
+from ._forkserver import start_worker
 from ._heartbeat import STARTUP_GRACE, HeartbeatMonitor
 from ._host import importing_main
 from ._messages import Started, Stop
@@ -156,9 +157,7 @@ class Processes:
                 env["RELAY_PARENT_PID"] = str(self._fork.pid)
                 popen = self._fork.spawn(env, lambda proc_id=proc_id: self._forked_event(proc_id))
             else:
-                popen = subprocess.Popen(
-                    [sys.executable, "-m", "relay._worker"], env=env, stdin=subprocess.DEVNULL, close_fds=True
-                )
+                popen = start_worker(env)
             ref = ProcRef(proc_id, addr, mesh, i, host, popen.pid)
             o = Owned(ref, popen, owner_actor, self._loop.create_future(), self._loop.create_future())
             self._owned[proc_id] = o
