@@ -12,12 +12,10 @@ from dataclasses import dataclass
 import relay
 from relay import Actor, MeshFailure, ProcRef, endpoint
 
-#: What every worker imports (a trainer shard, engines, the judge service): with
-#: ``RELAY_FORK_SERVER=1`` the node's fork server imports it once, while the job starts, and
-#: each worker is forked from it (``relay.prefork``). Megatron through the import that keeps
-#: its JIT fuser off. Off by default: a forked worker's ``/proc/PID/environ`` is the fork
-#: server's (the kernel keeps the environment a process was exec'd with), which tools that
-#: find a job's workers by their environment get wrong.
+#: What every worker imports (a trainer shard, engines, the judge service): the node's fork
+#: server imports it once, while the job starts, and each worker is forked from it
+#: (``relay.prefork``; ``RELAY_FORK_SERVER=0`` starts workers as new processes instead).
+#: Megatron through the import that keeps its JIT fuser off.
 WORKER_PRELOAD = (
     "torch",
     "torch._dynamo",  # torch.optim's first optimizer imports it (0.4 s)

@@ -24,6 +24,12 @@ from collections import deque
 from collections.abc import Callable
 
 from ._transport import remove_reader
+from ._zygote import ROOM_VARIABLE
+
+#: Room reserved in the fork server's environment for a worker's own variables (a worker
+#: shows its environment in the memory the fork server's occupies: relay/_zygote.py retitle).
+#: One variable can be at most 128 KiB (the kernel's MAX_ARG_STRLEN).
+ROOM_BYTES = 96 * 1024
 
 
 def start_worker(env: dict) -> subprocess.Popen:
@@ -115,6 +121,8 @@ class ForkServer:
         # (torch.cuda.is_available() asks NVML, not the CUDA driver, which a fork cannot share)
         child_env = dict(env, RELAY_PRELOAD=",".join(modules), OPENBLAS_NUM_THREADS="1",
                          PYTORCH_NVML_BASED_CUDA_CHECK="1", RELAY_ZYGOTE_PARENT=str(os.getpid()))
+        child_env.pop(ROOM_VARIABLE, None)
+        child_env[ROOM_VARIABLE] = "x" * ROOM_BYTES  # last: a worker writes its environment over it
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "relay._zygote", str(req_r), str(rep_w)],

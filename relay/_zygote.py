@@ -54,6 +54,64 @@ def threads() -> int:
         return threading.active_count()
 
 
+#: The padding variable that reserves room for a worker's environment (see :func:`retitle`).
+ROOM_VARIABLE = "RELAY_ENVIRON_ROOM"
+
+
+def _areas() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(arg_start, arg_end), (env_start, env_end): where this process's exec-time command line
+    and environment lie in its memory (/proc/self/stat fields 48-51)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3
+    arg_start, arg_end, env_start, env_end = (int(x) for x in fields[45:49])
+    return (arg_start, arg_end), (env_start, env_end)
+
+
+def _overwrite(area: tuple[int, int], blob: bytes) -> bool:
+    """Write ``blob`` at the start of ``area``, the rest with NULs; False if it does not fit."""
+    import ctypes
+
+    start, end = area
+    if len(blob) > end - start or not start:
+        return False
+    ctypes.memmove(start, blob + bytes(end - start - len(blob)), end - start)
+    return True
+
+
+def retitle(env: dict, argv: list[str]) -> str:
+    """Show ``argv`` and ``env`` as this process's ``/proc/self/cmdline`` and
+    ``/proc/self/environ``, written over the exec-time ones in place (Linux). libc's own
+    environment (``getenv``) is first moved off that memory (``clearenv`` + ``setenv``).
+    Where a variable keeps its value and everything before it is unchanged, its bytes stay
+    where they were (a library may keep a pointer from an earlier ``getenv``): the variables
+    the fork server had come first, in its order, then the worker's others, then padding
+    (``RELAY_ENVIRON_ROOM=...``) to fill the area. Returns what could not be done ('' if all)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        args_area, env_area = _areas()
+    except (OSError, AttributeError, ValueError, IndexError) as e:
+        return f"cannot rewrite /proc/self/cmdline and environ here: {e}"
+    with open("/proc/self/environ", "rb") as f:
+        old = [kv.split(b"=", 1)[0].decode(errors="surrogateescape") for kv in f.read().split(b"\0") if b"=" in kv]
+    libc.clearenv()
+    for key, value in env.items():
+        libc.setenv(os.fsencode(key), os.fsencode(value), 1)
+    ordered = [k for k in old if k in env] + [k for k in env if k not in set(old)]
+    blob = b"".join(os.fsencode(k) + b"=" + os.fsencode(env[k]) + b"\0" for k in ordered)
+    room = env_area[1] - env_area[0] - len(blob)
+    pad = ROOM_VARIABLE.encode() + b"="
+    if room > len(pad):
+        blob += pad + b"x" * (room - len(pad) - 1) + b"\0"
+    problems = []
+    if not _overwrite(env_area, blob):
+        problems.append(f"the environment ({len(blob)} bytes) does not fit the fork server's ({room + len(blob)})")
+    if not _overwrite(args_area, b"".join(os.fsencode(a) + b"\0" for a in argv)):
+        problems.append("the command line does not fit the fork server's")
+    return "; ".join(problems)
+
+
 def preload(modules: list[str]) -> None:
     """Import each ``module``, or import ``module`` and call its ``function`` for
     ``module:function``. A failure is reported and skipped (a worker that needs the module
@@ -79,6 +137,7 @@ def _child(env: dict, cwd: str | None, req: int, rep: int, preload_output: bytes
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
+        problem = retitle(env, [sys.executable, "-m", "relay._worker"])
         if cwd:
             os.chdir(cwd)
         from relay._settings import settings
@@ -87,6 +146,8 @@ def _child(env: dict, cwd: str | None, req: int, rep: int, preload_output: bytes
         _redirect_output(settings())
         if preload_output:
             os.write(2, preload_output)
+        if problem:
+            os.write(2, f"relay fork server: {problem}\n".encode())
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)

@@ -139,29 +139,47 @@ def check_rollout_order(evs: list[dict], n_rollout: int, before: list | None = N
         assert [d for ev, d in seq if ev == "update_weights"] == [0] * bool(before) + [1, 2]
 
 
-def test_split_with_the_fork_server_forks_every_worker_and_trains_the_same_way(data, tmp_path):
-    """``RELAY_FORK_SERVER=1``: the node agent's fork server (a child of the controller
-    process) is the parent of every worker, and the job trains as without it."""
+@pytest.mark.parametrize("fork_server", ["default", "0"])
+def test_split_forks_every_worker_from_the_fork_server_or_starts_them_anew(fork_server, data, tmp_path):
+    """By default the node agent's fork server (a child of the controller process) is the
+    parent of every worker, and each worker shows its own environment in /proc (RELAY_BUNDLE);
+    ``RELAY_FORK_SERVER=0`` starts them as new processes (no fork server). Both train alike."""
     from tests.helpers import children, reap
 
     run_dir = str(tmp_path / "run")
-    env = dict(os.environ, RELAY_CACHE=data["cache"], RELAY_FORK_SERVER="1")
+    env = dict(os.environ, RELAY_CACHE=data["cache"])
+    env.pop("RELAY_FORK_SERVER", None)
+    if fork_server != "default":
+        env["RELAY_FORK_SERVER"] = fork_server
     p = subprocess.Popen(train_cmd("tiny-cpu-split", data, run_dir), cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
-    forked = []
+    servers, forked, bundles = set(), set(), set()
     try:
         deadline = time.monotonic() + 240
-        while not forked and p.poll() is None and time.monotonic() < deadline:
+        while not {b"0", b"1", b"2", b"3"} <= bundles and p.poll() is None and time.monotonic() < deadline:
             for pid in children(p.pid):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"relay._zygote" in f.read():
-                        forked = children(pid)
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"relay._zygote" not in f.read():
+                            continue
+                    servers.add(pid)
+                    for child in children(pid):
+                        with open(f"/proc/{child}/environ", "rb") as f:
+                            shown = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                        forked.add(child)
+                        bundles.add(shown.get(b"RELAY_BUNDLE"))
+                except OSError:
+                    continue
             time.sleep(0.1)
         out, err = p.communicate(timeout=240)
     finally:
         reap([p])
     assert p.returncode == 0, out[-3000:] + err[-3000:]
-    assert len(forked) >= 4, forked  # the 4 bundles' workers (and the judge service's process)
+    if fork_server == "default":
+        assert len(servers) == 1 and len(forked) >= 4, (servers, forked)  # 4 bundles' workers (+ the judge service)
+        assert {b"0", b"1", b"2", b"3"} <= bundles, bundles  # what each shows is its own environment
+    else:
+        assert not servers and not forked
     recs = records(run_dir)
     check_common(recs, samples=32)
     check_weights_changed(recs)

@@ -290,7 +290,11 @@ class Probe(Actor):
 
     @endpoint
     async def info(self, modules: list, var: str) -> dict:
+        import ctypes
         import sys
 
+        getenv = ctypes.CDLL(None).getenv
+        getenv.restype = ctypes.c_char_p
         return {"pid": os.getpid(), "ppid": os.getppid(), "modules": [m in sys.modules for m in modules],
-                "var": os.environ.get(var), "cwd": os.getcwd()}
+                "var": os.environ.get(var), "cwd": os.getcwd(), "libc_var": (getenv(var.encode()) or b"").decode(),
+                "environ": dict(os.environ)}

@@ -42,8 +42,48 @@ def test_forked_workers_start_with_the_preload_their_own_env_and_directory(tmp_p
     assert [i["modules"] for i in infos] == [[True], [True]]  # already imported
     assert [i["var"] for i in infos] == ["w0", "w1"]
     assert {i["cwd"] for i in infos} == {str(tmp_path)}
+    assert [i["libc_var"] for i in infos] == ["w0", "w1"]  # C code's getenv sees it too
     time.sleep(0.3)
     assert all(ended(p) for p in pids)  # stopped and reaped
+
+
+def test_a_forked_worker_shows_its_own_command_line_and_environment_in_proc():
+    """ps, pkill -f and tools that find a job's processes by a variable read /proc/PID/cmdline
+    and /proc/PID/environ: a forked worker's are its own, not the fork server's."""
+    async def main():
+        relay.prefork([PRELOADED])
+        procs = this_host().spawn_procs(per_host={"gpus": 2}, env=lambda p: {"PROBE": f"w{p.coords['gpus']}" * 500})
+        infos = list((await procs.spawn("p", Probe).info.call([], "PROBE").result(60)).values())
+        shown = []
+        for info in infos:
+            with open(f"/proc/{info['pid']}/environ", "rb") as f:
+                environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if kv)
+            with open(f"/proc/{info['pid']}/cmdline", "rb") as f:
+                cmdline = [a for a in f.read().split(b"\0") if a]
+            shown.append((info, environ, cmdline))
+        await procs.stop()
+        return shown
+
+    for info, environ, cmdline in run(main()):
+        assert environ.pop(b"RELAY_ENVIRON_ROOM").strip(b"x") == b""  # the padding that fills the area
+        assert environ == {os.fsencode(k): os.fsencode(v) for k, v in info["environ"].items()}
+        assert environ[b"PROBE"] == info["var"].encode() and b"RELAY_PRELOAD" not in environ  # not the server's
+        assert cmdline == [sys.executable.encode(), b"-m", b"relay._worker"]
+        assert info["libc_var"] == info["var"]
+
+
+def test_a_forked_worker_whose_environment_does_not_fit_still_runs_with_it(capfd):
+    async def main():
+        relay.prefork([PRELOADED])
+        big = {"BIG1": "y" * 100_000, "BIG2": "z" * 100_000}  # more than the room the server reserves
+        procs = this_host().spawn_procs(per_host={"gpus": 1}, env=lambda p: big)
+        info = await procs.spawn("p", Probe).info.call_one([PRELOADED], "BIG2").result(60)
+        await procs.stop()
+        return info
+
+    info = run(main())
+    assert info["modules"] == [True] and info["var"] == info["libc_var"] == "z" * 100_000
+    assert "relay fork server: the environment" in capfd.readouterr().err  # said, not fatal
 
 
 @pytest.mark.parametrize("fault,expected", [(("exit_with", 3), "exited with code 3"),
