@@ -40,12 +40,16 @@ def engine_name(name: str) -> str | None:
     return name
 
 
-def place_weight(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, where: str) -> list[str]:
+def place_weight(model: CausalLM, params: dict, name: str, tensor: torch.Tensor, where: str,
+                 copies: list | None = None) -> list[str]:
     """Copy the full HF tensor ``name`` (any device and dtype) into ``model``'s parameters
     (``params``: its ``named_parameters()``), this rank's shard of it. Returns the
     ``hf_names()`` it covered (none for a tensor the engine skips: a tied LM head, a vision
     tower, an MTP head). Raises KeyError for an unknown name, ValueError for a wrong shape (``where``
-    leads the message)."""
+    leads the message). ``copies``: the copy is appended as ``(destination, source)`` for
+    :func:`copy_all` instead of made now. A tensor marked with another HF shape
+    (``weight_sync.shaped``: q/k/v read in place out of a trainer's fused weight) is copied
+    into a view of its destination of its own shape where one exists, else reshaped."""
     cfg = model.cfg
     name = engine_name(name)
     if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -76,12 +80,36 @@ def place_weight(model: CausalLM, params: dict, name: str, tensor: torch.Tensor,
         dst = params.get(name)
         if dst is None:
             raise KeyError(f"{where}: unknown tensor {name!r} for a {cfg.arch} model")
+    marked = getattr(tensor, "hf_shape", None)
+    if marked is not None and tuple(marked) != tuple(tensor.shape):
+        if per is None and cfg.tp_size == 1 and tuple(dst.shape) == tuple(marked) and dst.is_contiguous():
+            dst = dst.view(tensor.shape)  # the same elements in the same order: no reshaped copy
+        else:
+            tensor = tensor.reshape(marked)
     tensor = shard_tensor(cfg, name, tensor)
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+    if copies is not None:
+        copies.append((dst, tensor))
+    else:
+        with torch.no_grad():
+            dst.copy_(tensor)
     return covered
+
+
+def copy_all(copies: list) -> None:
+    """Make :func:`place_weight`'s deferred ``(destination, source)`` copies, those between
+    tensors of one dtype on one device in a few batched launches (``torch._foreach_copy_``)."""
+    groups: dict = {}
+    for dst, src in copies:
+        groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), []).append((dst, src))
+    with torch.no_grad():
+        for (ddev, ddt, sdev, sdt), pairs in groups.items():
+            if ddev == sdev and ddt == sdt:
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+            else:
+                for dst, src in pairs:
+                    dst.copy_(src)
 
 
 def load_weights(model: CausalLM, path: str) -> None:

@@ -72,7 +72,7 @@ def _overwrite(area: tuple[int, int], blob: bytes) -> bool:
     import ctypes
 
     start, end = area
-    if len(blob) > end - start or not start:
+    if len(blob) > end - start:
         return False
     ctypes.memmove(start, blob + bytes(end - start - len(blob)), end - start)
     return True
@@ -93,6 +93,8 @@ def retitle(env: dict, argv: list[str]) -> str:
         args_area, env_area = _areas()
     except (OSError, AttributeError, ValueError, IndexError) as e:
         return f"cannot rewrite /proc/self/cmdline and environ here: {e}"
+    if not (args_area[0] and env_area[0]):  # a kernel that does not say (gVisor)
+        return "this kernel does not say where /proc/self/cmdline and environ lie: /proc shows the fork server's"
     with open("/proc/self/environ", "rb") as f:
         old = [kv.split(b"=", 1)[0].decode(errors="surrogateescape") for kv in f.read().split(b"\0") if b"=" in kv]
     libc.clearenv()

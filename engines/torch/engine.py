@@ -307,8 +307,10 @@ class TorchEngine(Engine):
         self.events.append((time.monotonic(), "update_weights", version))
 
     def weight_sync_info(self) -> dict:
-        """What a trainer needs to pick the transport: CUDA IPC needs the same physical GPU."""
-        return self.weights.sync_info()
+        """What a trainer needs to pick the transport (CUDA IPC needs the same physical GPU),
+        and what waking takes: ``weights_bytes``, and ``wake_bytes`` (the free memory a wake of
+        the weights and the KV cache needs: ``ModelRunner.wake_bytes``)."""
+        return dict(self.weights.sync_info(), wake_bytes=self.runner.wake_bytes())
 
     async def update_weights_from_ipc(self, handle: dict | list, metas: list, version: int, last: bool = True) -> None:
         """Colocated weight sync by CUDA IPC: one flat bucket (``handle`` a dict) or the

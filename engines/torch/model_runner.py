@@ -58,6 +58,7 @@ class ModelRunner:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.weights = Weights(model, self.cfg, device, weights_mode, name, mirror=self._mirror)
+        self.kv_blocks = 0  # the KV cache's size the last time it was allocated
         if self.leads:  # a follower's cache comes with rank 0's first allocate_kv
             self.allocate_kv()
 
@@ -105,6 +106,7 @@ class ModelRunner:
         """The KV cache of ``blocks`` blocks (default: what ``kv_cache_tokens`` or
         ``mem_fraction_static`` gives; a tensor-parallel engine's followers take rank 0's)."""
         blocks = blocks or self._kv_capacity()
+        self.kv_blocks = blocks  # what the next wake allocates again (wake_bytes)
         self._mirror("allocate_kv", blocks)
         c = self.cfg
         # One extra block, never handed out: the scratch block padding rows write and read.
@@ -118,6 +120,18 @@ class ModelRunner:
             self.state.allocate()
         self.blocks.resize(blocks, self.cfg.max_position_embeddings)
         self.graphs = None
+
+    def wake_bytes(self) -> int:
+        """Free device memory a wake of the weights and the KV cache needs to allocate both as
+        large as the last time (a cache sized by ``mem_fraction_static`` takes at most 95% of
+        the free memory it finds, so that is counted in). 0 before any allocation."""
+        if not self.kv_blocks:
+            return 0
+        kv = (self.kv_blocks + 1) * self.kv_block_bytes()
+        state = 0 if self.state is None else self.state.rows * self.state.row_bytes()
+        if self.kv_cache_tokens is None:
+            kv = int(kv / 0.95) + 1
+        return self.weights.full_nbytes() + kv + state
 
     def drop_graphs(self) -> None:
         """Forget captured decode graphs (they point at the weights' and the cache's memory:

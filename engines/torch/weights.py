@@ -14,7 +14,7 @@ import torch
 
 from ..fused_decode import pack_projections, unpack_projections
 from ..model import ModelConfig
-from ..weight_names import place_weight
+from ..weight_names import copy_all, place_weight
 
 
 class Weights:
@@ -125,8 +125,12 @@ class Weights:
             self.mirror("weights_in", metas, buf.numel())
             self.model.tp.broadcast(buf)
         params = dict(self.model.named_parameters())
+        copies: list = []
+        covered: set = set()
         for name, tensor in items:  # per-expert or fused expert tensors, VL names: engines/weight_names.py
-            self.seen.update(place_weight(self.model, params, name, tensor, "update_weights"))
+            covered.update(place_weight(self.model, params, name, tensor, "update_weights", copies))
+        copy_all(copies)  # nothing is copied when a tensor is refused
+        self.seen |= covered
 
     def finish_version(self, version: int) -> None:
         """The update of ``version`` is complete (over one or several calls). After a

@@ -69,6 +69,7 @@ class WeightSender:
         self.rank = rank
         self.device = device
         self._group: _Group | None = None
+        self._uuids: list | None = None  # every trainer rank's GPU (device_uuid), by rank
 
     def plan(self, engines: list, transport: str, timeout: float) -> list[Route]:
         """Per engine, its :class:`Route`. ``auto``: CUDA IPC from the rank on the engine's
@@ -79,11 +80,14 @@ class WeightSender:
 
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
-        uuids: list = [None] * dist.get_world_size()
-        dist.all_gather_object(uuids, device_uuid(self.device))
+        if self._uuids is None:  # the ranks' GPUs do not change: gathered once
+            self._uuids = [None] * dist.get_world_size()
+            dist.all_gather_object(self._uuids, device_uuid(self.device))
+        uuids = self._uuids
         routes = []
-        for engine in engines:
-            info = engine.weight_sync_info.call().get(timeout).values()[0]
+        asked = [engine.weight_sync_info.call() for engine in engines]  # all at once: one round trip
+        for engine, future in zip(engines, asked):
+            info = future.get(timeout).values()[0]
             colocated = next((r for r, u in enumerate(uuids) if u is not None and u == info["uuid"]), None)
             chosen = transport
             if chosen == "auto":

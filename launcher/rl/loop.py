@@ -19,7 +19,9 @@ matters because the roles share GPU memory):
     rollout wakes its weights (beside the trainer's state when every GPU has room for
      them; otherwise the trainer offloads first: launcher/rl/swaps.py)
     push the new weights (version + 1) and check every engine has them
-    trainer offloads (if it has not), rollout wakes its KV cache, judge wakes
+    trainer offloads (if it has not, and unless every GPU has room for the engines' wakes
+     beside it: then it stays, and needs no onload next step), rollout wakes its KV cache,
+     judge wakes
     record metrics (+ the judge's drift audit and the weight probe)
 
 With dedicated pools the sleeping and waking are no-ops. Fully-async
@@ -223,8 +225,8 @@ class GRPOLoop:
             trainer_resident = await self.swaps.wake_rollout_weights()
             with timer.phase("sync"):
                 synced = await self._sync_weights()
-            if trainer_resident:
-                await self.swaps.offload_trainer()
+            if trainer_resident:  # offloads unless the engines' wakes fit beside it
+                await self.swaps.offload_trainer_unless_room()
         await self.swaps.resume_generation()
         timer.end_step()
         await self._record_gpu_use("synced", memory)

@@ -11,6 +11,13 @@ figures, per physical GPU, with :data:`MARGIN_BYTES` to spare): the weight sync 
 the trainer's device-resident parameters, and the trainer offloads after it. Otherwise the
 trainer offloads first, and the sync brings the parameters back to the device for its
 duration (one more host-to-device copy of them).
+
+After the sync, the trainer stays on the device (no offload now, no onload before the next
+training) when every GPU also has room for what the engines will wake beside it until then:
+each engine's ``wake_bytes`` (weights and a KV cache as large as before), the rollout's and
+the judge's by turns in Defer-swap (the rollout sleeps before the judge wakes), together
+otherwise, with :func:`engine_margin` to spare for their activations. The engines still
+sleep and wake in the same order; only the trainer's copies to and from the host go.
 """
 
 from __future__ import annotations
@@ -22,6 +29,12 @@ from . import timeouts
 from .engine_pool import call_engines, engine_bytes
 
 MARGIN_BYTES = 1 << 30  # left free on a GPU when the rollout weights wake beside the trainer
+
+
+def engine_margin(total: int) -> int:
+    """Left free on a GPU of ``total`` bytes for the engines' activations, sampling and CUDA
+    graphs when they wake beside the trainer's state: 5% of it, at least MARGIN_BYTES."""
+    return max(MARGIN_BYTES, total // 20)
 
 
 class GpuSwaps:
@@ -81,6 +94,49 @@ class GpuSwaps:
     async def offload_trainer(self) -> None:
         with self._move("trainer_offload"):
             await self.loop.trainer.offload()
+
+    async def offload_trainer_unless_room(self) -> bool:
+        """After the sync (the trainer resident, the rollout weights awake): the trainer
+        offloads unless every GPU has room for the engines' wakes beside it
+        (:meth:`room_for_engines`). True when it stays on the device."""
+        with self._move("trainer_offload"):  # the check is part of the move
+            stay = await self.room_for_engines()
+        if not stay:
+            await self.offload_trainer()
+        return stay
+
+    async def room_for_engines(self) -> bool:
+        """Does every GPU have room, beside the trainer's state, for the engines' wakes until
+        the next training: the rollout's KV cache now (its weights are awake), then in
+        Defer-swap the judge's weights and cache once the rollout slept (otherwise both
+        together), with :func:`engine_margin` to spare? False when an engine or the trainer
+        cannot say."""
+        loop = self.loop
+        engines = loop.rollout.engines + loop.judge.engines
+        infos = await call_engines(engines, "weight_sync_info", timeout=timeouts.CONTROL)
+        figures = await loop.trainer.gpu_memory(release_cache=True)
+        free = {m.get("uuid"): (m["free"], m["total"]) for m in figures if m.get("uuid") and m["total"]}
+        if not infos or not free or len(infos) != len(engines):
+            return False
+        awake: dict = defaultdict(int)  # the rollout weights, awake now: freed before the judge wakes
+        needs: dict = {"rollout": defaultdict(int), "judge": defaultdict(int)}
+        for engine, info in zip(engines, infos):
+            wake, weights = info.get("wake_bytes"), info.get("weights_bytes")
+            if not isinstance(wake, int) or not isinstance(weights, int) or wake <= 0:
+                return False
+            gpus = list(free) if int(info.get("tp_size", 1)) > 1 else [info.get("uuid")]
+            for uuid in gpus:
+                if uuid not in free:
+                    return False
+                needs["rollout" if engine.role == "rollout" else "judge"][uuid] += wake
+                if engine.role == "rollout":
+                    awake[uuid] += weights
+        for uuid, (room, total) in free.items():
+            rollout, judge = needs["rollout"][uuid], needs["judge"][uuid]
+            need = max(rollout, judge) if loop.defer else rollout + judge
+            if need + engine_margin(total) > room + awake[uuid]:
+                return False
+        return True
 
     async def resume_generation(self) -> None:
         """Colocated: the rollout engines wake their KV cache; the judge wakes (in Defer-swap

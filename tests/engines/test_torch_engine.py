@@ -260,6 +260,45 @@ def test_update_weights_switches_to_the_new_model(models):
     assert new.weight_version == 7
 
 
+def test_an_update_with_a_wrong_shaped_tensor_changes_nothing(models):
+    """A bucket is checked whole before anything is copied: a refused tensor leaves every
+    parameter as it was, the version too, and nothing counts as covered."""
+    from safetensors.torch import load_file
+
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=256)
+        before = await eng.generate(prompts()[6], GREEDY)
+        tensors = {n: t + 1.0 for n, t in load_file(f"{models['qwen3-other']}/model.safetensors").items()}
+        bad = dict(tensors, **{"model.norm.weight": torch.ones(3)})
+        with pytest.raises(ValueError, match="model.norm.weight has shape"):
+            await eng.update_weights([bad], version=9)
+        after = await eng.generate(prompts()[6], GREEDY)
+        seen = set(eng.weights.seen)
+        await eng.close()
+        return before, after, seen
+
+    before, after, seen = run(main())
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    assert after.weight_version == before.weight_version and not seen
+
+
+def test_wake_bytes_counts_the_weights_and_the_kv_cache_as_last_allocated(models):
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=256, block_size=16)
+        awake = eng.weight_sync_info()
+        held = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
+        kv = 2 * eng.runner.k.numel() * eng.runner.k.element_size()
+        await eng.sleep()
+        asleep = eng.weight_sync_info()
+        await eng.close()
+        return eng, awake, asleep, held, kv
+
+    eng, awake, asleep, held, kv = run(main())
+    assert kv == (256 // 16 + 1) * eng.runner.kv_block_bytes()  # and the scratch block
+    assert awake["weights_bytes"] == held
+    assert awake["wake_bytes"] == asleep["wake_bytes"] == held + kv  # asleep: what waking takes
+
+
 def test_kv_capacity_exhaustion_queues_instead_of_failing(models):
     path = models["qwen3"]
     ps = prompts()[4:8]  # 17..41 tokens + 16 new: far more than 64 tokens of cache together

@@ -1,5 +1,7 @@
 """The colocated loop's memory moves (launcher/rl/swaps.py): the rollout weights wake beside
-the trainer's state only when every GPU has room for them, and each move is timed."""
+the trainer's state only when every GPU has room for them, the trainer stays on the device
+after the sync only when every GPU has room for the engines' wakes beside it, and each move
+is timed."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 from launcher.rl.engine_pool import Engine
-from launcher.rl.swaps import MARGIN_BYTES, GpuSwaps
+from launcher.rl.swaps import MARGIN_BYTES, GpuSwaps, engine_margin
 from launcher.rl.timing import PhaseTimer
 
 GB = 1 << 30
@@ -21,18 +23,21 @@ class _Call:
         return self.value
 
 
-def _engine(info: dict) -> Engine:
+def _engine(info: dict, role: str = "rollout") -> Engine:
     stats = {"bytes": {"weights": 0, "kv_cache": 0}}
-    return Engine("rollout", "", SimpleNamespace(weight_sync_info=SimpleNamespace(call_one=lambda: _Call(info)),
-                                                 stats=SimpleNamespace(call_one=lambda: _Call(stats))))
+    instance = "" if role == "rollout" else "judge"
+    actor = SimpleNamespace(weight_sync_info=SimpleNamespace(call_one=lambda: _Call(info)),
+                            stats=SimpleNamespace(call_one=lambda: _Call(stats)))
+    return Engine(role, instance, actor)
 
 
 class _Roles:
     """Records the order of the moves; the trainer reports ``free`` bytes per GPU."""
 
-    def __init__(self, infos: list[dict], free: dict):
+    def __init__(self, infos: list[dict], free: dict, judge_infos: tuple = ()):
         self.log: list[str] = []
         self.engines = [_engine(i) for i in infos]
+        judge_engines = [_engine(i, "genrm") for i in judge_infos]
         self.free = free
         log = self.log
 
@@ -46,7 +51,7 @@ class _Roles:
                 log.append("rollout.sleep")
 
         class Judge:
-            engines: list = []
+            engines = judge_engines
 
             async def wake(self):
                 log.append("judge.wake")
@@ -68,8 +73,8 @@ class _Roles:
         self.rollout, self.judge, self.trainer = Pool(), Judge(), Trainer()
 
 
-def _loop(infos: list[dict], free: dict, defer: bool = False) -> SimpleNamespace:
-    roles = _Roles(infos, free)
+def _loop(infos: list[dict], free: dict, defer: bool = False, judge_infos: tuple = ()) -> SimpleNamespace:
+    roles = _Roles(infos, free, judge_infos)
     return SimpleNamespace(rollout=roles.rollout, judge=roles.judge, trainer=roles.trainer, timer=PhaseTimer(),
                            colocate=True, defer=defer, log=roles.log)
 
@@ -147,3 +152,39 @@ def test_dedicated_pools_move_nothing():
 
     asyncio.run(step())
     assert loop.log == []
+
+
+def _stays(loop) -> bool:
+    return asyncio.run(GpuSwaps(loop).offload_trainer_unless_room())
+
+
+def test_the_trainer_stays_on_the_device_only_when_the_engines_wakes_fit_beside_it():
+    margin = engine_margin(80 * GB)
+    rollout = [{"uuid": "A", "weights_bytes": 2 * GB, "wake_bytes": 10 * GB}]
+    judge = ({"uuid": "A", "weights_bytes": 2 * GB, "wake_bytes": 30 * GB},)
+    # Defer-swap: the judge wakes after the rollout slept (its awake weights freed): by turns
+    fits = _loop(rollout, {"A": 30 * GB + margin - 2 * GB}, defer=True, judge_infos=judge)
+    assert _stays(fits) is True
+    assert fits.log == ["trainer.gpu_memory(release_cache=True)"]  # no offload
+    short = _loop(rollout, {"A": 30 * GB + margin - 2 * GB - 1}, defer=True, judge_infos=judge)
+    assert _stays(short) is False and short.log[-1] == "trainer.offload"
+    # co-resident engines wake together
+    assert _stays(_loop(rollout, {"A": 40 * GB + margin - 2 * GB}, judge_infos=judge)) is True
+    assert _stays(_loop(rollout, {"A": 40 * GB + margin - 2 * GB - 1}, judge_infos=judge)) is False
+    # every GPU counts: a judge on another GPU needs its room there
+    spread = ({"uuid": "B", "weights_bytes": 2 * GB, "wake_bytes": 30 * GB},)
+    assert _stays(_loop(rollout, {"A": 40 * GB, "B": 30 * GB + margin}, defer=True, judge_infos=spread)) is True
+    assert _stays(_loop(rollout, {"A": 40 * GB, "B": 29 * GB}, defer=True, judge_infos=spread)) is False
+    # the margin: 5% of the GPU, at least MARGIN_BYTES
+    assert margin == 4 * GB and engine_margin(8 * GB) == MARGIN_BYTES
+
+
+def test_without_wake_figures_the_trainer_offloads_after_the_sync():
+    # SGLang (no wake_bytes), an engine that never allocated (0), a CPU trainer, an unknown GPU
+    for infos, free in (([{"uuid": "A", "weights_bytes": GB}], {"A": 80 * GB}),
+                        ([{"uuid": "A", "weights_bytes": GB, "wake_bytes": 0}], {"A": 80 * GB}),
+                        ([{"uuid": None, "weights_bytes": GB, "wake_bytes": 2 * GB}], {}),
+                        ([{"uuid": "B", "weights_bytes": GB, "wake_bytes": 2 * GB}], {"A": 80 * GB})):
+        loop = _loop(infos, free, defer=True)
+        assert _stays(loop) is False, infos
+        assert loop.log[-1] == "trainer.offload"

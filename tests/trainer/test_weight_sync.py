@@ -89,7 +89,9 @@ def test_tensors_inside_a_large_storage_are_shared_in_place_as_views():
     for (name, view), (_, t) in zip(views[:3], named):
         assert torch.equal(view, t) and view.stride() == t.stride(), name
         assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # no copy
-    assert views[3][0] == "split" and torch.equal(views[3][1], split.reshape(4, 8))  # the HF tensor
+    name, view = views[3]  # still a view (no copy), marked with the HF shape it stands for
+    assert name == "split" and view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert weight_sync.hf_shape(view) == (4, 8) and torch.equal(view.reshape(4, 8), split.reshape(4, 8))
     for bad in (["x", [4], [1], 61, "float32", 0, [4]],  # runs past the end of the 64-element storage
                 ["x", [2, 2], [63, 1], 0, "float32", 0, [2, 2]], ["x", [2], [-1], 5, "float32", 0, [2]],
                 ["x", [4], [1], 31, "float64", 0, [4]]):
@@ -126,8 +128,15 @@ def test_a_lazy_qkv_split_is_views_of_the_fused_weight_with_the_same_values():
 def test_an_engine_takes_weights_shared_in_place_as_from_update_weights(policy):
     """The receiving side of in-place sharing (``update_weights_from_ipc`` with a list of
     handles), in the sender's process as colocated actors are: the engine ends up with the
-    same outputs as an engine given the same tensors by ``update_weights``."""
+    same outputs as an engine given the same tensors by ``update_weights``. q/k/v are sent
+    as a trainer does: strided views out of Megatron's fused per-group weight, which the
+    engine copies into views of its own parameters."""
     from safetensors.torch import load_file
+
+    from engines.model import ModelConfig
+    from engines.trainer.megatron_model import _qkv_rows, _split_qkv
+
+    cfg = ModelConfig.from_dir(policy)
 
     async def main():
         a, b = TorchEngine(policy, kv_cache_tokens=256), TorchEngine(policy, kv_cache_tokens=256)
@@ -141,7 +150,15 @@ def test_an_engine_takes_weights_shared_in_place_as_from_update_weights(policy):
             flat[off:off + t.numel()].copy_(t.reshape(-1))
             named.append((n, flat[off:off + t.numel()].view(t.shape)))
             off += t.numel()
-        handles, metas, rest = weight_sync.share_in_place(named, cross_process=False, min_bytes=1)
+        named = dict(named)
+        for i in range(cfg.num_layers):
+            qkv = [f"model.layers.{i}.self_attn.{x}_proj.weight" for x in "qkv"]
+            fused = _qkv_rows(cfg, *(named[n] for n in qkv))
+            for n, view in zip(qkv, _split_qkv(cfg, fused, lazy=True)):
+                named[n] = view
+        assert weight_sync.hf_shape(named["model.layers.0.self_attn.q_proj.weight"]) != tuple(
+            named["model.layers.0.self_attn.q_proj.weight"].shape)  # a strided view, as from a trainer
+        handles, metas, rest = weight_sync.share_in_place(list(named.items()), cross_process=False, min_bytes=1)
         assert not rest
         await a.update_weights_from_ipc(handles, metas, 3)
         await b.update_weights([new], 3)
