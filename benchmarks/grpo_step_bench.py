@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -138,6 +139,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
         "train_args": args.train_args,
         "steps": len(recs),
         "wall_s": round(wall, 1),
+        "started_s": _started_s(p.stdout + p.stderr),
         "samples_per_step": recs[0]["samples"],
         "response_len_mean": round(statistics.fmean(r["rollout/response_len"] for r in steady), 1),
     }
@@ -155,8 +157,16 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
         if key in steady[-1]:
             out[key.split("/", 1)[1] + "_gib"] = [round(b / 2**30, 2) for b in steady[-1][key]]
     out["engine_bytes_training"] = steady[-1].get("mem/engine_bytes_training")
+    out["trainer_stays_on_device"] = [r.get("mem/trainer_stays_on_device") for r in recs]
     out["judge_requests"] = steady[-1].get("judge/requests")
     return out
+
+
+def _started_s(output: str) -> float | None:
+    """The job's own start-up time: its "started ... in X s" line (roles spawned, trainer
+    initialized, engines and judge up), None if missing."""
+    m = re.search(r"^started .* in ([0-9.]+) s", output, re.M)
+    return float(m.group(1)) if m else None
 
 
 def main() -> None:

@@ -122,15 +122,13 @@ class ModelRunner:
         self.graphs = None
 
     def wake_bytes(self) -> int:
-        """Free device memory a wake of the weights and the KV cache needs to allocate both as
-        large as the last time (a cache sized by ``mem_fraction_static`` takes at most 95% of
-        the free memory it finds, so that is counted in). 0 before any allocation."""
+        """Device memory a wake of the weights and the KV cache allocates, the cache as large
+        as the last time (0 before any allocation). A cache sized by ``mem_fraction_static``
+        is that large again only if the free memory it finds is at least 1/0.95 of it."""
         if not self.kv_blocks:
             return 0
         kv = (self.kv_blocks + 1) * self.kv_block_bytes()
         state = 0 if self.state is None else self.state.rows * self.state.row_bytes()
-        if self.kv_cache_tokens is None:
-            kv = int(kv / 0.95) + 1
         return self.weights.full_nbytes() + kv + state
 
     def drop_graphs(self) -> None:

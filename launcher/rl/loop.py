@@ -226,7 +226,7 @@ class GRPOLoop:
             with timer.phase("sync"):
                 synced = await self._sync_weights()
             if trainer_resident:  # offloads unless the engines' wakes fit beside it
-                await self.swaps.offload_trainer_unless_room()
+                await self.swaps.offload_trainer_unless_room(memory)
         await self.swaps.resume_generation()
         timer.end_step()
         await self._record_gpu_use("synced", memory)

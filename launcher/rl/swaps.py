@@ -33,7 +33,9 @@ MARGIN_BYTES = 1 << 30  # left free on a GPU when the rollout weights wake besid
 
 def engine_margin(total: int) -> int:
     """Left free on a GPU of ``total`` bytes for the engines' activations, sampling and CUDA
-    graphs when they wake beside the trainer's state: 5% of it, at least MARGIN_BYTES."""
+    graphs when they wake beside the trainer's state: 5% of it, at least MARGIN_BYTES. (An
+    engine whose KV cache is sized by ``mem_fraction_static`` takes at most 95% of the free
+    memory it finds: 5% of the GPU to spare beyond its cache lets it take the same size.)"""
     return max(MARGIN_BYTES, total // 20)
 
 
@@ -95,14 +97,17 @@ class GpuSwaps:
         with self._move("trainer_offload"):
             await self.loop.trainer.offload()
 
-    async def offload_trainer_unless_room(self) -> bool:
+    async def offload_trainer_unless_room(self, memory: dict | None = None) -> bool:
         """After the sync (the trainer resident, the rollout weights awake): the trainer
         offloads unless every GPU has room for the engines' wakes beside it
-        (:meth:`room_for_engines`). True when it stays on the device."""
+        (:meth:`room_for_engines`). True when it stays on the device (``memory`` gets
+        ``mem/trainer_stays_on_device``: 1 or 0)."""
         with self._move("trainer_offload"):  # the check is part of the move
             stay = await self.room_for_engines()
         if not stay:
             await self.offload_trainer()
+        if memory is not None:
+            memory["mem/trainer_stays_on_device"] = int(stay)
         return stay
 
     async def room_for_engines(self) -> bool:
