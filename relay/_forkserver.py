@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Callable
 
 from ._transport import remove_reader
-from ._zygote import ROOM_VARIABLE
 
 #: Room reserved in the fork server's environment for a worker's own variables (a worker
 #: shows its environment in the memory the fork server's occupies: relay/_zygote.py retitle).
@@ -121,6 +120,8 @@ class ForkServer:
         # (torch.cuda.is_available() asks NVML, not the CUDA driver, which a fork cannot share)
         child_env = dict(env, RELAY_PRELOAD=",".join(modules), OPENBLAS_NUM_THREADS="1",
                          PYTORCH_NVML_BASED_CUDA_CHECK="1", RELAY_ZYGOTE_PARENT=str(os.getpid()))
+        from ._zygote import ROOM_VARIABLE  # not at import: `python -m relay._zygote` imports relay first
+
         child_env.pop(ROOM_VARIABLE, None)
         child_env[ROOM_VARIABLE] = "x" * ROOM_BYTES  # last: a worker writes its environment over it
         try:

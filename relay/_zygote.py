@@ -13,8 +13,9 @@ REQ and REP are pipe fds: requests come in on REQ, reports go out on REP, one JS
 
 The zygote imports the modules of ``RELAY_PRELOAD`` (comma-separated) before it serves
 the first request, and nothing of relay's own state: a worker reads its settings only after
-its environment is set. What the imports print is written again to each worker's output
-(its log file), as if the worker had imported them itself. It forks only while it has one
+its environment is set. What the imports print is written again to the log file of each
+worker that has one (``RELAY_LOG_FILE``), as if the worker had imported them itself (a
+worker writing to the console does not repeat it there). It forks only while it has one
 thread (a fork of a threaded process can deadlock the child); otherwise it answers with an
 error and the spawner starts that worker as a new process instead. It exits when the
 spawner closes REQ or dies (it asks the kernel for SIGKILL on its parent's death); its
@@ -145,8 +146,9 @@ def _child(env: dict, cwd: str | None, req: int, rep: int, preload_output: bytes
         from relay._settings import settings
         from relay._worker import _redirect_output
 
-        _redirect_output(settings())
-        if preload_output:
+        cfg = settings()
+        _redirect_output(cfg)
+        if preload_output and cfg.log_file:  # a log file: as if it had imported them itself
             os.write(2, preload_output)
         if problem:
             os.write(2, f"relay fork server: {problem}\n".encode())
