@@ -290,7 +290,7 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-#: HF model types of hybrid linear-attention models (the trainer builds them without tensor parallel)
+#: HF model types of hybrid linear-attention models (the trainer trains them without tensor parallel)
 HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 
 
@@ -308,7 +308,8 @@ def check_expert_parallel(cfg: JobConfig) -> None:
             model_type = json.load(f).get("model_type")
         if model_type in HYBRID_TYPES:
             raise ConfigError(f"{cfg.hf_checkpoint} is a {model_type} hybrid model (Gated DeltaNet linear attention): "
-                              f"the Megatron trainer builds it without tensor parallel; use "
+                              f"the Megatron trainer trains it without tensor parallel (its TP layers serve "
+                              f"log-probs and export; training them needs sequence parallelism); use "
                               f"--tensor-model-parallel-size 1 (got {tp}), data and expert parallel work")
     if ep == 1 and tp == 1:
         return

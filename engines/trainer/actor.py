@@ -97,7 +97,7 @@ class TrainerActor(Actor):
         self.model = build_gpt(self.cfg, self.tp, dtype, self.ep, self.aux_loss_coeff).to(self.device)
         hf = {name: t for _, name, t in checkpoint_tensors(self.model_path)}  # FP8 dequantized
         full = select_local_experts(hf_to_megatron(self.cfg, hf), self.cfg.num_experts, self.ep, self.ep_rank)
-        state = shard_for_rank(full, self.tp, self.tp_rank)
+        state = shard_for_rank(full, self.tp, self.tp_rank, self.cfg)
         missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
@@ -336,7 +336,7 @@ class TrainerActor(Actor):
 
         with self.opt.params_present():
             full = gather_full(
-                self.model, self.tp_group if self.tp > 1 else None, copy, self.ep_group, self.cfg.num_experts
+                self.model, self.tp_group if self.tp > 1 else None, copy, self.ep_group, self.cfg.num_experts, self.cfg
             )
             yield megatron_to_hf(self.cfg, full, lazy=lazy)
 

@@ -13,8 +13,13 @@ flash-linear-attention (Triton; no CPU path) and its hybrid block spec Transform
 
 Sequences are right-padded (engines/trainer/batching.py): a causal mixer's real tokens never
 see the padding after them. Positions are ``0 .. L - 1`` (RoPE is computed here; the
-GPTModel has no position embedding of its own). Tensor parallel is not built for these
-layers (TP = 1; data and expert parallel are); the MTP head and the vision tower are not
+GPTModel has no position embedding of its own). Under tensor parallel each rank's mixer
+holds its share of the heads, as the engine's does (the HF tensors sharded by
+engines/model.py ``shard_tensor``: :func:`shard_mixer`, gathered back by
+:func:`unshard_mixer`): the input enters through Megatron's copy-to-TP region, the output
+projection's partial sums are reduced over TP, and the norms every head shares
+(``q_norm``, ``k_norm``, the gated norm) are marked ``tp_partial_grad`` (their gradients are
+summed over TP: engines/trainer/optim.py). The MTP head and the vision tower are not
 trained (write_hf_checkpoint copies them from the source checkpoint).
 
 HF names (``model.`` or, for the VL-wrapped checkpoints Qwen3.5 ships, ``model.language_model.``)
@@ -65,48 +70,90 @@ class OffsetRMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
 
 
+def _tp() -> tuple[int, int]:
+    """(size, rank) of this process's tensor-parallel group (1, 0 without Megatron's state)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def local_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` for this tensor-parallel rank's share of the heads (itself at TP = 1)."""
+    import dataclasses
+
+    size, rank = _tp()
+    return cfg if size == 1 else dataclasses.replace(cfg, tp_size=size, tp_rank=rank)
+
+
+def _mark_partial(*params: nn.Parameter) -> None:
+    for p in params:
+        p.tp_partial_grad = True  # shared by every head while each rank holds some: summed over TP
+
+
+def _into_tp(x: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(x) if _tp()[0] > 1 else x
+
+
+def _out_of_tp(x: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x) if _tp()[0] > 1 else x
+
+
 class LinearAttention(GatedDeltaNet):
-    """A Gated DeltaNet layer as Megatron's ``self_attention``: [L, B, H] in, (output, None) out."""
+    """A Gated DeltaNet layer as Megatron's ``self_attention``: [L, B, H] in, (output, None)
+    out; this TP rank's heads (the output reduced over TP)."""
 
     def __init__(self, config=None, submodules=None, layer_number: int = 1, model: ModelConfig = None, **_):
-        super().__init__(model)
+        super().__init__(local_config(model))
         _cast_params(self, config)
+        _mark_partial(self.norm.weight)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_) -> tuple[torch.Tensor, None]:
-        out = super().forward(hidden_states.transpose(0, 1))
+        out = _out_of_tp(super().forward(_into_tp(hidden_states).transpose(0, 1)))
         return out.transpose(0, 1).contiguous(), None
 
 
 class GatedAttention(Attention):
     """Qwen3.5's gated full attention as Megatron's ``self_attention``: causal over each
-    row, RoPE on the first ``rotary_dim`` dimensions at positions ``0 .. L - 1``."""
+    row, RoPE on the first ``rotary_dim`` dimensions at positions ``0 .. L - 1``; this TP
+    rank's heads (the output reduced over TP)."""
 
     def __init__(self, config=None, submodules=None, layer_number: int = 1, model: ModelConfig = None, **_):
-        super().__init__(model)
+        super().__init__(local_config(model))
         _cast_params(self, config)
+        _mark_partial(self.q_norm.weight, self.k_norm.weight)
         self.register_buffer("inv_freq", _inv_freq(model), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_) -> tuple[torch.Tensor, None]:
         cfg = self.cfg
-        x = hidden_states.transpose(0, 1)  # [B, L, H]
+        x = _into_tp(hidden_states).transpose(0, 1)  # [B, L, H]
         b, length = x.shape[:2]
         freqs = torch.arange(length, device=x.device).float()[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         q, k, v, gate = gated_qkv(cfg, self, x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
-        groups = cfg.num_heads // cfg.num_kv_heads
+        groups = cfg.local_heads // cfg.local_kv_heads
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
-        o = o.transpose(1, 2).reshape(b, length, cfg.num_heads * cfg.head_dim)
-        return self.o_proj(o * torch.sigmoid(gate)).transpose(0, 1).contiguous(), None
+        o = o.transpose(1, 2).reshape(b, length, cfg.local_heads * cfg.head_dim)
+        return _out_of_tp(self.o_proj(o * torch.sigmoid(gate))).transpose(0, 1).contiguous(), None
 
 
 def check_hybrid(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError when the trainer cannot build this hybrid config."""
-    if tp != 1:
-        raise ValueError(f"the Megatron trainer builds {cfg.arch} hybrid models without tensor parallel: use "
-                         f"--tensor-model-parallel-size 1 (got {tp}); data and expert parallel work")
+    from engines.linear_attention import check_shardable
+
+    if tp > 1:
+        check_shardable(cfg, tp)  # the linear-attention heads
+        for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)):
+            if n % tp:
+                raise ValueError(f"{cfg.arch}: {what} ({n}) do not divide over --tensor-model-parallel-size {tp}")
     if cfg.rotary_dim % 2:
         raise ValueError(f"{cfg.arch}: rotary_dim {cfg.rotary_dim} must be even")
 
@@ -154,3 +201,38 @@ def layer_renames(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
         return pairs + [(h + "linear_attn." + n, m + "self_attention." + n) for n in names]
     names = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight"]
     return pairs + [(h + "self_attn." + n, m + "self_attention." + n) for n in names]
+
+
+def is_mixer(name: str) -> bool:
+    """A token mixer's tensor (Megatron name: ``decoder.layers.{i}.self_attention.X``)."""
+    return ".self_attention." in name
+
+
+def _hf_name(cfg: ModelConfig, name: str) -> str:
+    i = int(name.split(".")[2])
+    mixer = "linear_attn" if cfg.is_linear_layer(i) else "self_attn"
+    return f"model.layers.{i}.{mixer}." + name.split(".self_attention.", 1)[1]
+
+
+def shard_mixer(cfg: ModelConfig, name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's part of a token mixer's full tensor (the engine's sharding)."""
+    import dataclasses
+
+    from engines.model import shard_tensor
+
+    return shard_tensor(dataclasses.replace(cfg, tp_size=tp, tp_rank=rank), _hf_name(cfg, name), tensor).clone()
+
+
+def unshard_mixer(cfg: ModelConfig, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from every TP rank's part (the inverse of :func:`shard_mixer`)."""
+    leaf = _hf_name(cfg, name).rsplit(".", 2)[-2]
+    if leaf in ("q_norm", "k_norm", "norm"):
+        return parts[0]  # whole on every rank
+    if leaf in ("in_proj_qkv", "conv1d"):  # each part: its q, k and v sections
+        hk, hv = cfg.linear_num_key_heads // len(parts), cfg.linear_num_value_heads // len(parts)
+        sizes = [hk * cfg.linear_key_head_dim] * 2 + [hv * cfg.linear_value_head_dim]
+        sections = [p.split(sizes) for p in parts]
+        return torch.cat([torch.cat([s[j] for s in sections]) for j in range(3)])
+    if leaf in ("out_proj", "o_proj"):
+        return torch.cat(parts, dim=1)
+    return torch.cat(parts)  # by heads: q (with its gate), k, v, z, a, b, dt_bias, A_log

@@ -249,13 +249,19 @@ _ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 _GLU = "linear_fc1.weight"
 
 
-def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """The TP=1 state dict -> this tensor-parallel rank's shard."""
+def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int, cfg: ModelConfig | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """The TP=1 state dict -> this tensor-parallel rank's shard (a hybrid ``cfg``'s token
+    mixers by heads: engines/trainer/hybrid_layers.py)."""
+    from .hybrid_layers import is_mixer, shard_mixer
+
     if tp == 1:
         return sd
     out = {}
     for name, w in sd.items():
-        if name.endswith(_GLU):
+        if cfg is not None and cfg.hybrid and is_mixer(name):
+            out[name] = shard_mixer(cfg, name, w, tp, rank)
+        elif name.endswith(_GLU):
             gate, up = w.chunk(2, dim=0)
             out[name] = torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0).clone()
         elif name.endswith(_COLUMN):
@@ -281,26 +287,33 @@ def _weights(model) -> list[tuple[str, torch.Tensor]]:
     return [(k, v) for k, v in model.state_dict().items() if not k.endswith("_extra_state")]
 
 
-def gather_full(model, tp_group, copy: bool = True, ep_group=None, num_experts: int = 0) -> dict[str, torch.Tensor]:
+def gather_full(model, tp_group, copy: bool = True, ep_group=None, num_experts: int = 0,
+                cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """Gather this rank's shards into the TP=1, EP=1 state dict (every rank gets it; experts
-    by global index, gathered over ``ep_group``). With ``copy=False`` unsharded tensors are
-    the parameters themselves (read only)."""
+    by global index, gathered over ``ep_group``; a hybrid ``cfg``'s token mixers by heads).
+    With ``copy=False`` unsharded tensors are the parameters themselves (read only)."""
     import torch.distributed as dist
+
+    from .hybrid_layers import is_mixer, unshard_mixer
 
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         from .moe_convert import gather_experts
 
-        return gather_experts(gather_full(model, tp_group, copy), num_experts, ep_group)
+        return gather_experts(gather_full(model, tp_group, copy, cfg=cfg), num_experts, ep_group)
 
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    hybrid = cfg is not None and cfg.hybrid
     out = {}
     for name, p in _weights(model):
-        if tp == 1 or not (name.endswith(_COLUMN) or name.endswith(_ROW) or name.endswith(_GLU)):
+        mixer = hybrid and is_mixer(name)
+        if tp == 1 or not (mixer or name.endswith(_COLUMN) or name.endswith(_ROW) or name.endswith(_GLU)):
             out[name] = p.detach().clone() if copy else p.detach()
             continue
         parts = [torch.empty_like(p) for _ in range(tp)]
         dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
-        if name.endswith(_GLU):
+        if mixer:
+            out[name] = unshard_mixer(cfg, name, parts)
+        elif name.endswith(_GLU):
             gates = [x.chunk(2, 0)[0] for x in parts]
             ups = [x.chunk(2, 0)[1] for x in parts]
             out[name] = torch.cat(gates + ups, dim=0)

@@ -27,19 +27,22 @@ from . import cpu_shim
 
 def sum_tp_partial_grads(model, attr: str = "grad") -> None:
     """Sum over the tensor-parallel group the gradients that each TP rank holds only in part:
-    the q/k layernorm weights (shared by all heads; each rank normalises its own heads), as
-    Megatron's ``finalize_model_grads`` does. Without it the TP replicas of those weights get
-    different (partial) gradients and drift apart. ``attr``: ``grad`` or ``main_grad``."""
+    weights every head shares while each rank computes only its own heads — the q/k
+    layernorm weights, a hybrid model's q/k norms and gated norm (marked ``tp_partial_grad``)
+    — as Megatron's ``finalize_model_grads`` does. Without it the TP replicas of those weights
+    get different (partial) gradients and drift apart. ``attr``: ``grad`` or ``main_grad``."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_tensor_model_parallel_world_size() == 1 or not model.config.qk_layernorm:
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
     import torch.distributed as dist
 
     grads = [
         getattr(p, attr)
         for n, p in model.named_parameters()
-        if ("q_layernorm" in n or "k_layernorm" in n) and getattr(p, attr, None) is not None
+        if (getattr(p, "tp_partial_grad", False) or (model.config.qk_layernorm and ("q_layernorm" in n or
+                                                                                   "k_layernorm" in n)))
+        and getattr(p, attr, None) is not None
     ]
     if not grads:
         return

@@ -284,12 +284,12 @@ def test_expert_parallel_flags_and_their_errors(tmp_path):
 
 
 def test_a_hybrid_policy_trains_only_without_tensor_parallel(tmp_path):
-    """The trainer builds Qwen3.5 hybrids at TP 1 (data and expert parallel): a hybrid
+    """The trainer trains Qwen3.5 hybrids at TP 1 (data and expert parallel): a hybrid
     policy with TP 2 is a ConfigError naming the flag; with TP 1 it plans."""
     hybrid = tmp_path / "q35"
     hybrid.mkdir()
     (hybrid / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {}}))
-    with pytest.raises(ConfigError, match=r"is a qwen3_5 hybrid model .*without tensor parallel; use "
+    with pytest.raises(ConfigError, match=r"is a qwen3_5 hybrid model .*trains it without tensor parallel.*; use "
                                           r"--tensor-model-parallel-size 1 \(got 2\)"):
         cfg(hf_checkpoint=str(hybrid), tensor_model_parallel_size=2)
     assert cfg(hf_checkpoint=str(hybrid)).hf_checkpoint == str(hybrid)

@@ -119,3 +119,46 @@ def test_hybrid_bf16_params_train_with_fp32_master_weights(hybrid):
     assert any(".in_proj_qkv." in n for n in names) and any(".self_attention.q_proj." in n for n in names)
     assert {d for d in dtypes.values()} == {"bfloat16"}, {n: d for n, d in dtypes.items() if d != "bfloat16"}
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] * 0.9, losses
+
+
+def test_hybrid_tp2_shards_the_heads_and_serves_tp1s_logprobs_and_export():
+    """Tensor parallel 2 over the hybrid layers (each rank its share of the Gated DeltaNet and
+    gated-attention heads, the MoE as Megatron shards it): the export is the checkpoint bit
+    for bit (sharded and gathered back), log-probs equal TP=1's; training with TP 2 is refused
+    as for every mixture-of-experts model (it needs Megatron's sequence parallelism)."""
+    import tempfile
+
+    from engines.trainer.actor import MOE_TP_TRAINING
+    from relay import ActorError
+
+    path = make_model("qwen3_5_moe", "tiny", tempfile.mkdtemp(prefix="hybrid-tp-") + "/m", seed=3)
+
+    async def one(tp):
+        procs, t = await start(path, tp, tp=tp, optimizer="torch")
+        exported = merged((await t.export_hf.call(4096).result(120)).values()[0])
+        logprobs = (await t.compute_logprobs.call(SEQS[:3]).result(120)).values()
+        local = (await t.local_weights.call("self_attention").result(120)).values()[0]
+        shapes = {n: tuple(w.shape) for n, w in local.items()}
+        refused = None
+        if tp > 1:
+            with pytest.raises(ActorError) as e:
+                await t.train_step.call(SEQS[:3], MASKS[:3], ADV[:3]).result(120)
+            refused = str(e.value)
+        await stop(procs, t)
+        return exported, logprobs, shapes, refused
+
+    async def main():
+        return await one(1), await one(2)
+
+    (e1, lp1, s1, _), (e2, lp2, s2, refused) = run(main(), 390)
+    ckpt = {name: t for _, name, t in checkpoint_tensors(path) if not name.startswith(NOT_TRAINED)}
+    for exported in (e1, e2):
+        assert sorted(exported) == sorted(ckpt) and all(torch.equal(exported[n], ckpt[n]) for n in ckpt)
+    for rank_lp in lp2:  # both TP ranks hold the full per-token log-probs
+        assert max(abs(x - y) for r1, r2 in zip(lp1[0], rank_lp) for x, y in zip(r1, r2)) < 1e-5
+    qkv = [n for n in s1 if n.endswith("in_proj_qkv.weight")]
+    q = [n for n in s1 if n.endswith("self_attention.q_proj.weight")]
+    assert qkv and q
+    for n in qkv + q:  # each rank holds half the heads
+        assert s2[n][0] * 2 == s1[n][0], (n, s1[n], s2[n])
+    assert MOE_TP_TRAINING[:60] in refused
