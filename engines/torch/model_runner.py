@@ -28,9 +28,8 @@ class ModelRunner:
 
     def __init__(self, model_path: str, blocks: BlockManager, *, device: torch.device, dtype: torch.dtype,
                  weights_mode: str, name: str, kv_cache_tokens: int | None, mem_fraction_static: float,
-                 cuda_graph: bool, tp=None, ep_size: int = 1, release_to_driver: bool = True):
+                 cuda_graph: bool, tp=None, ep_size: int = 1):
         self.blocks = blocks
-        self.release_to_driver = release_to_driver  # sleep: empty the allocator's cache (see TorchEngine)
         self.device = device
         self.dtype = dtype
         self.max_running = blocks.max_rows
@@ -92,9 +91,6 @@ class ModelRunner:
         # As in SGLang: this engine's weights + KV cache take mem_fraction_static of the
         # GPU (other tenants of the GPU, even in this process, are not counted here).
         free, total = torch.cuda.mem_get_info(self.device)
-        # memory this process's allocator holds unused (another engine's or the trainer's, in
-        # this worker, released without being given back to the driver) is free to it too
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         state = 0 if self.state is None else self.state.rows * self.state.row_bytes()
         budget = min(total * self.mem_fraction_static - weights, free * 0.95) - state
@@ -152,7 +148,7 @@ class ModelRunner:
             self.blocks.release()
         if "weights" in tags:
             self.weights.release()
-        if self.device.type == "cuda" and self.release_to_driver:
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake(self, tags) -> None:

@@ -410,19 +410,16 @@ class TrainerActor(Actor):
     @endpoint
     def gpu_memory(self, release_cache: bool = False) -> dict:
         """Device memory now: free and total (driver view: every process on this GPU),
-        allocated by torch in this process, ``cached`` (held by this process's allocator,
-        unused: free to the actors of this worker — the colocated engines), and the GPU's
-        ``uuid``. ``release_cache``: first give the cached blocks back to the device. All zero
-        on CPU."""
+        allocated by torch in this process, and the GPU's ``uuid``. ``release_cache``: first
+        give the allocator's cached, unused blocks back to the device. All zero on CPU."""
         if self.device.type != "cuda":
-            return {"free": 0, "total": 0, "allocated": 0, "cached": 0, "uuid": None}
+            return {"free": 0, "total": 0, "allocated": 0, "uuid": None}
         torch.cuda.synchronize()
         if release_cache:
             torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        allocated = torch.cuda.memory_allocated()
-        return {"free": free, "total": total, "allocated": allocated,
-                "cached": torch.cuda.memory_reserved() - allocated, "uuid": weight_sync.device_uuid(self.device)}
+        return {"free": free, "total": total, "allocated": torch.cuda.memory_allocated(),
+                "uuid": weight_sync.device_uuid(self.device)}
 
     @endpoint
     def shutdown(self) -> None:

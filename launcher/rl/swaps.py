@@ -119,7 +119,8 @@ class GpuSwaps:
         loop = self.loop
         engines = loop.rollout.engines + loop.judge.engines
         infos = await call_engines(engines, "weight_sync_info", timeout=timeouts.CONTROL)
-        free = await self._free_per_gpu()
+        figures = await loop.trainer.gpu_memory(release_cache=True)
+        free = {m.get("uuid"): (m["free"], m["total"]) for m in figures if m.get("uuid") and m["total"]}
         if not infos or not free or len(infos) != len(engines):
             return False
         awake: dict = defaultdict(int)  # the rollout weights, awake now: freed before the judge wakes
@@ -154,21 +155,14 @@ class GpuSwaps:
             with self._move("judge_wake"):
                 await loop.judge.wake()
 
-    async def _free_per_gpu(self) -> dict:
-        """{GPU uuid: (free bytes, total bytes)} from the trainer ranks: the driver's free
-        memory plus what the trainer's worker process holds cached and unused (its colocated
-        engines' released memory: theirs to take again without the driver clearing it)."""
-        figures = await self.loop.trainer.gpu_memory()
-        return {m.get("uuid"): (m["free"] + m.get("cached", 0), m["total"]) for m in figures
-                if m.get("uuid") and m["total"]}
-
     async def room_beside_trainer(self) -> bool:
         """Does every GPU the rollout engines use have room for their weights beside the
         trainer's state, with :data:`MARGIN_BYTES` to spare? False when either side cannot say
         (an engine that does not report ``weights_bytes``, a trainer on CPU)."""
         loop = self.loop
         infos = await call_engines(loop.rollout.engines, "weight_sync_info", timeout=timeouts.CONTROL)
-        free = {u: room for u, (room, _) in (await self._free_per_gpu()).items()}
+        figures = await loop.trainer.gpu_memory(release_cache=True)
+        free = {m.get("uuid"): m["free"] for m in figures if m.get("uuid") and m["total"]}
         if not infos or not free:
             return False
         need: dict = defaultdict(int)

@@ -58,13 +58,3 @@ def test_an_ep_size_beyond_a_replicas_gpus_is_not_used_by_the_built_in_engine_an
 def test_a_bad_dp_size_is_refused_naming_the_key(engine_config, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         check_job(config(engine_config))
-
-
-def test_a_colocated_built_in_engine_keeps_released_memory_in_its_worker():
-    """offload (a colocated engine: the trainer and the other engines of its GPU share its
-    worker) becomes release_to_driver=False for the built-in engine; SGLang gets it as is."""
-    from engines.interface import backend_options
-
-    assert backend_options("torch", {"offload": True})["release_to_driver"] is False
-    assert "release_to_driver" not in backend_options("torch", {"offload": False})
-    assert backend_options("sglang", {"offload": True}) == {"offload": True}

@@ -61,8 +61,8 @@ class _Roles:
 
         class Trainer:
             async def gpu_memory(self, release_cache=False):
-                log.append("trainer.gpu_memory")
-                return [{"uuid": u, "free": f - GB, "cached": GB, "total": 80 * GB} for u, f in free.items()]
+                log.append(f"trainer.gpu_memory(release_cache={release_cache})")
+                return [{"uuid": u, "free": f, "total": 80 * GB} for u, f in free.items()]
 
             async def offload(self):
                 log.append("trainer.offload")
@@ -87,7 +87,7 @@ def test_rollout_weights_wake_beside_the_trainer_only_when_every_gpu_has_room():
     two = [{"uuid": "A", "weights_bytes": 2 * GB}, {"uuid": "A", "weights_bytes": 2 * GB}]
     roomy = _loop(two, {"A": 4 * GB + MARGIN_BYTES})
     assert _wake(roomy) is True
-    assert roomy.log == ["trainer.gpu_memory", "rollout.wake['weights']"]  # no offload yet
+    assert roomy.log == ["trainer.gpu_memory(release_cache=True)", "rollout.wake['weights']"]  # no offload yet
 
     tight = _loop(two, {"A": 4 * GB + MARGIN_BYTES - 1})  # both engines on GPU A: 1 byte short
     assert _wake(tight) is False
@@ -131,7 +131,7 @@ def test_each_move_is_a_swap_phase_and_a_span_of_its_own():
     memory: dict = {}
     asyncio.run(step(memory))
     assert memory == {"mem/engine_bytes_training": 0}
-    assert loop.log == ["judge.sleep", "rollout.sleep", "trainer.onload", "trainer.gpu_memory",
+    assert loop.log == ["judge.sleep", "rollout.sleep", "trainer.onload", "trainer.gpu_memory(release_cache=True)",
                         "rollout.wake['weights']", "trainer.offload", "rollout.wake['kv_cache']", "judge.wake"]
     m = loop.timer.metrics()
     moves = ("judge_sleep", "rollout_sleep", "trainer_onload", "rollout_wake_weights", "trainer_offload",
@@ -165,7 +165,7 @@ def test_the_trainer_stays_on_the_device_only_when_the_engines_wakes_fit_beside_
     # Defer-swap: the judge wakes after the rollout slept (its awake weights freed): by turns
     fits = _loop(rollout, {"A": 30 * GB + margin - 2 * GB}, defer=True, judge_infos=judge)
     assert _stays(fits) is True
-    assert fits.log == ["trainer.gpu_memory"]  # no offload
+    assert fits.log == ["trainer.gpu_memory(release_cache=True)"]  # no offload
     short = _loop(rollout, {"A": 30 * GB + margin - 2 * GB - 1}, defer=True, judge_infos=judge)
     assert _stays(short) is False and short.log[-1] == "trainer.offload"
     # co-resident engines wake together
