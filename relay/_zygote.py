@@ -101,7 +101,8 @@ def retitle(env: dict, argv: list[str]) -> str:
     libc.clearenv()
     for key, value in env.items():
         libc.setenv(os.fsencode(key), os.fsencode(value), 1)
-    ordered = [k for k in old if k in env] + [k for k in env if k not in set(old)]
+    known = set(old)
+    ordered = [k for k in old if k in env] + [k for k in env if k not in known]
     blob = b"".join(os.fsencode(k) + b"=" + os.fsencode(env[k]) + b"\0" for k in ordered)
     room = env_area[1] - env_area[0] - len(blob)
     pad = ROOM_VARIABLE.encode() + b"="
