@@ -138,7 +138,8 @@ def _child(env: dict, cwd: str | None, req: int, rep: int, preload_output: bytes
     try:
         os.close(req)
         os.close(rep)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGUSR1):  # a new process's (its main sets its own)
+            signal.signal(sig, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
         problem = retitle(env, [sys.executable, "-m", "relay._worker"])
@@ -236,7 +237,10 @@ def main() -> None:
     die_with_parent()
     if os.getppid() != int(os.environ.get("RELAY_ZYGOTE_PARENT", os.getppid())):
         os._exit(0)  # the spawner died before the kernel was told to kill us with it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the spawner decides
+    # Ctrl-C, and the SIGTERM / SIGUSR1 a scheduler sends the whole process group before a
+    # preemption, reach this process too: the spawner decides (it exits with the spawner)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     req, rep = int(sys.argv[1]), int(sys.argv[2])
     # What the imports print (library warnings) is kept for the workers' own output.
     console = os.dup(1), os.dup(2)

@@ -86,6 +86,31 @@ def test_a_forked_worker_whose_environment_does_not_fit_still_runs_with_it(capfd
     assert "relay fork server: the environment" in capfd.readouterr().err  # said, not fatal
 
 
+def test_the_fork_server_outlives_the_signals_a_scheduler_sends_the_process_group():
+    """slurm sends SIGTERM (and SIGUSR1) to every process of the job before a preemption: the
+    fork server ignores them (its spawner decides), so its workers, which watch their parent,
+    go on; a forked worker gets the signals as a new process would."""
+    async def main():
+        relay.prefork([PRELOADED])
+        server = relay._runtime.current_runtime().procs._fork
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        probe = procs.spawn("p", Probe)
+        first = await probe.info.call_one([], "X").result(60)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            os.kill(server.pid, sig)
+        await asyncio.sleep(1.0)
+        again = await probe.info.call_one([], "X").result(30)
+        alive = server.popen.poll() is None
+        with open(f"/proc/{first['pid']}/status") as f:
+            ignored = int(next(ln for ln in f if ln.startswith("SigIgn:")).split()[1], 16)
+        await procs.stop()
+        return alive, first, again, ignored
+
+    alive, first, again, ignored = run(main())
+    assert alive and again["pid"] == first["pid"]  # both alive
+    assert not ignored & (1 << (signal.SIGUSR1 - 1))  # not inherited by the worker
+
+
 @pytest.mark.parametrize("fault,expected", [(("exit_with", 3), "exited with code 3"),
                                             (("kill_self", signal.SIGKILL), "killed by signal SIGKILL")],
                          ids=["os._exit(3)", "SIGKILL"])
