@@ -121,6 +121,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("RELAY_PRELOAD", "preload", "", _str, _W,
              "what a fork server imports before forking workers (comma-separated; `module:function` calls one)"),
     Variable("RELAY_ZYGOTE_PARENT", "zygote_parent", 0, _int, _W, "a fork server's spawner (it exits with it)"),
+    Variable("RELAY_ENVIRON_ROOM", "environ_room", "", _str, _W,
+             "padding a fork server is started with: the room a forked worker writes its own environment into "
+             "(/proc/PID/environ)"),
     Variable("RELAY_IGNORE_SIGTERM", "ignore_sigterm", False, _flag_on, _W,
              "`1`: the worker ignores SIGTERM and SIGUSR1; its spawner stops it (set by the launcher)"),
     # set or read by the launcher, the engines and the reward code
@@ -192,6 +195,7 @@ class Settings:
     fork_server: bool = False
     preload: str = ""
     zygote_parent: int = 0
+    environ_room: str = ""
     engine_cpu_threads: int = 1
     sglang_launch: str = "sglang.launch_server"
     genrm_addr: str = ""
