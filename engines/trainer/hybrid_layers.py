@@ -79,12 +79,16 @@ def _tp() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
 
 
-def local_config(cfg: ModelConfig) -> ModelConfig:
-    """``cfg`` for this tensor-parallel rank's share of the heads (itself at TP = 1)."""
+def _rank_config(cfg: ModelConfig, size: int, rank: int) -> ModelConfig:
+    """``cfg`` for rank ``rank`` of ``size`` tensor-parallel ranks' share of the heads."""
     import dataclasses
 
-    size, rank = _tp()
     return cfg if size == 1 else dataclasses.replace(cfg, tp_size=size, tp_rank=rank)
+
+
+def local_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` for this tensor-parallel rank's share of the heads (itself at TP = 1)."""
+    return _rank_config(cfg, *_tp())
 
 
 def _mark_partial(*params: nn.Parameter) -> None:
@@ -92,16 +96,16 @@ def _mark_partial(*params: nn.Parameter) -> None:
         p.tp_partial_grad = True  # shared by every head while each rank holds some: summed over TP
 
 
-def _into_tp(x: torch.Tensor) -> torch.Tensor:
+def _into_tp(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    return copy_to_tensor_model_parallel_region(x) if _tp()[0] > 1 else x
+    return copy_to_tensor_model_parallel_region(x) if cfg.tp_size > 1 else x
 
 
-def _out_of_tp(x: torch.Tensor) -> torch.Tensor:
+def _out_of_tp(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    return reduce_from_tensor_model_parallel_region(x) if _tp()[0] > 1 else x
+    return reduce_from_tensor_model_parallel_region(x) if cfg.tp_size > 1 else x
 
 
 class LinearAttention(GatedDeltaNet):
@@ -109,12 +113,13 @@ class LinearAttention(GatedDeltaNet):
     out; this TP rank's heads (the output reduced over TP)."""
 
     def __init__(self, config=None, submodules=None, layer_number: int = 1, model: ModelConfig = None, **_):
-        super().__init__(local_config(model))
+        self.local = local_config(model)
+        super().__init__(self.local)
         _cast_params(self, config)
         _mark_partial(self.norm.weight)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_) -> tuple[torch.Tensor, None]:
-        out = _out_of_tp(super().forward(_into_tp(hidden_states).transpose(0, 1)))
+        out = _out_of_tp(super().forward(_into_tp(hidden_states, self.local).transpose(0, 1)), self.local)
         return out.transpose(0, 1).contiguous(), None
 
 
@@ -131,7 +136,7 @@ class GatedAttention(Attention):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_) -> tuple[torch.Tensor, None]:
         cfg = self.cfg
-        x = _into_tp(hidden_states).transpose(0, 1)  # [B, L, H]
+        x = _into_tp(hidden_states, cfg).transpose(0, 1)  # [B, L, H]
         b, length = x.shape[:2]
         freqs = torch.arange(length, device=x.device).float()[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
@@ -142,7 +147,7 @@ class GatedAttention(Attention):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
         o = o.transpose(1, 2).reshape(b, length, cfg.local_heads * cfg.head_dim)
-        return _out_of_tp(self.o_proj(o * torch.sigmoid(gate))).transpose(0, 1).contiguous(), None
+        return _out_of_tp(self.o_proj(o * torch.sigmoid(gate)), cfg).transpose(0, 1).contiguous(), None
 
 
 def check_hybrid(cfg: ModelConfig, tp: int) -> None:
@@ -216,11 +221,9 @@ def _hf_name(cfg: ModelConfig, name: str) -> str:
 
 def shard_mixer(cfg: ModelConfig, name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """This TP rank's part of a token mixer's full tensor (the engine's sharding)."""
-    import dataclasses
-
     from engines.model import shard_tensor
 
-    return shard_tensor(dataclasses.replace(cfg, tp_size=tp, tp_rank=rank), _hf_name(cfg, name), tensor).clone()
+    return shard_tensor(_rank_config(cfg, tp, rank), _hf_name(cfg, name), tensor).clone()
 
 
 def unshard_mixer(cfg: ModelConfig, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
