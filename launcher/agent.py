@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import relay
 from relay import Actor, MeshFailure, ProcRef, endpoint
 
-#: What every worker imports (a trainer shard, engines, the judge service): with
-#: ``RELAY_FORK_SERVER=1`` the node's fork server imports it once, while the job starts, and
-#: each worker is forked from it (``relay.prefork``). Off by default: with it on, the
-#: fully-async e2e test's per-step reward time came out 0 in CI (not understood yet).
+#: What every worker imports (a trainer shard, engines, the judge service): the node's fork
+#: server imports it once, while the job starts, and each worker is forked from it
+#: (``relay.prefork``; ``RELAY_FORK_SERVER=0`` starts each worker as a new process instead).
 #: Megatron through the import that keeps its JIT fuser off.
 WORKER_PRELOAD = (
     "torch",

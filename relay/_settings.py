@@ -135,9 +135,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("RELAY_NODE", "node", -1, _int, _L, "the node a worker runs on (set for each worker)"),
     Variable("RELAY_DIST_INIT_TIMEOUT", "dist_init_timeout", 60.0, _seconds, _L,
              "seconds the trainer's torch.distributed rendezvous may take"),
-    Variable("RELAY_FORK_SERVER", "fork_server", False, _flag_on, _L,
-             "`1`: node agents fork each worker from a process that imported torch, transformers and Megatron "
-             "once, instead of starting it as a new process (seconds faster to start)"),
+    Variable("RELAY_FORK_SERVER", "fork_server", True, _flag_off, _L,
+             "node agents fork each worker from a process that imported torch, transformers and Megatron "
+             "once (seconds faster to start); `0`: each worker starts as a new process"),
     Variable("RELAY_ENGINE_CPU_THREADS", "engine_cpu_threads", 1, _int, _L, "intra-op threads of a CPU engine's step"),
     Variable("RELAY_SGLANG_LAUNCH", "sglang_launch", "sglang.launch_server", _str, _L,
              "the module the SGLang engine runs to start its server"),
@@ -192,7 +192,7 @@ class Settings:
     bundle: int = -1
     node: int = -1
     dist_init_timeout: float = 60.0
-    fork_server: bool = False
+    fork_server: bool = True
     preload: str = ""
     zygote_parent: int = 0
     environ_room: str = ""

@@ -57,7 +57,7 @@ from .sample import Sample, flatten, rollout_metrics
 from .scoring import Scorer, advantages, check_judged, reward_metrics
 from .startup import Roles, ensure_models, start_roles
 from .swaps import GpuSwaps
-from .timing import PhaseTimer
+from .timing import PhaseTimer, union_seconds
 
 __all__ = ["GRPOLoop", "StoppedWithCheckpoint"]
 
@@ -89,6 +89,7 @@ class GRPOLoop:
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.checkpoints = Checkpoints(self.run_dir)
         self.timer = PhaseTimer(span_names=("reward",))
+        self._reward_spans: dict[int, tuple[float, float]] = {}  # fully-async: group index -> its scoring
         self.roles = Roles()
         self.version = 0  # the weight version the trainer holds (each sync adds one)
         self.start_step = 0
@@ -366,7 +367,7 @@ class GRPOLoop:
         last: dict = {}
         try:
             for step in range(self.start_step, cfg.num_rollout):
-                timer.begin_step(keep_spans=True)  # reward calls since the last record belong to this one
+                timer.begin_step()
                 with timer.phase("rollout"):
                     batch, stale = await self._take_fresh_groups(producer)
                 samples = await self.scorer.post_process_batch(flatten(batch), cfg.n_samples_per_prompt)
@@ -381,6 +382,8 @@ class GRPOLoop:
                 judge_now = await self.judge.counts()
                 timer.end_step()
                 last = self._record(step, samples, train_stats, judge_before, judge_now)
+                # the batch was scored in the background, mostly during earlier steps: its own reward seconds
+                last["time/reward"] = union_seconds([self._reward_spans.pop(g[0].group_index) for g in batch])
                 judge_before = judge_now
                 last.update(synced)
                 last.update(await self.integrity.canaries_due(step))
@@ -401,11 +404,16 @@ class GRPOLoop:
         return last
 
     async def _async_group(self, k: int) -> list[Sample]:
-        """Group ``k`` in data order, scored."""
+        """Group ``k`` in data order, scored; the seconds its scoring ran are kept for the
+        record of the step that trains on it (``_reward_spans``)."""
         cfg = self.cfg
         row = self.order.batch(k, 1)[0]
-        return await self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.seed, k, 0), k,
-                                 score=True)
+        samples = await self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.seed, k, 0),
+                                    k, score=False)
+        started = self.timer.clock()
+        await self.scorer.score_all(samples)
+        self._reward_spans[k] = (started, self.timer.clock())
+        return samples
 
     async def _take_fresh_groups(self, producer: GroupProducer) -> tuple[list[list[Sample]], int]:
         """``--rollout-batch-size`` groups within ``--max-staleness``, and how many stale
@@ -417,6 +425,7 @@ class GRPOLoop:
             if is_stale(group, self.version, self.cfg.max_staleness):
                 stale += 1
                 producer.drop()
+                self._reward_spans.pop(group[0].group_index, None)
                 continue
             batch.append(group)
         return batch, stale

@@ -139,11 +139,12 @@ def check_rollout_order(evs: list[dict], n_rollout: int, before: list | None = N
         assert [d for ev, d in seq if ev == "update_weights"] == [0] * bool(before) + [1, 2]
 
 
-@pytest.mark.parametrize("fork_server", ["1", "default"])
+@pytest.mark.parametrize("fork_server", ["default", "0"])
 def test_split_forks_every_worker_from_the_fork_server_or_starts_them_anew(fork_server, data, tmp_path):
-    """``RELAY_FORK_SERVER=1``: the node agent's fork server (a child of the controller
-    process) is the parent of every worker, and each worker shows its own environment in /proc
-    (RELAY_BUNDLE); by default they start as new processes (no fork server). Both train alike."""
+    """By default the node agent's fork server (a child of the controller process) is the
+    parent of every worker, and each worker shows its own environment in /proc
+    (RELAY_BUNDLE); with ``RELAY_FORK_SERVER=0`` they start as new processes (no fork
+    server). Both train alike."""
     from tests.helpers import children, reap
 
     run_dir = str(tmp_path / "run")
@@ -175,7 +176,7 @@ def test_split_forks_every_worker_from_the_fork_server_or_starts_them_anew(fork_
     finally:
         reap([p])
     assert p.returncode == 0, out[-3000:] + err[-3000:]
-    if fork_server == "1":
+    if fork_server == "default":
         assert len(servers) == 1 and len(forked) >= 4, (servers, forked)  # 4 bundles' workers (+ the judge service)
         assert {b"0", b"1", b"2", b"3"} <= bundles, bundles  # what each shows is its own environment
     else:
