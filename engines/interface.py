@@ -38,7 +38,9 @@ def backend_options(backend: str, options: dict) -> dict:
     constructor takes them. The SGLang adapter takes them all (``engines.sglang_args``). The
     built-in engine can always sleep and spans several GPUs through follower ranks the
     launcher starts in those GPUs' workers (``tp_peers``, passed on), so it takes no
-    ``gpu_ids`` or ``offload``; of ``engine_config`` it takes ``max_context_len`` (judges)
+    ``gpu_ids``; ``offload`` (a colocated engine: the GPU's trainer and other engines share
+    its worker process) becomes ``lend_kv=True`` (engines/torch/kv_pool.py); of
+    ``engine_config`` it takes ``max_context_len`` (judges)
     and ``ep_size`` (a MoE model's expert-parallel groups; 1 where it does not divide the
     engine's ``gpu_ids``) as its own arguments (``kv_cache_tokens`` and ``dp_size`` are
     resolved by the launcher)."""
@@ -46,7 +48,8 @@ def backend_options(backend: str, options: dict) -> dict:
     if backend == "sglang":
         return options
     gpus = options.pop("gpu_ids", None)
-    options.pop("offload", None)
+    if options.pop("offload", False):  # colocated: the GPU's trainer and other engines share this worker
+        options.setdefault("lend_kv", True)
     engine_config = options.pop("engine_config", None) or {}
     for key in ("max_context_len", "ep_size"):
         if key in engine_config:

@@ -65,6 +65,7 @@ class TorchEngine(Engine):
         max_context_len: int | None = None,
         ep_size: int = 1,
         run_ahead: bool | None = None,
+        lend_kv: bool = False,
     ):
         """``tp``: (address, port, size) of the tensor-parallel group whose rank 0 this engine
         is (engines/torch/tp.py: :func:`~.tp.start_engine` starts the followers first).
@@ -73,7 +74,12 @@ class TorchEngine(Engine):
         ``ep_size``: a MoE model's experts in that many expert-parallel groups of the
         engine's ranks (``engine_config.ep_size``; engines/moe.py). ``run_ahead``: launch
         decode steps before the last one's tokens are read (engines/torch/stepper.py); default:
-        on CUDA (on CPU the device is the host: nothing to overlap)."""
+        on CUDA (on CPU the device is the host: nothing to overlap). ``lend_kv``: a sleep hands
+        the KV cache's tensors, whole, to the next engine of this process that wakes on the
+        GPU (engines/torch/kv_pool.py) instead of freeing them — memory freed and asked for
+        again at once waits for the driver to clear it (~2.6 ms/GB on an H200); the launcher
+        sets it for colocated engines, which share their worker with the GPU's trainer (which
+        frees what is still lent before it trains). Not with ``tp``."""
         self.max_context_len = max_context_len
         if weights_mode not in ("discard", "backup"):
             raise ValueError("weights_mode must be 'discard' (rollout: re-synced after wake) "
@@ -96,7 +102,7 @@ class TorchEngine(Engine):
         self.runner = ModelRunner(model_path, self.blocks, device=self.device, dtype=self.dtype,
                                   weights_mode=weights_mode, name=name, kv_cache_tokens=kv_cache_tokens,
                                   mem_fraction_static=mem_fraction_static, cuda_graph=cuda_graph, tp=self.tp,
-                                  ep_size=ep_size)
+                                  ep_size=ep_size, lend_kv=lend_kv)
         self.cfg = self.runner.cfg
         self.model = self.runner.model
         self.weights = self.runner.weights

@@ -13,6 +13,7 @@ from ..hybrid_model import build_causal_lm
 from ..interface import SamplingParams
 from ..model import ModelConfig, _inv_freq
 from ..weight_names import load_weights
+from . import kv_pool
 from .block_manager import BlockManager
 from .scheduler import StepPlan
 from .sequence import Sequence
@@ -28,8 +29,11 @@ class ModelRunner:
 
     def __init__(self, model_path: str, blocks: BlockManager, *, device: torch.device, dtype: torch.dtype,
                  weights_mode: str, name: str, kv_cache_tokens: int | None, mem_fraction_static: float,
-                 cuda_graph: bool, tp=None, ep_size: int = 1):
+                 cuda_graph: bool, tp=None, ep_size: int = 1, lend_kv: bool = False):
         self.blocks = blocks
+        # sleep lends the KV tensors to the next engine of this process (engines/torch/kv_pool.py);
+        # not over several GPUs (the followers take rank 0's size, which must not change)
+        self.lend_kv = lend_kv and tp is None and device.type == "cuda"
         self.device = device
         self.dtype = dtype
         self.max_running = blocks.max_rows
@@ -91,6 +95,7 @@ class ModelRunner:
         # As in SGLang: this engine's weights + KV cache take mem_fraction_static of the
         # GPU (other tenants of the GPU, even in this process, are not counted here).
         free, total = torch.cuda.mem_get_info(self.device)
+        free += kv_pool.lent_bytes(self.device) if self.lend_kv else 0  # ours to take (allocate_kv)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         state = 0 if self.state is None else self.state.rows * self.state.row_bytes()
         budget = min(total * self.mem_fraction_static - weights, free * 0.95) - state
@@ -105,21 +110,42 @@ class ModelRunner:
     def allocate_kv(self, blocks: int | None = None) -> None:
         """The KV cache of ``blocks`` blocks (default: what ``kv_cache_tokens`` or
         ``mem_fraction_static`` gives; a tensor-parallel engine's followers take rank 0's)."""
+        sized = blocks is None
         blocks = blocks or self._kv_capacity()
         self.kv_blocks = blocks  # what the next wake allocates again (wake_bytes)
         self._mirror("allocate_kv", blocks)
-        c = self.cfg
-        # One extra block, never handed out: the scratch block padding rows write and read.
-        # Not zeroed (a wake's cost on a large cache): a slot is written before it is read (a
-        # prompt's by its prefill, a token's in its decode step); padding rows read garbage
-        # into rows nobody reads.
-        shape = (c.kv_layers, blocks + 1, self.blocks.block_size, c.local_kv_heads, c.head_dim)
-        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        try:
+            self.k, self.v = self._kv_tensors(blocks)
+        except torch.OutOfMemoryError:
+            if not (self.lend_kv and kv_pool.drain(self.device)):
+                raise
+            self.k = self.v = None  # the lent memory did not fit: freed, and sized again without it
+            torch.cuda.empty_cache()
+            self.kv_blocks = blocks = self._kv_capacity() if sized else blocks
+            self.k, self.v = self._kv_tensors(blocks)
         if self.state is not None:
             self.state.allocate()
         self.blocks.resize(blocks, self.cfg.max_position_embeddings)
         self.graphs = None
+
+    def _kv_tensors(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` blocks and one more, never handed out: the scratch block padding
+        rows write and read. Not zeroed (a wake's cost on a large cache): a slot is written
+        before it is read (a prompt's by its prefill, a token's in its decode step); padding
+        rows read garbage into rows nobody reads. In memory another engine lent, if any."""
+        c = self.cfg
+        shape = (c.kv_layers, blocks + 1, self.blocks.block_size, c.local_kv_heads, c.head_dim)
+        out = []
+        try:
+            for _ in range(2):
+                lent = kv_pool.take(self.device, shape, self.dtype) if self.lend_kv else None
+                out.append(lent if lent is not None else torch.empty(shape, dtype=self.dtype, device=self.device))
+                lent = None
+        except torch.OutOfMemoryError:
+            out.clear()  # nothing of it kept alive by the traceback: the caller frees and retries
+            lent = None
+            raise
+        return out[0], out[1]
 
     def wake_bytes(self) -> int:
         """Device memory a wake of the weights and the KV cache allocates, the cache as large
@@ -142,6 +168,8 @@ class ModelRunner:
         self._mirror("sleep", tags)
         self.graphs = None  # "cuda_graph", and any release below, invalidates them
         if "kv_cache" in tags and self.k is not None:
+            if self.lend_kv:  # whole, for the next engine of this process to wake (kv_pool.py)
+                kv_pool.lend(self.device, [self.k, self.v])
             self.k = self.v = None
             if self.state is not None:
                 self.state.release()

@@ -376,8 +376,18 @@ class TrainerActor(Actor):
             torch.cuda.empty_cache()
         return moved
 
+    def _drain_lent_kv(self) -> None:
+        """Free the KV caches this worker's sleeping engines lent each other
+        (engines/torch/kv_pool.py): the trainer needs the memory now."""
+        if self.device.type == "cuda":
+            from engines.torch import kv_pool
+
+            if kv_pool.drain(self.device):
+                torch.cuda.empty_cache()
+
     @endpoint
     def onload(self) -> None:
+        self._drain_lent_kv()  # even when resident: training takes memory
         if not self.offloaded:
             return
         self.opt.onload()
@@ -416,6 +426,7 @@ class TrainerActor(Actor):
             return {"free": 0, "total": 0, "allocated": 0, "uuid": None}
         torch.cuda.synchronize()
         if release_cache:
+            self._drain_lent_kv()
             torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         return {"free": free, "total": total, "allocated": torch.cuda.memory_allocated(),

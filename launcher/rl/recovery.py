@@ -105,10 +105,13 @@ class EngineRecovery:
         # weights kept in a CPU backup, as a fresh engine's; it sleeps like the one it replaces (an SGLang
         # server needs --enable-memory-saver for that)
         offload = self.plan.mode.startswith("colocate")
+        # a successor's worker hosts no trainer rank to take back KV memory lent on a sleep
+        # (engines/torch/kv_pool.py): it frees its cache as a dedicated engine does
+        extra = {"lend_kv": False} if self.cfg.engine == "torch" else {}
         if len(procs) > 1:
             mesh = await spawn_tensor_parallel(self.cfg, claim, engine, procs, colocate=False, offload=offload)
         else:
-            mesh = spawn_engine(self.cfg, claim, engine, procs, colocate=False, offload=offload)
+            mesh = spawn_engine(self.cfg, claim, engine, procs, colocate=False, offload=offload, **extra)
             await mesh.initialized(timeouts.MODEL_LOAD)
         if engine.role == "rollout":
             await self.push(engine, mesh)

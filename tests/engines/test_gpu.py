@@ -25,6 +25,48 @@ def model_06b(tmp_path_factory):
     )
 
 
+def test_a_sleeping_engine_lends_its_kv_cache_to_the_next_one_that_wakes(model_06b):
+    """lend_kv (colocated engines, one worker per GPU): the rollout's sleep keeps its K and V
+    whole in the pool, the judge's wake takes them (no new device memory: allocating memory
+    just freed waits for the driver to clear it), with the same number of blocks as its own
+    first cache, and generates exactly as before; drain() frees what is left."""
+    from engines.torch import kv_pool
+
+    greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    prompt = list(range(5, 40))
+
+    async def main():
+        judge = TorchEngine(model_06b, device="cuda", mem_fraction_static=0.4, weights_mode="backup", lend_kv=True)
+        blocks = judge.runner.kv_blocks
+        before = await judge.generate(prompt, greedy)
+        await judge.sleep()  # lends its cache: the rollout's start takes it
+        rollout = TorchEngine(model_06b, device="cuda", mem_fraction_static=0.4, lend_kv=True)
+        took = kv_pool.lent_bytes("cuda")
+        await rollout.generate(prompt, greedy)
+        await rollout.sleep()
+        lent = kv_pool.lent_bytes("cuda")
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        await judge.wake()
+        torch.cuda.synchronize()
+        taken = free - torch.cuda.mem_get_info()[0]
+        after = await judge.generate(prompt, greedy)
+        again, left = judge.runner.kv_blocks, kv_pool.lent_bytes("cuda")
+        weights = judge.weights.full_nbytes()
+        await judge.sleep()
+        drained = kv_pool.drain("cuda")
+        for e in (rollout, judge):
+            await e.close()
+        return blocks, again, took, lent, taken, left, drained, before, after, weights
+
+    blocks, again, took, lent, taken, left, drained, before, after, weights = run(main(), 500)
+    kv = 2 * (blocks + 1) * 28 * 16 * 8 * 128 * 2  # K and V: layers, block size 16, KV heads, dim, bf16
+    assert took == 0 and lent == kv, (took, lent, kv)  # the rollout took the judge's, then lent it back
+    assert again == blocks and left == 0 and drained == kv
+    assert taken < weights + (1 << 29), (taken, weights)  # its weights only: the cache came from the pool
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+
+
 @pytest.mark.parametrize("mode", ["backup", "discard"])
 def test_sleep_really_releases_gpu_memory(model_06b, mode):
     async def main():
