@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import skinny_gemm
 from .kernels import paged_decode_attention, rms_norm, silu_mul, triton
 from .moe import SparseMoE
 
@@ -105,6 +106,7 @@ def pack_projections(model: nn.Module, keep_values: bool = True) -> None:
     """Pack every dense-attention layer's q/k/v (an output-gated attention's excepted) and
     every dense MLP's gate/up (see the module docstring); the parameters' values are kept
     unless ``keep_values`` is False (freshly allocated parameters, filled afterwards)."""
+    model.__dict__["_few_rows_fit"] = None  # few_rows checks the packing again
     if model.cfg.attn_output_gate:
         return
     for layer in model.model.layers:
@@ -119,6 +121,7 @@ def pack_projections(model: nn.Module, keep_values: bool = True) -> None:
 
 def unpack_projections(model: nn.Module) -> None:
     """Forget the packed tensors (the parameters' memory is being released)."""
+    model.__dict__["_few_rows_fit"] = None
     for layer in model.model.layers:
         for module, names in ((getattr(layer, "self_attn", None), ("qkv_weight", "qkv_bias")),
                               (layer.mlp, ("gate_up_weight",))):
@@ -148,6 +151,8 @@ def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tabl
                  v_cache) -> torch.Tensor:
     """``CausalLM.decode`` from the embedded tokens ``x`` [B, hidden] on (see the module
     docstring): [B, vocab] float32 logits."""
+    if few_rows(model, x):
+        return _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_cache, v_cache)
     cfg = model.cfg
     b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     scale = d**-0.5
@@ -170,3 +175,54 @@ def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tabl
         x = model._reduce(mlp(hidden) if isinstance(mlp, SparseMoE) else _mlp(mlp, hidden))
     hidden, _ = rms_norm(x, model.model.norm.weight, eps, residual=residual)
     return model._vocab(model.lm_head(hidden))
+
+
+def few_rows(model: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the step of ``x``'s rows runs :func:`_decode_few_rows`: at most
+    ``skinny_gemm.MAX_ROWS`` rows, every layer dense with packed q/k/v and gate/up weights
+    (checked once per packing)."""
+    if not (x.dim() == 2 and 0 < x.shape[0] <= skinny_gemm.MAX_ROWS and x.is_contiguous()):
+        return False
+    fits = model.__dict__.get("_few_rows_fit")
+    if fits is None:
+        fits = model.__dict__["_few_rows_fit"] = _layers_fit(model, x[:1])
+    return fits
+
+
+def _layers_fit(model: nn.Module, row: torch.Tensor) -> bool:
+    for layer in model.model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+        weights = (getattr(attn, "qkv_weight", None), getattr(mlp, "gate_up_weight", None))
+        if any(w is None for w in weights) or isinstance(mlp, SparseMoE):
+            return False
+        if not all(skinny_gemm.usable(row, w) for w in (*weights, attn.o_proj.weight, mlp.down_proj.weight)):
+            return False
+    return skinny_gemm.usable(row, model.lm_head.weight)
+
+
+def _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_cache, v_cache) -> torch.Tensor:
+    """:func:`decode_fused` for a few rows: every projection a ``skinny_gemm`` kernel, the
+    RMSNorms folded into the q/k/v, gate/up and head projections and ``silu_mul`` into the down
+    projection (6 kernels a layer)."""
+    cfg = model.cfg
+    b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    linear = skinny_gemm.skinny_linear
+    residual = None
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if residual is None:
+            qkv, residual = linear(x, attn.qkv_weight, attn.qkv_bias, norm_weight=layer.input_layernorm.weight,
+                                   eps=eps), x
+        else:
+            qkv, residual = linear(x, attn.qkv_weight, attn.qkv_bias, norm_weight=layer.input_layernorm.weight,
+                                   residual=residual, eps=eps)
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+        q = qkv_rope_write(qkv, *norms, positions, model.inv_freq, slots, k_cache[i], v_cache[i], h, kvh, eps)
+        o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, d**-0.5)
+        o = model._reduce(linear(o.view(b, h * d), attn.o_proj.weight, attn.o_proj.bias))
+        gate_up, residual = linear(o, mlp.gate_up_weight, norm_weight=layer.post_attention_layernorm.weight,
+                                   residual=residual, eps=eps)
+        x = model._reduce(linear(gate_up, mlp.down_proj.weight, silu_input=True))
+    logits, _ = linear(x, model.lm_head.weight, model.lm_head.bias, norm_weight=model.model.norm.weight,
+                       residual=residual, eps=eps)
+    return model._vocab(logits)
