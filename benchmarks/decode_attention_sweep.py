@@ -44,12 +44,12 @@ def _launch(c: dict, tile: int, warps: int, stages: int):
     group = h // kvh
 
     def run():
-        kernels._decode_kernel[(b, kvh)](
-            q, k, v, c["tables"], c["lens"], out, d**-0.5,
+        kernels._decode_kernel[(b, kvh, 1)](
+            q, k, v, c["tables"], c["lens"], out, out, out, d**-0.5,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), c["tables"].stride(0),
             out.stride(0), out.stride(1),
             GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=max(16, triton.next_power_of_2(d)),
-            PAGE=k.shape[1], TILE=tile, IEEE=False, num_warps=warps, num_stages=stages,
+            PAGE=k.shape[1], TILE=tile, IEEE=False, SPLITS=1, num_warps=warps, num_stages=stages,
         )
     return run, out
 

@@ -18,6 +18,7 @@ Contract (both paths):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -81,6 +82,8 @@ if triton is not None:
         BT,
         LENS,
         OUT,
+        ML,
+        PART,
         scale,
         s_qb,
         s_qh,
@@ -97,10 +100,16 @@ if triton is not None:
         PAGE: tl.constexpr,
         TILE: tl.constexpr,
         IEEE: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         length = tl.load(LENS + seq)
+        # split ``split`` of SPLITS takes consecutive tiles of the context (all of it when 1)
+        split = tl.program_id(2)
+        per = tl.cdiv(tl.cdiv(length, TILE), SPLITS) * TILE
+        lo = split * per
+        hi = tl.minimum(lo + per, length)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, D_P)
         gmask = g < GROUP
@@ -113,9 +122,9 @@ if triton is not None:
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D_P], tl.float32)
-        for start in range(0, length, TILE):
+        for start in range(lo, hi, TILE):
             pos = start + t
-            valid = pos < length
+            valid = pos < hi
             block = tl.load(BT + seq * s_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
             off = block * s_kn + (pos % PAGE) * s_kt + kvh * s_kh
             kv_mask = valid[:, None] & dmask[None, :]
@@ -137,15 +146,58 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(
-            OUT + seq * s_ob + heads[:, None] * s_oh + d[None, :],
-            out.to(OUT.dtype.element_ty),
-            mask=gmask[:, None] & dmask[None, :],
-        )
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(
+                OUT + seq * s_ob + heads[:, None] * s_oh + d[None, :],
+                out.to(OUT.dtype.element_ty),
+                mask=gmask[:, None] & dmask[None, :],
+            )
+        else:  # this split's softmax max, sum and normalised output, for _combine_kernel
+            row = (seq * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+            tl.store(ML + row * 2, m_i, mask=gmask)
+            tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+            part = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+            tl.store(PART + row[:, None] * D + d[None, :], part, mask=gmask[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(ML, PART, OUT, s_ob, s_oh, H, D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr,
+                        SPLITS_P: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS_P)
+        d = tl.arange(0, D_P)
+        smask = s < SPLITS
+        row = (seq * H + head) * SPLITS + s
+        m = tl.load(ML + row * 2, mask=smask, other=float("-inf"))
+        l_s = tl.load(ML + row * 2 + 1, mask=smask, other=0.0)
+        w = tl.where(l_s > 0, tl.exp(m - tl.max(m, axis=0)) * l_s, 0.0)  # an empty split weighs nothing
+        part = tl.load(PART + row[:, None] * D + d[None, :], mask=smask[:, None] & (d < D)[None, :], other=0.0)
+        out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+        tl.store(OUT + seq * s_ob + head * s_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
-def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+#: split the context of each (sequence, KV head) over this many programs when there are few
+#: of them (flash-decoding): a batch of 1-4 sequences has too few to keep the GPU reading
+DECODE_SPLITS = 16
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (4 off CUDA: the interpreter's stand-in)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """The context splits of a decode batch of ``rows`` sequences: ``DECODE_SPLITS`` when its
+    (sequence, KV head) programs, counted at the next power of two of ``rows``, are at most a
+    quarter of the SMs, else 1. A function of the power of two so that a CUDA graph's padded
+    batch (the graph buckets hold every power of two) splits as the eager batch does: a
+    row's output does not depend on the batch it is in."""
+    return DECODE_SPLITS if triton.next_power_of_2(rows) * kv_heads * 4 <= multiprocessors(device) else 1
+
+
+def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int | None = None):
     b, h, d = q.shape
     _, page, kvh, _ = k_cache.shape
     if h % kvh:
@@ -157,13 +209,21 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
     group = h // kvh
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
-    _decode_kernel[(b, kvh)](
+    splits = decode_splits(b, kvh, q.device) if splits is None else splits
+    ml = part = out
+    if splits > 1:
+        ml = torch.empty((b, h, splits, 2), dtype=torch.float32, device=q.device)
+        part = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+    d_p = max(16, triton.next_power_of_2(d))
+    _decode_kernel[(b, kvh, splits)](
         q,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
         out,
+        ml,
+        part,
         scale,
         q.stride(0),
         q.stride(1),
@@ -176,12 +236,16 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
         GROUP=group,
         GROUP_P=max(16, triton.next_power_of_2(group)),
         D=d,
-        D_P=max(16, triton.next_power_of_2(d)),
+        D_P=d_p,
         PAGE=page,
         TILE=64,
         IEEE=ieee,
+        SPLITS=splits,
         num_warps=4,
     )
+    if splits > 1:
+        _combine_kernel[(b, h)](ml, part, out, out.stride(0), out.stride(1), h, D=d, D_P=d_p, SPLITS=splits,
+                                SPLITS_P=triton.next_power_of_2(splits), num_warps=1)
     return out
 
 

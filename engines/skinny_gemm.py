@@ -1,9 +1,9 @@
-"""Projections of a few rows (small decode batches) as one bandwidth-bound Triton kernel each,
-with the step's elementwise work before them folded in.
+"""Projections of a few rows (a decode step of one sequence) as one bandwidth-bound Triton
+kernel each, with the step's elementwise work before them folded in.
 
-At batch 1-8 a decode step's projections are matrix-vector products: every weight byte is
-read once for a few multiply-adds, so the time is the weight read, and cuBLAS's kernels for
-these shapes read at a fraction of the bandwidth (docs/PERFORMANCE.md). Here one program
+At batch 1 a decode step's projections are matrix-vector products: every weight byte is read
+once for one multiply-add, so the time is the weight read, and cuBLAS's kernels for these
+shapes read at a fraction of the bandwidth (330-2,100 GB/s on an H200; docs/PERFORMANCE.md). Here one program
 computes ``BLOCK_N`` outputs of every row from whole weight rows (loads issued together, many
 programs per SM), and the input may first go through
 
@@ -19,14 +19,15 @@ other rows of the batch (graph replays at a padded size equal eager steps).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .kernels import triton, triton_usable
+from .kernels import multiprocessors, triton, triton_usable
 
-#: the most rows (decode batch) the kernel serves; above it cuBLAS's GEMMs are used
-MAX_ROWS = 8
+#: the most rows the kernel serves
+KERNEL_ROWS = 8
+#: the decode batches that use it (engines/fused_decode.py): on an H200 it beat cuBLAS at 1 row
+#: on every projection of a 0.6B model and lost at 4 and 8 (benchmarks/skinny_gemm_sweep.py)
+MAX_ROWS = 1
 #: weight elements one program holds at once
 _TILE = 8192
 
@@ -96,7 +97,7 @@ if triton is not None:
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`skinny_linear` serves ``x`` [B, K] times ``weight`` [N, K]."""
-    return (triton_usable(x.device) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
+    return (triton_usable(x.device) and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_ROWS and weight.dim() == 2
             and weight.is_contiguous() and weight.dtype == x.dtype and x.stride(-1) == 1)
 
 
@@ -111,15 +112,10 @@ def config(n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
                   silu_input: bool = False, block: tuple[int, int, int] | None = None):
-    """``f(x) @ weight.T (+ bias)`` for ``x`` [B, K'] (B <= ``MAX_ROWS``), ``weight`` [N, K]
+    """``f(x) @ weight.T (+ bias)`` for ``x`` [B, K'] (B <= ``KERNEL_ROWS``), ``weight`` [N, K]
     contiguous, where f is: nothing; with ``norm_weight`` the RMSNorm of ``x`` (of ``x +
     residual`` with ``residual``: then returns ``(y, x + residual)``); with ``silu_input``
     ``silu(x[:, :K]) * x[:, K:]`` (K' = 2K). ``block``: (BLOCK_N, BLOCK_K, warps) instead of
@@ -131,7 +127,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     summed = torch.empty((rows, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if block is None:
-        block = config(n, k, _multiprocessors(x.device))
+        block = config(n, k, multiprocessors(x.device))
     block_n, block_k, warps = block
     r = residual if residual is not None else x
     out_sum = summed if summed is not None else y

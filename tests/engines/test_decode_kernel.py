@@ -57,6 +57,32 @@ def test_kernel_matches_reference_across_shapes():
     assert float(out.split()[-1]) < 1e-5
 
 
+def test_split_context_kernel_matches_reference():
+    """The context of each (sequence, KV head) split over 2, 3 and 16 programs (most of them
+    empty for short contexts) and combined gives the reference's attention; the batch sizes
+    that split are the ones ``decode_splits`` names."""
+    out = _interpret("""
+        import torch
+        from engines.kernels import DECODE_SPLITS, _triton_decode, decode_splits, paged_decode_attention_ref
+        torch.manual_seed(5)
+        worst = 0.0
+        for (b, h, kvh, d, page, blocks, width) in [(1, 4, 2, 16, 16, 20, 12), (3, 6, 2, 24, 8, 40, 20)]:
+            q = torch.randn(b, h, d)
+            k, v = torch.randn(blocks, page, kvh, d), torch.randn(blocks, page, kvh, d)
+            tables = torch.randint(0, blocks, (b, width), dtype=torch.int32)
+            lens = torch.randint(1, width * page + 1, (b,), dtype=torch.int32)
+            lens[0] = width * page
+            ref = paged_decode_attention_ref(q, k, v, tables, lens, d ** -0.5)
+            for splits in (2, 3, 16):
+                out = _triton_decode(q, k, v, tables, lens, d ** -0.5, splits=splits)
+                worst = max(worst, (out - ref).abs().max().item())
+        cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
+        print(worst, decode_splits(1, 1, cpu) == DECODE_SPLITS, decode_splits(2, 1, cpu), decode_splits(1, 2, cpu))
+    """)
+    worst, one, two_rows, two_heads = out.split()[-4:]
+    assert float(worst) < 1e-5 and one == "True" and two_rows == two_heads == "1"
+
+
 def test_kernel_ignores_context_past_each_length():
     """Keys and values past a sequence's length (stale cache contents) do not leak in."""
     out = _interpret("""

@@ -61,8 +61,9 @@ def test_a_rows_output_does_not_depend_on_the_other_rows():
 
 def test_the_few_rows_decode_step_equals_the_fused_one(tmp_path):
     """An engine's model (packed q/k/v and gate/up, q/k/v biases) decodes 3 rows through the
-    few-rows step (RMSNorms and SiLU folded into the projections) to the logits of the fused
-    step with separate kernels and GEMMs; above ``MAX_ROWS`` rows it is not used."""
+    few-rows step (RMSNorms and SiLU folded into the projections; ``MAX_ROWS`` raised to 3
+    for it) to the logits of the fused step with separate kernels and GEMMs; above
+    ``MAX_ROWS`` rows it is not used."""
     out = _interpret(f"""
         import torch
         from engines import fused_decode, skinny_gemm
@@ -70,7 +71,8 @@ def test_the_few_rows_decode_step_equals_the_fused_one(tmp_path):
         from engines.torch import TorchEngine
         eng = TorchEngine(make_model("qwen2", "tiny", {str(tmp_path / "m")!r}, seed=2), kv_cache_tokens=256)
         r, model = eng.runner, eng.runner.model
-        b = 3
+        r.k.zero_(), r.v.zero_()  # the context slots before each row's own are read too (not written here)
+        skinny_gemm.MAX_ROWS = 3
         ids = torch.tensor([5, 17, 40])
         pos = torch.tensor([0, 4, 9])
         tables = torch.arange(3 * 4, dtype=torch.int32).view(3, 4)
