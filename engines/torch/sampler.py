@@ -24,7 +24,9 @@ class Sampled:
         if pinned is None:
             self.host = pair
         else:
-            self.host = pinned[:, : tok.shape[0]]
+            # a contiguous view: a copy into a strided host tensor goes through a pageable
+            # temporary, which makes the device->host copy wait for all queued work
+            self.host = pinned[: pair.numel()].view(pair.shape)
             self.host.copy_(pair, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -69,13 +71,14 @@ class Sampler:
         return Sampled(tok, lp, self._pinned_buffer(logits.device, len(seqs)))
 
     def _pinned_buffer(self, device: torch.device, rows: int) -> torch.Tensor | None:
-        """The next of two pinned [2, N] buffers: a step's buffer is read before the step
-        two later writes it (the engine lands a step before launching the one after next)."""
+        """The next of two pinned buffers of at least 2 x ``rows`` float64: a step's buffer is
+        read before the step two later writes it (the engine lands a step before launching the
+        one after next)."""
         if device.type != "cuda":
             return None
-        if not self._pinned or self._pinned[0].shape[1] < rows:
-            size = max(rows, 256)
-            self._pinned = [torch.empty((2, size), dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        if not self._pinned or self._pinned[0].numel() < 2 * rows:
+            size = 2 * max(rows, 256)
+            self._pinned = [torch.empty(size, dtype=torch.float64, pin_memory=True) for _ in range(2)]
         self._turn ^= 1
         return self._pinned[self._turn]
 

@@ -106,3 +106,29 @@ def test_a_hybrid_model_runs_ahead_with_its_recurrent_state_intact(tmp_path):
     reqs += [(_prompts()[5], {"temperature": 0.8, "seed": 3, "max_new_tokens": 16, "ignore_eos": True})]
     ahead, stats, plain, _ = _both(path, reqs, kv_cache_tokens=2048, block_size=8)
     assert ahead == plain and stats["steps_run_ahead"] > 0
+
+
+def test_a_steps_tokens_reach_the_host_through_a_contiguous_view_of_the_pinned_buffer(monkeypatch):
+    """A batch smaller than the host buffer reads back into a contiguous view of it: a copy into
+    a strided host view would go through a pageable temporary, and a device->pageable copy
+    waits for every queued step (it had made running ahead wait each step below 256 rows)."""
+    import types
+
+    import torch
+
+    from engines.torch.sampler import Sampled, Sampler
+
+    # no CUDA here: the copy's completion event is a stand-in (the copy itself is synchronous on CPU)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None,
+                                                                           synchronize=lambda: None))
+    sampler = Sampler(None, set())
+    buffers = [torch.empty(2 * 256, dtype=torch.float64) for _ in range(2)]
+    sampler._pinned = buffers  # what _pinned_buffer allocates (pinned on CUDA)
+    for rows in (1, 3, 256):
+        buf = sampler._pinned[sampler._turn ^ 1]
+        tok, lp = torch.arange(rows), -torch.rand(rows)
+        s = Sampled(tok, lp, buf)
+        assert s.host.is_contiguous() and s.host.data_ptr() == buf.data_ptr()
+        toks, lps = s.read()
+        assert toks == list(range(rows)) and lps == lp.double().tolist()
+        sampler._turn ^= 1
