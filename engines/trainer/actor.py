@@ -243,10 +243,13 @@ class TrainerActor(Actor):
         rollout_logprobs: list | None = None,
         ref_logprobs: list | None = None,
         temperature: float = 1.0,
+        old_logprobs: list | None = None,
     ) -> dict:
         """One optimizer step of GRPO on these sequences. ``response_masks[i][t]`` marks the
         response tokens among tokens 1..n of sequence i; ``rollout_logprobs`` / ``ref_logprobs``
-        (aligned the same way) feed TIS / mismatch_kl and the KL loss."""
+        (aligned the same way) feed TIS / mismatch_kl and the KL loss; ``old_logprobs`` are
+        the policy's before the rollout's first optimizer step (PPO's ratio; None: this is
+        that step, and the log-probs of this forward, detached, are the old ones)."""
         self._begin_step()
         token_level = self.loss_cfg.aggregation == "token"
         total = sum(sum(m) for m in response_masks) if token_level else len(seqs)
@@ -257,16 +260,17 @@ class TrainerActor(Actor):
         for idx, width in plan:
             part = batching.rows(seqs, idx)
             mask = self._mask(part, batching.pick(response_masks, idx, []), width)
-            with torch.no_grad():
-                old = self._logprobs(part, temperature, width)
-            rollout = batching.pick(rollout_logprobs, idx, [])
-            ref = batching.pick(ref_logprobs, idx, [])
-            rollout = batching.aligned(old, rollout) if rollout is not None else None
-            ref = batching.aligned(old, ref) if ref is not None else None
             real = sum(i is not None for i in idx)
             share = (float(mask.sum()) if token_level else real) / max(total, 1)
             batching.set_aux_loss_scale(self.cfg, self.model.config, idx, share)
             logp = self._logprobs(part, temperature, width)
+            old = logp.detach()
+            given = batching.pick(old_logprobs, idx, [])
+            old = batching.aligned(old, given) if given is not None else old
+            rollout = batching.pick(rollout_logprobs, idx, [])
+            ref = batching.pick(ref_logprobs, idx, [])
+            rollout = batching.aligned(old, rollout) if rollout is not None else None
+            ref = batching.aligned(old, ref) if ref is not None else None
             adv = torch.tensor(batching.pick(advantages, idx, 0.0), device=self.device, dtype=torch.float32)
             loss, st = policy_loss(logp, old, adv, mask, self.loss_cfg, ref_logp=ref, rollout_logp=rollout)
             # sample-level aggregation averages over every row, dummies (EP) included

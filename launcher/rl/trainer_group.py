@@ -103,13 +103,17 @@ class TrainerGroup:
                        reference: TrainerGroup | None = None, colocate: bool = False) -> dict:
         """Optimizer steps over ``global_batch_size`` chunks of the samples (whole groups),
         each chunk sharded over the DP ranks; with a ``reference``, its log-probs of each
-        shard go into the loss (onloaded around the call when ``colocate``). Returns each
+        shard go into the loss (onloaded around the call when ``colocate``). With more than
+        one step, the policy's log-probs of every sample are computed before the first (PPO's
+        old policy for the later steps; the first step's own forward gives its). Returns each
         numeric statistic averaged over the optimizer steps."""
         seqs = [s.prompt_ids + s.response_ids for s in samples]
         masks = [[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples]
         rollout_logprobs = [[0.0] * (len(s.prompt_ids) - 1) + s.rollout_logprobs for s in samples]
+        steps = chunks(list(range(len(samples))), global_batch_size)
+        old_logprobs = await self._logprobs_of(seqs) if len(steps) > 1 else None
         per_step: list[dict] = []
-        for chunk in chunks(list(range(len(samples))), global_batch_size):
+        for k, chunk in enumerate(steps):
             shards = shard_over_dp(chunk, self.dp)
             reference_logprobs = None
             if reference is not None:
@@ -122,8 +126,10 @@ class TrainerGroup:
             args = []
             for d, shard in enumerate(shards):
                 step_args = ([seqs[i] for i in shard], [masks[i] for i in shard], [advantages[i] for i in shard],
-                             [rollout_logprobs[i] for i in shard])
-                args.append(step_args + ((reference_logprobs[d],) if reference_logprobs is not None else ()))
+                             [rollout_logprobs[i] for i in shard],
+                             reference_logprobs[d] if reference_logprobs is not None else None, 1.0,
+                             [old_logprobs[i] for i in shard] if old_logprobs is not None and k > 0 else None)
+                args.append(step_args)
             per_step.append((await self.call_per_dp("train_step", args))[0])
         averaged: dict = {}
         for key in per_step[0]:
@@ -131,6 +137,16 @@ class TrainerGroup:
             if values:
                 averaged[key] = sum(values) / len(values)
         return averaged
+
+    async def _logprobs_of(self, seqs: list) -> list:
+        """The policy's per-token log-probs of every sequence (sharded over the DP ranks)."""
+        shards = shard_over_dp(list(range(len(seqs))), self.dp)
+        parts = await self.call_per_dp("compute_logprobs", [([seqs[i] for i in shard],) for shard in shards])
+        out: list = [None] * len(seqs)
+        for shard, part in zip(shards, parts):
+            for i, lp in zip(shard, part):
+                out[i] = lp
+        return out
 
     async def push_weights(self, engine_meshes: list, version: int, bucket_bytes: int) -> None:
         """The current weights, under ``version``, into every engine."""

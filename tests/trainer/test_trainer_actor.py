@@ -274,3 +274,36 @@ def test_tp2_training_matches_tp1(policy, opt):
     d2 = [a - b for ra, rb in zip(lp2[0], before2) for a, b in zip(ra, rb)]
     err = math.sqrt(sum((a - b) ** 2 for a, b in zip(d1, d2))) / math.sqrt(sum(a * a for a in d1))
     assert err < 0.05
+
+
+def _samples() -> list:
+    from launcher.rl.sample import Sample
+
+    return [Sample(index=i, dataset="train", group_index=i // 2, prompt="p", label="l", metadata={},
+                   prompt_ids=s[:6], response_ids=s[6:], response="r", rollout_logprobs=[-1.0] * 12,
+                   finish_reason="length", weight_version=0) for i, s in enumerate(SEQS)]
+
+
+@pytest.mark.parametrize("global_batch", [4, 2])
+def test_ppo_ratio_is_against_the_policy_before_the_rollouts_first_step(policy, global_batch):
+    """GRPO over a rollout in one optimizer step: the old log-probs are the step's own
+    (``ppo_kl`` exactly 0). In two steps (``--global-batch-size`` half the rollout): the
+    second step's old log-probs are the policy's before the first step, so its ratio is not 1
+    (``ppo_kl`` averaged over the steps is not 0)."""
+    from launcher.rl.trainer_group import TrainerGroup
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"ranks": 1})  # the launcher's trainer mesh dimension
+        await setup_torch_distributed(procs)
+        t = procs.spawn("trainer", TrainerActor, policy, lr=1e-2, loss={"eps_clip": 0.2})
+        await t.initialized(240)
+        try:
+            return await TrainerGroup(t, 1, 1).train_rl(_samples(), ADV, global_batch)
+        finally:
+            await stop(procs, t)
+
+    stats = run(main(), 280)
+    if global_batch == 4:
+        assert stats["ppo_kl"] == 0.0 and stats["pg_clipfrac"] == 0.0
+    else:
+        assert stats["ppo_kl"] != 0.0  # 0 for the first step, the second's old policy is the first's
