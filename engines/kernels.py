@@ -192,8 +192,8 @@ def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
     """The context splits of a decode batch of ``rows`` sequences: ``DECODE_SPLITS`` when its
     (sequence, KV head) programs, counted at the next power of two of ``rows``, are at most a
     quarter of the SMs, else 1. A function of the power of two so that a CUDA graph's padded
-    batch (the graph buckets hold every power of two) splits as the eager batch does: a
-    row's output does not depend on the batch it is in."""
+    batch (the graph buckets hold every power of two) splits as the same rows' eager batch
+    does; batches of other sizes may split otherwise, and round differently."""
     return DECODE_SPLITS if triton.next_power_of_2(rows) * kv_heads * 4 <= multiprocessors(device) else 1
 
 
