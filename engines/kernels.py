@@ -162,9 +162,7 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(ML, PART, OUT, s_ob, s_oh, H, D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr,
-                        SPLITS_P: tl.constexpr, TRIGGER: tl.constexpr):
-        if TRIGGER:  # a projection launched as this kernel's dependent may start (engines/skinny_gemm.py)
-            tl.extra.cuda.gdc_launch_dependents()
+                        SPLITS_P: tl.constexpr):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS_P)
@@ -188,14 +186,6 @@ DECODE_SPLITS = 16
 def multiprocessors(device: torch.device) -> int:
     """The device's SM count (4 off CUDA: the interpreter's stand-in)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-@functools.cache
-def pdl_capable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can use programmatic dependent launch (Hopper on, and a
-    Triton that has it)."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-            and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
 def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
@@ -255,7 +245,7 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
     )
     if splits > 1:
         _combine_kernel[(b, h)](ml, part, out, out.stride(0), out.stride(1), h, D=d, D_P=d_p, SPLITS=splits,
-                                SPLITS_P=triton.next_power_of_2(splits), TRIGGER=pdl_capable(q.device), num_warps=1)
+                                SPLITS_P=triton.next_power_of_2(splits), num_warps=1)
     return out
 
 

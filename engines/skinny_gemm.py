@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import multiprocessors, pdl_capable, triton, triton_usable
+from .kernels import multiprocessors, triton, triton_usable
 
 #: the most rows the kernel serves
 KERNEL_ROWS = 8
@@ -30,8 +30,6 @@ KERNEL_ROWS = 8
 MAX_ROWS = 1
 #: weight elements one program holds at once
 _TILE = 8192
-#: programmatic dependent launch on GPUs that have it (:func:`_pdl`)
-PDL = True
 
 if triton is not None:
     import triton.language as tl
@@ -60,17 +58,13 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(X, R, NW, W, BIAS, Y, ROUT, s_x, s_r, s_y, s_ro, N, eps,
                        K: tl.constexpr, ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_R: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_R: tl.constexpr, HAS_BIAS: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         kr = tl.arange(0, BLOCK_K)
         rows = tl.arange(0, ROWS_P)
         iters: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-        if PDL:  # launched before the kernel ahead ends: read the first weights (nobody writes them), then wait
-            w_first = tl.load(W + n[:, None] * K + kr[None, :], mask=nm[:, None] & (kr < K)[None, :], other=0.0)
-            tl.extra.cuda.gdc_wait()
         inv = tl.zeros([ROWS_P], tl.float32)
         if PRE == 1:  # each row's 1 / rms over all K columns (of x + residual)
             for b in tl.static_range(ROWS):
@@ -89,17 +83,12 @@ if triton is not None:
         for c in tl.static_range(iters):
             k = c * BLOCK_K + kr
             km = k < K
-            if PDL and c == 0:
-                w = w_first.to(tl.float32)
-            else:
-                w = tl.load(W + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            w = tl.load(W + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
             for b in tl.static_range(ROWS):
                 inv_b = tl.sum(tl.where(rows == b, inv, 0.0), axis=0)
                 xb = _row_in(X, R, NW, ROUT, b, k, km, inv_b, s_x, s_r, s_ro, pid == 0, K, PRE, HAS_R)
                 part = tl.sum(w * xb.to(tl.float32)[None, :], axis=1)
                 acc = tl.where(rows[:, None] == b, acc + part[None, :], acc)
-        if PDL:  # the next projection may start reading its weights
-            tl.extra.cuda.gdc_launch_dependents()
         if HAS_BIAS:
             acc += tl.load(BIAS + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         out = Y + rows[:, None] * s_y + n[None, :]
@@ -121,13 +110,6 @@ def config(n: int, k: int, sms: int) -> tuple[int, int, int]:
         block_n //= 2
     block_k = max(16, min(triton.next_power_of_2(k), _TILE // block_n))
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
-
-
-def _pdl(device: torch.device) -> dict:
-    """Launch options: programmatic dependent launch (``PDL``) where the GPU and Triton have it
-    (Hopper on): a projection starts while the kernel ahead of it finishes and reads its first
-    weights before waiting for that kernel's results."""
-    return {"PDL": True, "launch_pdl": True} if PDL and pdl_capable(device) else {"PDL": False}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -154,6 +136,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), r.stride(0), y.stride(0), out_sum.stride(0), n, eps,
         K=k, ROWS=rows, ROWS_P=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         PRE=2 if silu_input else int(norm_weight is not None), HAS_R=residual is not None, HAS_BIAS=bias is not None,
-        num_warps=warps, **_pdl(x.device),
+        num_warps=warps,
     )
     return (y, summed) if residual is not None else y
