@@ -39,7 +39,7 @@ def backend_options(backend: str, options: dict) -> dict:
     built-in engine can always sleep and spans several GPUs through follower ranks the
     launcher starts in those GPUs' workers (``tp_peers``, passed on), so it takes no
     ``gpu_ids``; ``offload`` (a colocated engine: the GPU's trainer and other engines share
-    its worker process) becomes ``lend_kv=True`` (engines/torch/kv_pool.py); of
+    its worker process) becomes ``lend_kv=True`` (engines/kv_pool.py); of
     ``engine_config`` it takes ``max_context_len`` (judges)
     and ``ep_size`` (a MoE model's expert-parallel groups; 1 where it does not divide the
     engine's ``gpu_ids``) as its own arguments (``kv_cache_tokens`` and ``dp_size`` are

@@ -75,33 +75,9 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(
-        Q,
-        K,
-        V,
-        BT,
-        LENS,
-        OUT,
-        ML,
-        PART,
-        scale,
-        s_qb,
-        s_qh,
-        s_kn,
-        s_kt,
-        s_kh,
-        s_btb,
-        s_ob,
-        s_oh,
-        GROUP: tl.constexpr,
-        GROUP_P: tl.constexpr,
-        D: tl.constexpr,
-        D_P: tl.constexpr,
-        PAGE: tl.constexpr,
-        TILE: tl.constexpr,
-        IEEE: tl.constexpr,
-        SPLITS: tl.constexpr,
-    ):
+    def _decode_kernel(Q, K, V, BT, LENS, OUT, ML, PART, scale, s_qb, s_qh, s_kn, s_kt, s_kh, s_btb, s_ob, s_oh,
+                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                       PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         length = tl.load(LENS + seq)
@@ -216,32 +192,10 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
         part = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
     d_p = max(16, triton.next_power_of_2(d))
     _decode_kernel[(b, kvh, splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        out,
-        ml,
-        part,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        GROUP_P=max(16, triton.next_power_of_2(group)),
-        D=d,
-        D_P=d_p,
-        PAGE=page,
-        TILE=64,
-        IEEE=ieee,
-        SPLITS=splits,
-        num_warps=4,
+        q, k_cache, v_cache, block_tables, context_lens, out, ml, part, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=d_p, PAGE=page, TILE=64, IEEE=ieee,
+        SPLITS=splits, num_warps=4,
     )
     if splits > 1:
         _combine_kernel[(b, h)](ml, part, out, out.stride(0), out.stride(1), h, D=d, D_P=d_p, SPLITS=splits,

@@ -76,7 +76,7 @@ class TorchEngine(Engine):
         decode steps before the last one's tokens are read (engines/torch/stepper.py); default:
         on CUDA (on CPU the device is the host: nothing to overlap). ``lend_kv``: a sleep hands
         the KV cache's tensors, whole, to the next engine of this process that wakes on the
-        GPU (engines/torch/kv_pool.py) instead of freeing them — memory freed and asked for
+        GPU (engines/kv_pool.py) instead of freeing them — memory freed and asked for
         again at once waits for the driver to clear it (~2.6 ms/GB on an H200); the launcher
         sets it for colocated engines, which share their worker with the GPU's trainer (which
         frees what is still lent before it trains). Not with ``tp``."""

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import kv_pool
 from ..fused_decode import pack_projections
 from ..hybrid_model import build_causal_lm
 from ..interface import SamplingParams
 from ..model import ModelConfig, _inv_freq
 from ..weight_names import load_weights
-from . import kv_pool
 from .block_manager import BlockManager
 from .scheduler import StepPlan
 from .sequence import Sequence
@@ -31,7 +31,7 @@ class ModelRunner:
                  weights_mode: str, name: str, kv_cache_tokens: int | None, mem_fraction_static: float,
                  cuda_graph: bool, tp=None, ep_size: int = 1, lend_kv: bool = False):
         self.blocks = blocks
-        # sleep lends the KV tensors to the next engine of this process (engines/torch/kv_pool.py);
+        # sleep lends the KV tensors to the next engine of this process (engines/kv_pool.py);
         # not over several GPUs (the followers take rank 0's size, which must not change)
         self.lend_kv = lend_kv and tp is None and device.type == "cuda"
         self.device = device

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from engines import weight_sync
+from engines import kv_pool, weight_sync
 from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
 
@@ -264,13 +264,7 @@ class TrainerActor(Actor):
             share = (float(mask.sum()) if token_level else real) / max(total, 1)
             batching.set_aux_loss_scale(self.cfg, self.model.config, idx, share)
             logp = self._logprobs(part, temperature, width)
-            old = logp.detach()
-            given = batching.pick(old_logprobs, idx, [])
-            old = batching.aligned(old, given) if given is not None else old
-            rollout = batching.pick(rollout_logprobs, idx, [])
-            ref = batching.pick(ref_logprobs, idx, [])
-            rollout = batching.aligned(old, rollout) if rollout is not None else None
-            ref = batching.aligned(old, ref) if ref is not None else None
+            old, rollout, ref = batching.step_logprobs(logp, idx, old_logprobs, rollout_logprobs, ref_logprobs)
             adv = torch.tensor(batching.pick(advantages, idx, 0.0), device=self.device, dtype=torch.float32)
             loss, st = policy_loss(logp, old, adv, mask, self.loss_cfg, ref_logp=ref, rollout_logp=rollout)
             # sample-level aggregation averages over every row, dummies (EP) included
@@ -380,18 +374,9 @@ class TrainerActor(Actor):
             torch.cuda.empty_cache()
         return moved
 
-    def _drain_lent_kv(self) -> None:
-        """Free the KV caches this worker's sleeping engines lent each other
-        (engines/torch/kv_pool.py): the trainer needs the memory now."""
-        if self.device.type == "cuda":
-            from engines.torch import kv_pool
-
-            if kv_pool.drain(self.device):
-                torch.cuda.empty_cache()
-
     @endpoint
     def onload(self) -> None:
-        self._drain_lent_kv()  # even when resident: training takes memory
+        kv_pool.release(self.device)  # what the worker's sleeping engines lent: even when resident
         if not self.offloaded:
             return
         self.opt.onload()
@@ -430,7 +415,7 @@ class TrainerActor(Actor):
             return {"free": 0, "total": 0, "allocated": 0, "uuid": None}
         torch.cuda.synchronize()
         if release_cache:
-            self._drain_lent_kv()
+            kv_pool.release(self.device)
             torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         return {"free": free, "total": total, "allocated": torch.cuda.memory_allocated(),

@@ -83,6 +83,17 @@ def aligned(base: torch.Tensor, rows: list) -> torch.Tensor:
     return out
 
 
+def step_logprobs(logp: torch.Tensor, idx: list, old_logprobs: list | None, rollout_logprobs: list | None,
+                  ref_logprobs: list | None) -> tuple:
+    """Micro-batch ``idx``'s old, rollout and reference log-probs as tensors shaped like its
+    ``logp``: old are the given ones, else ``logp`` detached (the rollout's first optimizer
+    step); rollout / reference None when not given."""
+    given = pick(old_logprobs, idx, [])
+    old = aligned(logp.detach(), given) if given is not None else logp.detach()
+    rest = [pick(values, idx, []) for values in (rollout_logprobs, ref_logprobs)]
+    return (old, *(aligned(old, rows) if rows is not None else None for rows in rest))
+
+
 def padding_mask(seqs: list, width: int, device) -> torch.Tensor:
     """Megatron's MoE padding mask over the inputs (tokens 0..width-2): True where padding
     (a dummy row is all padding)."""

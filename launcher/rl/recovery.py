@@ -106,7 +106,7 @@ class EngineRecovery:
         # server needs --enable-memory-saver for that)
         offload = self.plan.mode.startswith("colocate")
         # a successor's worker hosts no trainer rank to take back KV memory lent on a sleep
-        # (engines/torch/kv_pool.py): it frees its cache as a dedicated engine does
+        # (engines/kv_pool.py): it frees its cache as a dedicated engine does
         extra = {"lend_kv": False} if self.cfg.engine == "torch" else {}
         if len(procs) > 1:
             mesh = await spawn_tensor_parallel(self.cfg, claim, engine, procs, colocate=False, offload=offload)

@@ -30,7 +30,7 @@ def test_a_sleeping_engine_lends_its_kv_cache_to_the_next_one_that_wakes(model_0
     whole in the pool, the judge's wake takes them (no new device memory: allocating memory
     just freed waits for the driver to clear it), with the same number of blocks as its own
     first cache, and generates exactly as before; drain() frees what is left."""
-    from engines.torch import kv_pool
+    from engines import kv_pool
 
     greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     prompt = list(range(5, 40))

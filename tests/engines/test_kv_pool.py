@@ -1,10 +1,10 @@
-"""engines/torch/kv_pool.py: KV tensors lent by a sleeping engine, taken whole by the next."""
+"""engines/kv_pool.py: KV tensors lent by a sleeping engine, taken whole by the next."""
 
 from __future__ import annotations
 
 import torch
 
-from engines.torch import kv_pool
+from engines import kv_pool
 
 
 def test_a_lent_tensor_is_taken_once_by_the_smallest_fit_and_drain_frees_the_rest():

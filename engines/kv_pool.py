@@ -8,7 +8,7 @@ colocated engine (``TorchEngine(lend_kv=True)``) does not free its cache's tenso
 it *lends* them here, whole, and an engine that wakes on that device takes a lent tensor
 large enough for each of its own K and V (a view of the same memory) before asking the
 driver. Whatever is still lent when the trainer needs the memory is freed: the trainer calls
-:func:`drain` before it onloads or reports free memory.
+:func:`release` before it onloads or reports free memory.
 
 Thread-safe (engines run on their own threads). Lent memory is counted as free by the KV
 sizing (:func:`lent_bytes`)."""
@@ -63,3 +63,10 @@ def drain(device: torch.device | None = None) -> int:
         for d in devices:
             freed += sum(t.untyped_storage().nbytes() for t in _LENT.pop(d, []))
     return freed
+
+
+def release(device: torch.device) -> None:
+    """:func:`drain` ``device`` and give the memory back to the driver (a CUDA device): the
+    trainer of the worker needs it."""
+    if torch.device(device).type == "cuda" and drain(device):
+        torch.cuda.empty_cache()
