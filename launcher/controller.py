@@ -140,6 +140,13 @@ async def run_controller(
         missing = await check_inputs_on_every_node(cfg, mode, agents)  # before any worker starts
         if missing:
             raise JobFailed(missing)
+        grpo = None
+        if mode != "sft" and cfg.prompt_data:
+            from .rl.loop import GRPOLoop
+
+            grpo = GRPOLoop(cfg, plan, out,
+                            respawn=lambda node, bundle: agents[node].respawn_worker.call_one(bundle).result(180))
+            grpo.prepare()  # while the workers start
         t0 = time.monotonic()
         specs: dict[int, list[BundleSpec]] = {n: [] for n in range(plan.nnodes)}
         for idx in sorted(roles):
@@ -180,18 +187,17 @@ async def run_controller(
         if hold > 0:
             print(f"holding the job for {hold:g} s", file=out, flush=True)
             await asyncio.sleep(hold)
-        if mode == "sft" or cfg.prompt_data:
-            from .rl.loop import GRPOLoop
+        if mode == "sft":
             from .sft import SFTJob
 
-            if mode == "sft":
-                job = SFTJob(cfg, plan, workers, out)
-            else:
-                job = GRPOLoop(cfg, plan, workers, out,
-                               respawn=lambda node, bundle: agents[node].respawn_worker.call_one(bundle).result(180))
+            job = SFTJob(cfg, plan, workers, out)
             jobs.append(job)
             await job.start()
             await job.run()
+        elif grpo is not None:
+            jobs.append(grpo)
+            await grpo.start(workers)
+            await grpo.run()
         else:
             print("no --prompt-data: the job was placed; nothing to train", file=out, flush=True)
 

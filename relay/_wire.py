@@ -180,9 +180,11 @@ class Encoder:
             return self._encode_exception(obj)
         if isinstance(obj, enum.Enum) and is_registered(t):
             return self._ext(_EXT_ENUM, [t.__relay_wire_name__, obj.value])
+        # numpy / torch only once imported (a module another thread is still importing is in
+        # sys.modules without its classes: then no object can be an instance of them)
         np = sys.modules.get("numpy")
-        if np is not None:
-            if t is np.ndarray:
+        if np is not None and hasattr(np, "generic"):
+            if t is getattr(np, "ndarray", None):
                 return self._encode_ndarray(obj)
             if isinstance(obj, np.generic):
                 arr = np.asarray(obj)
@@ -190,7 +192,7 @@ class Encoder:
                     raise _unsupported(obj)
                 return self._ext(_EXT_NPSCALAR, [arr.dtype.str, arr.tobytes()])
         torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
+        if torch is not None and isinstance(obj, getattr(torch, "Tensor", ())):
             return self._encode_tensor(obj, torch)
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and is_registered(t):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

@@ -52,10 +52,10 @@ from .evaluation import evaluate
 from .integrity import JudgeIntegrity
 from .judge import judge_deltas
 from .recovery import EngineRecovery
-from .rollout import group_seed, prompt_datasets, sampling_options, tokenize_prompts
+from .rollout import group_seed, prompt_datasets, sampling_options
 from .sample import Sample, flatten, rollout_metrics
 from .scoring import Scorer, advantages, check_judged, reward_metrics
-from .startup import Roles, ensure_models, start_roles
+from .startup import Roles, ensure_models, prepare_controller, start_roles
 from .swaps import GpuSwaps
 from .timing import PhaseTimer, union_seconds
 
@@ -66,8 +66,9 @@ class GRPOLoop:
     """GRPO training with rollout engines, a judge and a Megatron trainer (see the module
     docstring). ``run()`` returns the last step's metrics record."""
 
-    def __init__(self, cfg: JobConfig, plan: Plan, workers: list[WorkerInfo], out, respawn=None):
-        """``respawn(node, bundle)``: start a bundle's worker again (the node agent's
+    def __init__(self, cfg: JobConfig, plan: Plan, out, respawn=None):
+        """Checks and loads the job's data; the workers come with :meth:`start`.
+        ``respawn(node, bundle)``: start a bundle's worker again (the node agent's
         ``respawn_worker``); without it, no engine is rebuilt."""
         if not cfg.hf_checkpoint:
             raise ValueError("training needs a policy: set --hf-checkpoint (an HF checkpoint directory)")
@@ -78,7 +79,7 @@ class GRPOLoop:
         self.cfg = cfg
         self.plan = plan
         self.out = out
-        self.workers_by_bundle = {w.bundle: w for w in workers}
+        self.workers_by_bundle: dict[int, WorkerInfo] = {}
         self.mode = plan.mode
         self.colocate = plan.mode.startswith("colocate")
         self.defer = plan.mode == "colocate-defer"
@@ -99,20 +100,35 @@ class GRPOLoop:
         self.recovery: EngineRecovery | None = None
         self._weights_lock = asyncio.Lock()  # held from training until the new weights are synced
         self.swaps = GpuSwaps(self)
+        self._prepared: asyncio.Future | None = None
+
+    def prepare(self) -> None:
+        """Start what needs no worker, so that it runs while the workers start (the
+        controller calls it before placing them; :meth:`start` waits for it, and calls it when
+        nobody did): the tiny configs' missing models, then, in a thread, the controller's own
+        imports and every prompt's token ids (:func:`prepare_controller`)."""
+        if self._prepared is None:
+            self._prepared = asyncio.ensure_future(self._prepare())
+            self._prepared.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed start reads it
+
+    async def _prepare(self) -> tuple:
+        await ensure_models(self.cfg)
+        return await asyncio.to_thread(prepare_controller, self.cfg,
+                                       prompt_datasets(self.cfg, self.rows, self.eval_rows))
 
     # ------------------------------------------------------------------ start and close
 
-    async def start(self) -> None:
-        """Start every role (launcher/rl/startup.py); a resumed run's rollout engines get the
-        checkpoint's weights."""
+    async def start(self, workers: list[WorkerInfo]) -> None:
+        """Start every role on ``workers`` (launcher/rl/startup.py) once :meth:`prepare`'s
+        work is done; a resumed run's rollout engines get the checkpoint's weights."""
         cfg = self.cfg
         started = self.timer.clock()
-        await ensure_models(cfg)
-        datasets = prompt_datasets(cfg, self.rows, self.eval_rows)
-        prompts = asyncio.ensure_future(asyncio.to_thread(tokenize_prompts, cfg, datasets))  # while the roles start
+        self.workers_by_bundle = {w.bundle: w for w in workers}
+        self.prepare()
+        tokenizer, prompt_ids = await self._prepared
         await start_roles(self.roles, cfg, self.plan, self.workers_by_bundle, self.colocate, self.defer,
-                          self._restore, self.out)
-        await self.roles.rollout.check_context(await prompts, datasets)
+                          self._restore, tokenizer, self.out)
+        await self.roles.rollout.check_context(prompt_ids, prompt_datasets(cfg, self.rows, self.eval_rows))
         self.trainer, self.reference = self.roles.trainer, self.roles.reference
         self.rollout, self.judge = self.roles.rollout, self.roles.judge
         self.scorer = Scorer(cfg, self.roles.reward_fn, self.roles.post_process, self.timer)

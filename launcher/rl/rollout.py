@@ -46,8 +46,8 @@ _TOKENIZER_IMPORT = threading.Lock()
 
 
 def auto_tokenizer():
-    """transformers' ``AutoTokenizer``, imported under a lock: while the roles start, the
-    controller imports it in two threads (:func:`tokenize_prompts` and the start-up), and two
+    """transformers' ``AutoTokenizer``, imported under a lock: the controller imports it in a
+    thread while the workers start (:func:`launcher.rl.startup.prepare_controller`), and two
     threads importing transformers' lazy modules at once can fail with ``ImportError:
     cannot import name 'AutoTokenizer'``."""
     with _TOKENIZER_IMPORT:
@@ -55,10 +55,10 @@ def auto_tokenizer():
     return AutoTokenizer
 
 
-def tokenize_prompts(cfg, datasets: list[tuple[str, list[Row], int]]) -> dict:
+def tokenize_prompts(cfg, tokenizer, datasets: list[tuple[str, list[Row], int]]) -> dict:
     """Every prompt's token ids as the policy sees them, keyed as :class:`RolloutPool`
-    caches them (run in a thread while the roles start)."""
-    pool = RolloutPool(cfg, [], auto_tokenizer().from_pretrained(cfg.hf_checkpoint))
+    caches them (run in a thread while the workers start)."""
+    pool = RolloutPool(cfg, [], tokenizer)
     for _, rows, _ in datasets:
         for row in rows:
             pool.prompt_ids(row)

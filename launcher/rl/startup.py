@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..allocator import Plan
 from .engine_pool import Engine, all_or_cancel, of_role, spawn_engines
 from .judge import Judge, judge_process
-from .rollout import RolloutPool, auto_tokenizer
+from .rollout import RolloutPool, auto_tokenizer, tokenize_prompts
 from .trainer_group import TrainerGroup, attach_claim, loss_options
 
 
@@ -44,6 +44,18 @@ async def ensure_models(cfg) -> None:
         await asyncio.to_thread(ensure_model, instance.model_path, 7)
 
 
+def prepare_controller(cfg, datasets: list) -> tuple:
+    """What the controller needs before the roles start and can do while the workers start
+    (in a thread): the trainer actor's module (torch), the reward code, and the policy's
+    tokenizer. Returns (the tokenizer, every prompt's token ids keyed as
+    :class:`RolloutPool` keeps them)."""
+    import engines.trainer.actor  # noqa: F401 (the trainer's spawn names its class)
+    import reward.rewards  # noqa: F401
+
+    tokenizer = auto_tokenizer().from_pretrained(cfg.hf_checkpoint)
+    return tokenizer, tokenize_prompts(cfg, tokenizer, datasets)
+
+
 def total_optimizer_steps(cfg) -> int:
     """Optimizer steps of the whole run, for the LR schedule."""
     per_rollout = max(1, cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.global_batch_size)
@@ -66,10 +78,11 @@ def _spawn_trainers(cfg, plan: Plan, workers_by_bundle: dict) -> tuple[TrainerGr
 
 
 async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, colocate: bool, defer: bool,
-                      restore: Callable[[TrainerGroup], Awaitable[None]], out) -> None:
+                      restore: Callable[[TrainerGroup], Awaitable[None]], tokenizer, out) -> None:
     """Spawn and initialize every role into ``roles`` (see the module docstring for the
-    order); ``restore(trainer)`` runs once the trainer is up and before it offloads. The
-    judge service's process starts first, so that it imports its libraries meanwhile."""
+    order); ``restore(trainer)`` runs once the trainer is up and before it offloads;
+    ``tokenizer``: the policy's. The judge service's process starts first, so that it
+    imports its libraries meanwhile."""
     service_procs = judge_process() if cfg.genrm else None
 
     def procs_of(bundles: list) -> list:
@@ -105,7 +118,6 @@ async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, co
 
     roles.reward_fn = make_reward_fn(cfg, judge_address=roles.judge.address)
     roles.post_process = load_post_process(cfg)
-    tokenizer = auto_tokenizer().from_pretrained(cfg.hf_checkpoint)  # (also imported by the prompts' thread)
     roles.rollout = RolloutPool(cfg, of_role(roles.engines, "rollout"), tokenizer)
     if defer:
         await roles.judge.set_admission(False)

@@ -187,6 +187,26 @@ def test_relay_imports_without_torch():
     assert out.returncode == 0, out.stderr
 
 
+
+def test_values_encode_while_another_thread_is_still_importing_numpy_and_torch():
+    """A module being imported by another thread is already in sys.modules, without its
+    classes yet (the controller imports torch in a thread while its event loop sends)."""
+    code = (
+        "import sys, types\n"
+        "sys.modules['numpy'] = types.ModuleType('numpy')  # as a partially initialized import looks\n"
+        "sys.modules['torch'] = types.ModuleType('torch')\n"
+        "from relay import _wire\n"
+        "blob, bufs = _wire.encode({'a': [1, 2.5, 'x'], 'b': b'y'})\n"
+        "assert _wire.decode(blob, bufs) == {'a': [1, 2.5, 'x'], 'b': b'y'}\n"
+        "try:\n"
+        "    _wire.encode(object())\n"
+        "except TypeError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout, out.stdout
+
 def _state(path: str) -> int:
     """An arena segment's state byte."""
     with open(path, "rb") as f:
