@@ -127,6 +127,7 @@ class ModelRunner:
             self.state.allocate()
         self.blocks.resize(blocks, self.cfg.max_position_embeddings)
         self.graphs = None
+        self.picked: torch.Tensor | None = None  # the last decode's greedy picks (see decode)
 
     def _kv_tensors(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` blocks and one more, never handed out: the scratch block padding
@@ -202,11 +203,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of the next token of each request of ``plan.batch``, in its order."""
+    def run(self, plan: StepPlan, greedy: bool = False) -> torch.Tensor:
+        """Logits of the next token of each request of ``plan.batch``, in its order
+        (``greedy``: see :meth:`decode`)."""
+        self.picked = None
         parts = []
         if plan.decode:
-            parts.append(self.decode(plan.decode))
+            parts.append(self.decode(plan.decode, greedy=greedy and not plan.admitted))
         if plan.admitted:
             parts.append(self.prefill(plan.prefill, plan.admitted, plan.followers))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -269,11 +272,14 @@ class ModelRunner:
         state = () if rows is None else (self.state.tensors, rows.to(dev))
         return self.model.prefill(ids.to(dev), lens.to(dev), slots.to(dev), self.k, self.v, *state)
 
-    def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
         """Logits of the next token of running requests (each feeds its last token); on
         CUDA through a captured graph of the padded batch size. ``ids`` [len(seqs)]: the
         tokens to feed instead, on the device: sampled by the step before and not appended
-        yet (each request feeds it at position ``n_tokens``; its block has the slot)."""
+        yet (each request feeds it at position ``n_tokens``; its block has the slot).
+        ``greedy`` (every row greedy and unpenalized): a graph also picks each row's argmax
+        and its log-probability, left in :attr:`picked` ([n, 2] float64; else None)."""
+        self.picked = None
         bs = self.blocks.block_size
         n = len(seqs)
         padded = bucket(n) if self.use_cuda_graph else n
@@ -288,7 +294,10 @@ class ModelRunner:
         width = max(len(s.blocks) for s in seqs)
         rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
-        return self.decode_tensors(meta, tables, n, None if self.state is None else rows, ids)  # a hybrid's rows
+        logits = self.decode_tensors(meta, tables, n, None if self.state is None else rows, ids)  # a hybrid's rows
+        if greedy and self.graphs is not None and self.tp is None:
+            self.picked = self.graphs.pick_greedy(padded)[:n]
+        return logits
 
     def decode_tensors(self, meta: torch.Tensor, tables: torch.Tensor, n: int,
                        rows: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -360,6 +369,7 @@ class DecodeGraphs:
         self.rows = None if runner.state is None else torch.full((most,), runner.blocks.padding_row,
                                                                   dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pickers: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # greedy picks of a graph's logits
         self.pool = torch.cuda.graph_pool_handle()
         self.bytes = 0
 
@@ -406,3 +416,30 @@ class DecodeGraphs:
         graph, out = self.graphs[b]
         graph.replay()
         return out
+
+    def pick_greedy(self, b: int) -> torch.Tensor:
+        """Each row's argmax of the last replay's logits at batch size ``b`` and its
+        log-probability, [b, 2] float64, by a graph of its own (one launch for the ~8
+        kernels: the sampler's greedy rule, engines/torch/sampler.py); overwritten by the next."""
+        if b not in self.pickers:
+            logits = self.graphs[b][1]
+            dev = self.runner.device
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                greedy_pairs(logits)  # warm-up off the capture
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                pairs = greedy_pairs(logits)
+            self.pickers[b] = (graph, pairs)
+        graph, pairs = self.pickers[b]
+        graph.replay()
+        return pairs
+
+
+def greedy_pairs(logits: torch.Tensor) -> torch.Tensor:
+    """[B, 2] float64: each row's argmax and its log-probability (the greedy rule)."""
+    tok = logits.argmax(dim=-1)
+    lp = logits.gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return torch.stack((tok.double(), lp.double()), dim=1)

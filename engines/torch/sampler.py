@@ -15,27 +15,27 @@ from .transfer import to_device
 class Sampled:
     """One step's tokens [B] and their log-probs, on the device and on their way to the host
     (into a pinned buffer, the copy's completion marked by an event): :meth:`read` waits for
-    that step's work only, not for work queued after it."""
+    that step's work only, not for work queued after it. ``pairs`` [B, 2] float64: (token,
+    log-prob) of each row; ``tok``: the tokens on the device (float64 when from ``pairs``)."""
 
-    def __init__(self, tok: torch.Tensor, lp: torch.Tensor, pinned: torch.Tensor | None):
-        self.tok = tok
-        pair = torch.stack((tok.double(), lp.double()))
+    def __init__(self, pairs: torch.Tensor, pinned: torch.Tensor | None, tok: torch.Tensor | None = None):
+        self.tok = pairs[:, 0] if tok is None else tok
         self.event = None
         if pinned is None:
-            self.host = pair
+            self.host = pairs
         else:
             # a contiguous view: a copy into a strided host tensor goes through a pageable
             # temporary, which makes the device->host copy wait for all queued work
-            self.host = pinned[: pair.numel()].view(pair.shape)
-            self.host.copy_(pair, non_blocking=True)
+            self.host = pinned[: pairs.numel()].view(pairs.shape)
+            self.host.copy_(pairs, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
 
     def read(self) -> tuple[list[int], list[float]]:
         if self.event is not None:
             self.event.synchronize()
-        toks, lps = self.host.tolist()
-        return [int(t) for t in toks], lps
+        pairs = self.host.tolist()
+        return [int(t) for t, _ in pairs], [lp for _, lp in pairs]
 
 
 class Sampler:
@@ -54,13 +54,24 @@ class Sampler:
         return not sampling.penalized and (
             sampling.temperature == 0 or (sampling.top_k < 0 and sampling.top_p >= 1.0))
 
-    def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> Sampled:
+    @staticmethod
+    def all_greedy(seqs: list[Sequence]) -> bool:
+        """Whether every row takes its argmax as is (greedy, unpenalized): what a decode
+        graph can pick itself (``ModelRunner.decode(greedy=True)``)."""
+        return all(s.sampling.temperature == 0 and not s.sampling.penalized for s in seqs)
+
+    def sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0,
+                     picked: torch.Tensor | None = None) -> Sampled:
         """Sample one token per row on the device; the result's :meth:`Sampled.read` gives
         them (one device->host transfer for the batch). Seeded rows use Gumbel-max over
         :func:`seeded_uniform` noise (batched) at position ``len(output) + ahead`` (``ahead``:
         tokens of the request sampled but not yet appended); rows that truncate by top-k /
         top-p are handled row by row (min_p alone is batched: a mask). Penalties change the
-        rows that ask for them first (:mod:`.penalties`)."""
+        rows that ask for them first (:mod:`.penalties`). ``picked``: the rows' greedy
+        (token, log-prob) pairs, already computed (when :meth:`all_greedy`)."""
+        pinned = self._pinned_buffer(logits.device, len(seqs))
+        if picked is not None:
+            return Sampled(picked, pinned)
         logits = apply_penalties(logits, seqs, self.eos)
         if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
             tok = logits.argmax(dim=-1)  # (one read of the logits more, no [B, V] log-softmax written)
@@ -68,7 +79,7 @@ class Sampler:
         else:
             tok, logp = self._sample_rows(logits, seqs, ahead)
             lp = logp.gather(1, tok[:, None])[:, 0]
-        return Sampled(tok, lp, self._pinned_buffer(logits.device, len(seqs)))
+        return Sampled(torch.stack((tok.double(), lp.double()), dim=1), pinned, tok)
 
     def _pinned_buffer(self, device: torch.device, rows: int) -> torch.Tensor | None:
         """The next of two pinned buffers of at least 2 x ``rows`` float64: a step's buffer is

@@ -15,8 +15,10 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .transfer import to_device
 
-#: decode steps launched ahead (each before the last one's tokens are read) per scheduled step
-RUN_AHEAD = 8
+#: decode steps launched ahead (each before the last one's tokens are read) per scheduled step,
+#: at most; once a request finished, at most ``REPORT_WITHIN`` more (so that it is reported soon)
+RUN_AHEAD = 64
+REPORT_WITHIN = 8
 
 
 class Stepper:
@@ -43,19 +45,27 @@ class Stepper:
     def step(self) -> list[Sequence]:
         """A scheduled step, then up to ``RUN_AHEAD`` decode steps each launched before the
         tokens of the one before are read (see :meth:`_run_ahead`): the host appends tokens,
-        ends requests and prepares the next step while the device computes. Every step
-        launched here is read here (nothing is in flight when this returns)."""
+        ends requests and prepares the next step while the device computes; the chain stops
+        ``REPORT_WITHIN`` steps after a request finished. Every step launched here is read
+        here (nothing is in flight when this returns: the device idles while the next
+        scheduled step is prepared, hence long chains)."""
         plan = self.scheduler.schedule()
         if not plan.batch:
             return plan.finished
-        step = (plan.batch, self.sampler.sample_batch(self.runner.run(plan), plan.batch))
+        greedy = self.sampler.all_greedy(plan.batch)
+        logits = self.runner.run(plan, greedy=greedy)
+        step = (plan.batch, self.sampler.sample_batch(logits, plan.batch, picked=self.runner.picked))
         done = list(plan.finished)
+        since_done = 0
         for _ in range(RUN_AHEAD):
             ahead = self._run_ahead(step, done)
             done += self._land(step)
             if ahead is None:
                 return done
             step = ahead
+            since_done += bool(done)
+            if since_done >= REPORT_WITHIN:
+                break
         return done + self._land(step)
 
     def _land(self, step: tuple) -> list[Sequence]:
@@ -87,4 +97,5 @@ class Stepper:
             index = {id(s): i for i, s in enumerate(seqs)}
             ids = sampled.tok[to_device([index[id(s)] for s in live], sampled.tok.device, torch.int64)]
         self.steps_ahead += 1
-        return live, self.sampler.sample_batch(self.runner.decode(live, ids), live, 1)
+        logits = self.runner.decode(live, ids, greedy=self.sampler.all_greedy(live))
+        return live, self.sampler.sample_batch(logits, live, 1, picked=self.runner.picked)

@@ -127,8 +127,42 @@ def test_a_steps_tokens_reach_the_host_through_a_contiguous_view_of_the_pinned_b
     for rows in (1, 3, 256):
         buf = sampler._pinned[sampler._turn ^ 1]
         tok, lp = torch.arange(rows), -torch.rand(rows)
-        s = Sampled(tok, lp, buf)
+        s = Sampled(torch.stack((tok.double(), lp.double()), dim=1), buf, tok)
         assert s.host.is_contiguous() and s.host.data_ptr() == buf.data_ptr()
         toks, lps = s.read()
         assert toks == list(range(rows)) and lps == lp.double().tolist()
         sampler._turn ^= 1
+
+
+def test_long_chains_run_ahead_and_a_finished_request_is_reported_within_a_few_steps(llama):
+    """While nothing finishes, one scheduled step runs up to RUN_AHEAD decode steps ahead (the
+    pipeline drains only between scheduled steps); once a request finished, the chain stops
+    within REPORT_WITHIN steps, so its caller hears soon."""
+    from engines.torch import stepper as stepper_module
+
+    seen = {"calls": 0, "long_at_report": None}
+
+    async def main():
+        eng = TorchEngine(llama, run_ahead=True, kv_cache_tokens=4096)
+        step = eng.stepper.step
+
+        def counted():
+            done = step()
+            seen["calls"] += 1
+            if any(len(s.output) == 3 for s in done) and seen["long_at_report"] is None:
+                seen["long_at_report"] = max(len(s.output) for s in eng.stepper.scheduler.running)
+            return done
+
+        eng.stepper.step = counted
+        try:
+            return await asyncio.gather(
+                eng.generate(_prompts()[0], {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}),
+                eng.generate(_prompts()[0], {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}))
+        finally:
+            await eng.close()
+
+    short, long = run(main(), 120)
+    assert len(short.token_ids) == 3 and len(long.token_ids) == 200
+    assert seen["long_at_report"] is not None
+    assert seen["long_at_report"] <= 3 + stepper_module.REPORT_WITHIN + 1, seen
+    assert seen["calls"] <= 8, seen  # chains of 8 took one scheduled step per 9 tokens (24 here)

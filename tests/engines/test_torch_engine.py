@@ -475,11 +475,11 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_recovers(models):
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_running=2)
         real, calls = eng.sampler.sample_batch, []
 
-        def fails_once(logits, seqs, *ahead):
+        def fails_once(logits, seqs, *ahead, **picked):
             calls.append(len(seqs))
             if len(calls) == 1:
                 raise IndexError("index 7 is out of bounds (simulated sampler crash)")
-            return real(logits, seqs, *ahead)
+            return real(logits, seqs, *ahead, **picked)
 
         eng.sampler.sample_batch = fails_once
         res = await asyncio.wait_for(
