@@ -1,4 +1,4 @@
-"""The paged decode-attention kernel (engines/decode_attention.py ``_decode_kernel``) over launch
+"""The paged decode-attention kernel (engines/kernels.py ``_decode_kernel``) over launch
 configurations: tile of context positions, warps, pipeline stages, at a decode batch's shape
 (Qwen3-0.6B's heads by default: 16 query heads, 8 KV heads, head dim 128, bf16, 16-token
 blocks, scattered). Prints one JSON line: each configuration's time and the K/V read rate it
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks._bandwidth import _timed, read_bandwidth  # noqa: E402
-from engines import decode_attention  # noqa: E402
+from engines import kernels  # noqa: E402
 
 
 def _case(batch: int, context: int, heads: int, kv_heads: int, dim: int, page: int) -> dict:
@@ -37,12 +37,20 @@ def _case(batch: int, context: int, heads: int, kv_heads: int, dim: int, page: i
 
 
 def _launch(c: dict, tile: int, warps: int, stages: int):
-    out = {}
+    q, k, v = c["q"], c["k"], c["v"]
+    out = torch.empty_like(q)
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
 
     def run():
-        out["o"] = decode_attention._triton_decode(c["q"], c["k"], c["v"], c["tables"], c["lens"],
-                                                   c["q"].shape[-1] ** -0.5, splits=1, launch=(tile, warps, stages))
-    run()
+        kernels._decode_kernel[(b, kvh, 1)](
+            q, k, v, c["tables"], c["lens"], out, out, out, d**-0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), c["tables"].stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=max(16, triton.next_power_of_2(d)),
+            PAGE=k.shape[1], TILE=tile, IEEE=False, SPLITS=1, num_warps=warps, num_stages=stages,
+        )
     return run, out
 
 
@@ -59,7 +67,7 @@ def main() -> None:
     rows = []
     for context in map(int, a.contexts.split(",")):
         c = _case(a.batch, context, a.heads, a.kv_heads, a.dim, a.page)
-        ref = decode_attention.paged_decode_attention(c["q"], c["k"], c["v"], c["tables"], c["lens"], a.dim**-0.5)
+        ref = kernels.paged_decode_attention(c["q"], c["k"], c["v"], c["tables"], c["lens"], a.dim**-0.5)
         for tile in (16, 32, 64, 128):
             for warps in (2, 4, 8):
                 for stages in (1, 2, 3, 4):
@@ -70,7 +78,7 @@ def main() -> None:
                         rows.append({"context": context, "tile": tile, "warps": warps, "stages": stages,
                                      "error": str(e)[:120]})
                         continue
-                    ok = (out["o"].float() - ref.float()).abs().max().item() < 2e-2
+                    ok = (out.float() - ref.float()).abs().max().item() < 2e-2
                     rows.append({"context": context, "tile": tile, "warps": warps, "stages": stages,
                                  "us": round(s * 1e6, 1), "read_gb_s": round(c["kv_bytes"] / s / 1e9, 1),
                                  "matches": ok, "current": (tile, warps) == (64, 4) and stages == 3})

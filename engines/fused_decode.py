@@ -1,12 +1,11 @@
 """The decode step of a dense-attention model (Qwen2/3, Llama, Qwen3-MoE, Qwen3-VL text) with
 its per-layer work in few kernels, for CUDA (or Triton's interpreter). Per layer:
 
-    rms_norm (+ residual) -> one q/k/v GEMM -> rope_decode_attention -> o GEMM
+    rms_norm (+ residual) -> one q/k/v GEMM -> qkv_rope_write -> paged attention -> o GEMM
     -> rms_norm (+ residual) -> one gate/up GEMM -> silu_mul -> down GEMM   (MoE: its block)
 
-``rope_decode_attention`` (engines/decode_attention.py) is one kernel for what took six: the
-q and k heads' RMSNorm and rotary embedding, K and V written straight into their cache slots,
-and the paged attention (a batch that splits each context combines the splits in it too).
+``qkv_rope_write`` is one kernel for what took five: the q and k heads' RMSNorm and rotary
+embedding, and K and V written straight into their cache slots.
 
 The single GEMMs read packed weights: :func:`pack_projections` lays each layer's q/k/v weights
 (and biases) out as consecutive rows of one tensor and its gate/up weights likewise; the
@@ -22,9 +21,67 @@ import torch
 from torch import nn
 
 from . import skinny_gemm
-from .decode_attention import rope_decode_attention, split_counters
-from .kernels import rms_norm, silu_mul
+from .kernels import paged_decode_attention, rms_norm, silu_mul, triton
 from .moe import SparseMoE
+
+if triton is not None:
+    import triton.language as tl
+
+    from .kernels import normed_rotated
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        QKV, QW, KW, POS, INV, SLOTS, QOUT, KC, VC,
+        s_b, s_qob, s_qoh, s_cs, s_ch, eps,
+        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        j = tl.program_id(1)  # a query head (j < H) or a KV head (j - H)
+        half: tl.constexpr = D // 2
+        i = tl.arange(0, HALF_P)
+        mask = i < half
+        row = QKV + b * s_b
+        is_q = j < H
+        kvh = tl.maximum(j - H, 0)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        # as kernels._norm_rope_kernel: a query head with q_norm, a key head with k_norm
+        out1, out2 = normed_rotated(row + tl.where(is_q, j * D, H * D + kvh * D), tl.where(is_q, QW, KW),
+                                    tl.load(POS + b), INV, eps, D, HALF_P, NORM)
+        if is_q:
+            out = QOUT + b * s_qob + j * s_qoh
+            tl.store(out + i, out1.to(QOUT.dtype.element_ty), mask=mask)
+            tl.store(out + half + i, out2.to(QOUT.dtype.element_ty), mask=mask)
+        else:
+            out = KC + slot * s_cs + kvh * s_ch
+            tl.store(out + i, out1.to(KC.dtype.element_ty), mask=mask)
+            tl.store(out + half + i, out2.to(KC.dtype.element_ty), mask=mask)
+            d = tl.arange(0, D_P)
+            v = tl.load(row + (H + KVH) * D + kvh * D + d, mask=d < D, other=0.0)
+            tl.store(VC + slot * s_cs + kvh * s_ch + d, v.to(VC.dtype.element_ty), mask=d < D)
+
+
+def qkv_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                   positions: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    """From one decode step's packed projections ``qkv`` [B, (H + 2 KVH) D] (q heads, k
+    heads, v heads): the queries [B, H, D] (RMSNorm with ``q_norm`` unless None, then the
+    rotary embedding at ``positions`` [B]); each token's k (``k_norm``, rotary) and v written
+    to cache slot ``slots[b]`` of ``k_cache`` / ``v_cache`` [N, P, KVH, D] (contiguous)."""
+    b = qkv.shape[0]
+    _, _, kvh, d = k_cache.shape
+    assert kvh == kv_heads and qkv.shape[1] == (heads + 2 * kv_heads) * d and qkv.stride(1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert (q_norm is None) == (k_norm is None)
+    q = torch.empty((b, heads, d), dtype=qkv.dtype, device=qkv.device)
+    norm = q_norm is not None
+    _qkv_rope_kernel[(b, heads + kv_heads)](
+        qkv, q_norm if norm else qkv, k_norm if norm else qkv, positions, inv_freq, slots, q, k_cache, v_cache,
+        qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), eps,
+        H=heads, KVH=kv_heads, D=d, HALF_P=triton.next_power_of_2(d // 2), D_P=triton.next_power_of_2(d),
+        NORM=norm, num_warps=1,
+    )
+    return q
 
 
 def _pack(parts: list[nn.Parameter | None], keep_values: bool) -> torch.Tensor | None:
@@ -100,7 +157,6 @@ def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tabl
     b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     scale = d**-0.5
     residual = None
-    counters = split_counters(b, kvh, x.device, len(model.model.layers))
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         if residual is None:
@@ -108,9 +164,9 @@ def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tabl
         else:
             hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual=residual)
         norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
-        o = rope_decode_attention(_qkv(attn, hidden), *norms, positions, model.inv_freq, slots, k_cache[i],
-                                  v_cache[i], block_tables, context_lens, h, scale, eps,
-                                  None if counters is None else counters[i])
+        q = qkv_rope_write(_qkv(attn, hidden), *norms, positions, model.inv_freq, slots, k_cache[i], v_cache[i],
+                           h, kvh, eps)
+        o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
         hidden, residual = rms_norm(
             model._reduce(attn.o_proj(o.view(b, h * d))), layer.post_attention_layernorm.weight, eps,
             residual=residual,
@@ -147,12 +203,11 @@ def _layers_fit(model: nn.Module, row: torch.Tensor) -> bool:
 def _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_cache, v_cache) -> torch.Tensor:
     """:func:`decode_fused` for a few rows: every projection a ``skinny_gemm`` kernel, the
     RMSNorms folded into the q/k/v, gate/up and head projections and ``silu_mul`` into the down
-    projection (5 kernels a layer)."""
+    projection (6 kernels a layer)."""
     cfg = model.cfg
     b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     linear = skinny_gemm.skinny_linear
     residual = None
-    counters = split_counters(b, kvh, x.device, len(model.model.layers))
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if residual is None:
@@ -162,9 +217,8 @@ def _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_c
             qkv, residual = linear(x, attn.qkv_weight, attn.qkv_bias, norm_weight=layer.input_layernorm.weight,
                                    residual=residual, eps=eps)
         norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
-        o = rope_decode_attention(qkv, *norms, positions, model.inv_freq, slots, k_cache[i], v_cache[i],
-                                  block_tables, context_lens, h, d**-0.5, eps,
-                                  None if counters is None else counters[i])
+        q = qkv_rope_write(qkv, *norms, positions, model.inv_freq, slots, k_cache[i], v_cache[i], h, kvh, eps)
+        o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, d**-0.5)
         o = model._reduce(linear(o.view(b, h * d), attn.o_proj.weight, attn.o_proj.bias))
         gate_up, residual = linear(o, mlp.gate_up_weight, norm_weight=layer.post_attention_layernorm.weight,
                                    residual=residual, eps=eps)

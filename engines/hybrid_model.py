@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .decode_attention import paged_decode_attention
+from .kernels import paged_decode_attention
 from .model import Attention, CausalLM, ModelConfig, _rotate_half
 
 

@@ -1,8 +1,19 @@
-"""Triton kernels of the decode step's elementwise work (RMSNorm with or without the residual
-add, q/k RMSNorm + rotary embedding, SiLU-and-multiply) and of seeded sampling, each with the
-torch code's roundings; they run on CUDA, or under Triton's interpreter (``TRITON_INTERPRET=1``,
-CPU tensors), which is how CPU CI checks them. The paged decode attention is
-engines/decode_attention.py.
+"""Decode attention over the paged KV cache.
+
+``paged_decode_attention`` computes, for every sequence in a decode batch, the attention of
+its one new query token over its whole context, reading keys and values directly from the
+cache blocks its block table names (no gather into a contiguous copy). On CUDA with Triton
+it runs one fused kernel (flash-decoding style online softmax, one program per (sequence,
+KV head), all query heads of a GQA group together); elsewhere a torch reference with the
+same contract runs. The kernel can also run under Triton's interpreter
+(``TRITON_INTERPRET=1``, CPU tensors), which is how CPU CI checks it against the reference.
+
+Contract (both paths):
+    q             [B, H, D]                  query of each sequence's new token
+    k/v_cache     [N, P, KVH, D]             N blocks of P token slots
+    block_tables  [B, W] int32               block ids of each sequence (row-major context)
+    context_lens  [B] int32 (>= 1)           tokens of context, including the new one
+    returns       [B, H, D]                  in q's dtype; softmax scale ``scale``
 """
 
 from __future__ import annotations
@@ -26,10 +37,170 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, context_lens, scale: float, use_triton: bool | None = None
+):
+    if use_triton is None:
+        use_triton = triton_usable(q.device)
+    if use_triton:
+        return _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+    """Torch reference: gathers each sequence's blocks, masks past its length. Slots past a
+    length are zeroed after the gather: the cache is not initialised, and a NaN there would
+    reach the output through the masked scores (NaN + -inf)."""
+    b, h, d = q.shape
+    n, page, kvh, _ = k_cache.shape
+    width = block_tables.shape[1]
+    tables = block_tables.reshape(-1).long()
+    mask = torch.arange(width * page, device=q.device)[None, :] < context_lens.long()[:, None]
+    keep = mask[:, None, :, None]
+    keys = k_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
+    keys = keys.masked_fill(~keep, 0)
+    vals = v_cache.view(n, -1).index_select(0, tables).view(b, width * page, kvh, d).transpose(1, 2)
+    vals = vals.masked_fill(~keep, 0)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :],
+        keys.to(q.dtype),
+        vals.to(q.dtype),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(Q, K, V, BT, LENS, OUT, ML, PART, scale, s_qb, s_qh, s_kn, s_kt, s_kh, s_btb, s_ob, s_oh,
+                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                       PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        length = tl.load(LENS + seq)
+        # split ``split`` of SPLITS takes consecutive tiles of the context (all of it when 1)
+        split = tl.program_id(2)
+        per = tl.cdiv(tl.cdiv(length, TILE), SPLITS) * TILE
+        lo = split * per
+        hi = tl.minimum(lo + per, length)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, D_P)
+        gmask = g < GROUP
+        dmask = d < D
+        heads = kvh * GROUP + g
+        q = tl.load(
+            Q + seq * s_qb + heads[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
+        )
+        t = tl.arange(0, TILE)
+        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D_P], tl.float32)
+        for start in range(lo, hi, TILE):
+            pos = start + t
+            valid = pos < hi
+            block = tl.load(BT + seq * s_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            off = block * s_kn + (pos % PAGE) * s_kt + kvh * s_kh
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(K + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(
+                OUT + seq * s_ob + heads[:, None] * s_oh + d[None, :],
+                out.to(OUT.dtype.element_ty),
+                mask=gmask[:, None] & dmask[None, :],
+            )
+        else:  # this split's softmax max, sum and normalised output, for _combine_kernel
+            row = (seq * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+            tl.store(ML + row * 2, m_i, mask=gmask)
+            tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+            part = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+            tl.store(PART + row[:, None] * D + d[None, :], part, mask=gmask[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(ML, PART, OUT, s_ob, s_oh, H, D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr,
+                        SPLITS_P: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS_P)
+        d = tl.arange(0, D_P)
+        smask = s < SPLITS
+        row = (seq * H + head) * SPLITS + s
+        m = tl.load(ML + row * 2, mask=smask, other=float("-inf"))
+        l_s = tl.load(ML + row * 2 + 1, mask=smask, other=0.0)
+        w = tl.where(l_s > 0, tl.exp(m - tl.max(m, axis=0)) * l_s, 0.0)  # an empty split weighs nothing
+        part = tl.load(PART + row[:, None] * D + d[None, :], mask=smask[:, None] & (d < D)[None, :], other=0.0)
+        out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+        tl.store(OUT + seq * s_ob + head * s_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
+
+
+#: split the context of each (sequence, KV head) over this many programs when there are few
+#: of them (flash-decoding): a batch of 1-4 sequences has too few to keep the GPU reading
+DECODE_SPLITS = 16
+
+
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
     """The device's SM count (4 off CUDA: the interpreter's stand-in)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """The context splits of a decode batch of ``rows`` sequences: ``DECODE_SPLITS`` when its
+    (sequence, KV head) programs, counted at the next power of two of ``rows``, are at most a
+    quarter of the SMs, else 1. A function of the power of two so that a CUDA graph's padded
+    batch (the graph buckets hold every power of two) splits as the same rows' eager batch
+    does; batches of other sizes may split otherwise, and round differently."""
+    return DECODE_SPLITS if triton.next_power_of_2(rows) * kv_heads * 4 <= multiprocessors(device) else 1
+
+
+def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int | None = None):
+    b, h, d = q.shape
+    _, page, kvh, _ = k_cache.shape
+    if h % kvh:
+        raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            "paged_decode_attention: q and the caches must be contiguous in the head dimension, k and v alike"
+        )
+    group = h // kvh
+    out = torch.empty_like(q)
+    ieee = q.dtype == torch.float32
+    splits = decode_splits(b, kvh, q.device) if splits is None else splits
+    ml = part = out
+    if splits > 1:
+        ml = torch.empty((b, h, splits, 2), dtype=torch.float32, device=q.device)
+        part = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+    d_p = max(16, triton.next_power_of_2(d))
+    _decode_kernel[(b, kvh, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, ml, part, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=d_p, PAGE=page, TILE=64, IEEE=ieee,
+        SPLITS=splits, num_warps=4,
+    )
+    if splits > 1:
+        _combine_kernel[(b, h)](ml, part, out, out.stride(0), out.stride(1), h, D=d, D_P=d_p, SPLITS=splits,
+                                SPLITS_P=triton.next_power_of_2(splits), num_warps=1)
+    return out
 
 
 # ---------------------------------------------------------------------- fused decode-step ops

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decode_attention import paged_decode_attention
-from .kernels import triton_usable
+from .kernels import paged_decode_attention, triton_usable
 from .linear_attention import GatedDeltaNet, check_shardable, hybrid_fields, shard_linear_tensor
 from .moe import SparseMoE, check_moe_shardable, expert_names, shard_expert_tensor
 

@@ -1,4 +1,4 @@
-"""The paged decode-attention kernel (engines/decode_attention.py) against its torch reference, run
+"""The paged decode-attention kernel (engines/kernels.py) against its torch reference, run
 under Triton's interpreter on CPU (``TRITON_INTERPRET=1`` must be set before Triton loads,
 so each check runs in a fresh interpreter), and a whole engine decoding through it."""
 
@@ -38,7 +38,7 @@ def test_kernel_matches_reference_across_shapes():
     block sizes 8 and 16; lengths from 1 to a full table; scattered, repeated blocks."""
     out = _interpret("""
         import torch
-        from engines.decode_attention import _triton_decode, paged_decode_attention_ref
+        from engines.kernels import _triton_decode, paged_decode_attention_ref
         torch.manual_seed(0)
         worst = 0.0
         for (b, h, kvh, d, page, blocks, width) in [(3, 4, 4, 16, 16, 9, 3), (5, 4, 2, 24, 8, 40, 6),
@@ -63,7 +63,7 @@ def test_split_context_kernel_matches_reference():
     that split are the ones ``decode_splits`` names."""
     out = _interpret("""
         import torch
-        from engines.decode_attention import DECODE_SPLITS, _triton_decode, decode_splits, paged_decode_attention_ref
+        from engines.kernels import DECODE_SPLITS, _triton_decode, decode_splits, paged_decode_attention_ref
         torch.manual_seed(5)
         worst = 0.0
         for (b, h, kvh, d, page, blocks, width) in [(1, 4, 2, 16, 16, 20, 12), (3, 6, 2, 24, 8, 40, 20)]:
@@ -87,7 +87,7 @@ def test_kernel_ignores_context_past_each_length():
     """Keys and values past a sequence's length (stale cache contents) do not leak in."""
     out = _interpret("""
         import torch
-        from engines.decode_attention import _triton_decode
+        from engines.kernels import _triton_decode
         torch.manual_seed(1)
         q = torch.randn(2, 4, 16)
         k, v = torch.randn(6, 16, 2, 16), torch.randn(6, 16, 2, 16)
@@ -204,46 +204,36 @@ def test_fused_ops_match_the_torch_modules():
     assert float(out.split()[-1]) < 1e-4
 
 
-def test_rope_decode_attention_matches_norm_rope_the_cache_writes_and_the_attention():
-    """The decode step's attention from packed q/k/v projections (engines/decode_attention.py
-    ``rope_decode_attention``: the queries' and the new key's RMSNorm and rotary embedding, the
-    new key and value written to their cache slots, the attention over the cache with them)
-    against the separate steps it replaces: ``norm_rope``, the cache writes, the reference
-    attention; every other slot untouched. With and without q/k norm, GQA groups 1-3, head dims
-    16 and 24 (halves padded), one split and 2 or 16 (most of them empty for short contexts),
-    lengths from 1 (only the new token) to a full table."""
+def test_qkv_rope_write_matches_norm_rope_and_the_cache_writes():
+    """The fused q/k/v kernel of a decode step (engines/fused_decode.py) against the separate
+    kernels and cache writes it replaces: queries as ``norm_rope``, each token's k (normed,
+    rotated) and v in its cache slot, every other slot untouched; with and without q/k norm,
+    GQA groups 2 and 3, head dims 16 and 24."""
     out = _interpret("""
         import torch
-        from engines.decode_attention import paged_decode_attention_ref, rope_decode_attention
+        from engines.fused_decode import qkv_rope_write
         from engines.kernels import norm_rope
         torch.manual_seed(4)
         worst, untouched = 0.0, True
-        for h, kvh, d, norm in [(4, 2, 16, True), (6, 2, 24, False), (3, 1, 16, True), (2, 2, 16, False)]:
-            b, blocks, page, width = 5, 30, 4, 5
+        for h, kvh, d, norm in [(4, 2, 16, True), (6, 2, 24, False), (3, 1, 16, True)]:
+            b, blocks, page = 5, 6, 4
             qkv = torch.randn(b, (h + 2 * kvh) * d)
             qn, kn = (torch.randn(d), torch.randn(d)) if norm else (None, None)
             inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-            tables = torch.randperm(blocks)[: b * width].view(b, width).int()
-            lens = torch.tensor([1, 6, 20, 13, 2], dtype=torch.int32)
-            pos = lens.long() - 1
-            slots = tables.long().gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+            pos = torch.tensor([0, 5, 9, 200, 3])
+            slots = torch.tensor([7, 2, 19, 12, 0])
             kc, vc = torch.randn(blocks, page, kvh, d), torch.randn(blocks, page, kvh, d)
-            for splits in (1, 2, 16):
-                k1, v1 = kc.clone(), vc.clone()
-                o = rope_decode_attention(qkv, qn, kn, pos, inv, slots, k1, v1, tables, lens, h, d ** -0.5, 1e-6,
-                                          splits=splits)
-                qs, ks, vs = qkv.split([h * d, kvh * d, kvh * d], dim=1)
-                q = norm_rope(qs.reshape(b, h, d), qn, pos, inv, 1e-6)
-                k2, v2 = kc.clone(), vc.clone()
-                k2.view(-1, kvh, d)[slots] = norm_rope(ks.reshape(b, kvh, d), kn, pos, inv, 1e-6)
-                v2.view(-1, kvh, d)[slots] = vs.reshape(b, kvh, d)
-                worst = max(worst, (k1 - k2).abs().max().item(), (v1 - v2).abs().max().item())
-                ref = paged_decode_attention_ref(q, k2, v2, tables, lens, d ** -0.5)
-                worst = max(worst, (o - ref).abs().max().item())
-                rest = torch.ones(blocks * page, dtype=torch.bool)
-                rest[slots] = False
-                untouched &= bool((k1.view(-1, kvh, d)[rest] == kc.view(-1, kvh, d)[rest]).all())
-                untouched &= bool((v1.view(-1, kvh, d)[rest] == vc.view(-1, kvh, d)[rest]).all())
+            k0, v0 = kc.clone(), vc.clone()
+            q = qkv_rope_write(qkv, qn, kn, pos, inv, slots, kc, vc, h, kvh, 1e-6)
+            qs, ks, vs = qkv.split([h * d, kvh * d, kvh * d], dim=1)
+            worst = max(worst, (q - norm_rope(qs.reshape(b, h, d), qn, pos, inv, 1e-6)).abs().max().item())
+            k = norm_rope(ks.reshape(b, kvh, d), kn, pos, inv, 1e-6)
+            worst = max(worst, (kc.view(-1, kvh, d)[slots] - k).abs().max().item())
+            worst = max(worst, (vc.view(-1, kvh, d)[slots] - vs.reshape(b, kvh, d)).abs().max().item())
+            rest = torch.ones(blocks * page, dtype=torch.bool)
+            rest[slots] = False
+            untouched &= bool((kc.view(-1, kvh, d)[rest] == k0.view(-1, kvh, d)[rest]).all())
+            untouched &= bool((vc.view(-1, kvh, d)[rest] == v0.view(-1, kvh, d)[rest]).all())
         print(worst, untouched)
     """)
     worst, untouched = out.split()[-2:]

@@ -131,7 +131,7 @@ def test_bf16_output_close_to_transformers(model_06b):
 def test_decode_kernel_bf16_matches_reference():
     """The Triton paged decode attention on a Qwen3-0.6B-like head layout (16 query heads, 8
     KV heads, head dim 128) in bf16 against the float32 reference, contexts up to 700."""
-    from engines.decode_attention import _triton_decode, paged_decode_attention_ref
+    from engines.kernels import _triton_decode, paged_decode_attention_ref
 
     torch.manual_seed(0)
     b, blocks, page = 64, 3000, 16
