@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..interface import SamplingParams
-from ..kernels import seeded_gumbel_argmax, seeded_uniform, triton_usable
+from ..kernels import triton_usable
+from ..sample_kernels import sample_pairs, seeded_gumbel_argmax, seeded_uniform
 from .penalties import apply_penalties, min_p_mask
 from .sequence import Sequence
 from .transfer import to_device
@@ -68,18 +69,57 @@ class Sampler:
         tokens of the request sampled but not yet appended); rows that truncate by top-k /
         top-p are handled row by row (min_p alone is batched: a mask). Penalties change the
         rows that ask for them first (:mod:`.penalties`). ``picked``: the rows' greedy
-        (token, log-prob) pairs, already computed (when :meth:`all_greedy`)."""
+        (token, log-prob) pairs, already computed (when :meth:`all_greedy`). Where Triton
+        runs, the :meth:`one_pass` rows take :func:`sample_pairs` (whatever the other rows:
+        a row's result does not depend on the batch)."""
         pinned = self._pinned_buffer(logits.device, len(seqs))
         if picked is not None:
             return Sampled(picked, pinned)
         logits = apply_penalties(logits, seqs, self.eos)
+        one = [i for i, s in enumerate(seqs) if self.one_pass(s.sampling)] if triton_usable(logits.device) else []
+        if len(one) == len(seqs):
+            return Sampled(self._pick(logits, seqs, ahead), pinned)
+        if one:
+            rest = [i for i in range(len(seqs)) if i not in set(one)]
+            pairs = torch.empty((len(seqs), 2), dtype=torch.float64, device=logits.device)
+            for rows, pick in ((one, self._pick), (rest, self._torch_pairs)):
+                idx = to_device(rows, logits.device, torch.int64)
+                pairs[idx] = pick(logits[idx], [seqs[i] for i in rows], ahead)
+            return Sampled(pairs, pinned)
+        return Sampled(self._torch_pairs(logits, seqs, ahead), pinned)
+
+    def _torch_pairs(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int) -> torch.Tensor:
+        """[B, 2] float64 (token, log-prob) by torch operations (every device)."""
         if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
             tok = logits.argmax(dim=-1)  # (one read of the logits more, no [B, V] log-softmax written)
             lp = logits.gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         else:
             tok, logp = self._sample_rows(logits, seqs, ahead)
             lp = logp.gather(1, tok[:, None])[:, 0]
-        return Sampled(torch.stack((tok.double(), lp.double()), dim=1), pinned, tok)
+        return torch.stack((tok.double(), lp.double()), dim=1)
+
+    @staticmethod
+    def one_pass(sampling: SamplingParams) -> bool:
+        """Whether a row's token and log-prob come from :func:`sample_pairs` (Triton): greedy,
+        or drawn from the whole distribution at its temperature (no top-k, top-p, min_p)."""
+        return sampling.temperature == 0 or (sampling.top_k < 0 and sampling.top_p >= 1.0 and sampling.min_p <= 0)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, seqs: list[Sequence], ahead: int) -> torch.Tensor:
+        """[B, 2] (token, log-prob) by :func:`sample_pairs`: a seeded row draws with the noise
+        of (its seed, its position), as :func:`seeded_gumbel_argmax`; an unseeded one with a
+        fresh seed from torch's generator."""
+        if all(s.sampling.temperature == 0 for s in seqs):
+            return sample_pairs(logits.float())
+        keys = torch.randint(0, 1 << 62, (2, len(seqs)), dtype=torch.int64)
+        keys[1] = 0
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                keys[0, i], keys[1, i] = s.sampling.seed, len(s.output) + ahead
+        dev = logits.device
+        temps = to_device([float(s.sampling.temperature) for s in seqs], dev, torch.float32)
+        keys = to_device(keys, dev, torch.int64)
+        return sample_pairs(logits.float(), temps, keys[0], keys[1])
 
     def _pinned_buffer(self, device: torch.device, rows: int) -> torch.Tensor | None:
         """The next of two pinned buffers of at least 2 x ``rows`` float64: a step's buffer is

@@ -157,7 +157,7 @@ def test_seeded_gumbel_kernel_matches_the_torch_hash():
     of the tile."""
     out = _interpret("""
         import torch
-        from engines.kernels import seeded_gumbel_argmax, seeded_uniform
+        from engines.sample_kernels import seeded_gumbel_argmax, seeded_uniform
         torch.manual_seed(0)
         r, v = 8, 3001
         logits = torch.randn(r, v) * 3
@@ -169,6 +169,85 @@ def test_seeded_gumbel_kernel_matches_the_torch_hash():
         print(int((seeded_gumbel_argmax(logits, temps, seeds, pos) == ref).all()))
     """)
     assert out.split()[-1] == "1"
+
+
+def test_one_pass_sampling_kernel_matches_the_torch_rules():
+    """``sample_pairs`` (two kernels, one pass over the logits, split into vocabulary chunks):
+    greedy rows give torch's argmax (the first of tied maxima, across chunks too) and its
+    log-softmax; sampled rows give the seeded Gumbel-max token of their (seed, position) at
+    their temperature (as ``seeded_gumbel_argmax`` and the torch hash) and its log-softmax at
+    that temperature; greedy and sampled rows mixed in one batch; a row whose first chunk is
+    all -inf; and the drawn tokens follow the softmax (4,000 seeds over an 8-token vocabulary)."""
+    out = _interpret("""
+        import torch
+        from engines.sample_kernels import PICK_CHUNK, sample_pairs, seeded_uniform
+        torch.manual_seed(0)
+        r, v = 6, 2 * PICK_CHUNK + 11
+        logits = torch.randn(r, v) * 3
+        logits[0, 5] = logits[0, PICK_CHUNK + 3] = 50.0   # tied maxima in different chunks: the first wins
+        logits[1, 7] = logits[1, 9] = 60.0                # tied in one chunk
+        logits[2, :PICK_CHUNK] = float("-inf")            # a whole chunk of -inf
+        worst = 0.0
+        pairs = sample_pairs(logits)
+        tok, lp = pairs[:, 0].long(), pairs[:, 1]
+        ok = bool((tok == logits.argmax(-1)).all()) and tok[0].item() == 5 and tok[1].item() == 7
+        ref_lp = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0].double()
+        worst = max(worst, (lp - ref_lp).abs().max().item())
+        temps = torch.tensor([0.0, 0.7, 1.3, 1.0, 0.0, 2.0])
+        seeds = torch.tensor([0, 2, 1 << 40, 12345678901, 0, (1 << 62) + 7], dtype=torch.int64)
+        pos = torch.tensor([0, 1, 100, 40000, 0, 3], dtype=torch.int64)
+        pairs = sample_pairs(logits, temps, seeds, pos)
+        tok, lp = pairs[:, 0].long(), pairs[:, 1]
+        t = torch.where(temps > 0, temps, torch.ones_like(temps))
+        u = seeded_uniform(seeds, pos, v)
+        ref = torch.where(temps > 0, ((logits / t[:, None]).double() - torch.log(-torch.log(u))).argmax(-1),
+                          logits.argmax(-1))
+        ok &= bool((tok == ref).all())
+        logp = torch.log_softmax(logits / t[:, None], -1)
+        worst = max(worst, (lp - logp.gather(1, tok[:, None])[:, 0].double()).abs().max().item())
+        n = 4000
+        small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -3.0, 0.3]).repeat(n, 1)
+        drawn = sample_pairs(small, torch.ones(n), torch.arange(n, dtype=torch.int64) * 7919 + 1,
+                             torch.zeros(n, dtype=torch.int64))[:, 0].long()
+        freq = torch.bincount(drawn, minlength=8).double() / n
+        dist = (freq - torch.softmax(small[0].double(), -1)).abs().max().item()
+        print(int(ok), worst, dist)
+    """)
+    ok, worst, dist = out.split()[-3:]
+    assert ok == "1" and float(worst) < 1e-5 and float(dist) < 0.03, (ok, worst, dist)
+
+
+def test_sampler_takes_one_pass_rows_through_the_kernel_whatever_the_other_rows():
+    """Where Triton runs, the sampler's greedy and untruncated rows (seeded or not) take
+    ``sample_pairs`` and the others (min_p, top-k, top-p) the torch rules: a one-pass row's
+    token and log-prob are the same in a batch of its kind alone and beside torch-rule rows;
+    a seeded row draws its (seed, position) token; a min_p-1 row is greedy's token; a top-k 1
+    row too."""
+    out = _interpret("""
+        import torch
+        from engines.interface import SamplingParams
+        from engines.torch.sampler import Sampler
+        from engines.torch.sequence import Sequence
+
+        def seq(i, **kw):
+            sp = SamplingParams(max_new_tokens=8, **kw)
+            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+            return Sequence(i, [1, 2], sp, None, None, gen, output=[3] * i)
+
+        torch.manual_seed(0)
+        sampler = Sampler(None, set())
+        logits = torch.randn(6, 5000) * 2
+        one = [seq(0, temperature=0.0), seq(1, temperature=0.8, seed=7), seq(2, temperature=1.0)]
+        rest = [seq(3, temperature=1.3, min_p=1.0, seed=4), seq(4, temperature=1.0, top_k=1)]
+        alone = sampler.sample_batch(logits[:2].clone(), one[:2]).host
+        mixed = sampler.sample_batch(torch.cat([logits[:2], logits[3:5], logits[2:3]]), one[:2] + rest + one[2:])
+        mixed = mixed.host
+        same = bool((alone == mixed[:2]).all())
+        argmax = logits[3:5].argmax(-1).double()
+        greedy_like = bool((mixed[2:4, 0] == argmax).all())
+        print(int(same), int(greedy_like), int(0 <= mixed[4, 0].item() < 5000))
+    """)
+    assert out.split()[-3:] == ["1", "1", "1"], out
 
 
 def test_fused_ops_match_the_torch_modules():

@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from engines.interface import MAX_INT64, MAX_N, SamplingParams, checked_sampling, fan_out, generate_n
-from engines.kernels import seeded_uniform
 from engines.model_builder import make_model
+from engines.sample_kernels import seeded_uniform
 from engines.torch import TorchEngine
 from engines.torch.penalties import apply_penalties, min_p_mask
 from engines.torch.sequence import Sequence

@@ -530,7 +530,7 @@ def test_a_cancelled_caller_frees_its_place_in_the_batch(models):
 def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(models):
     """A seeded request yields the same tokens alone or amid other requests, and the seeded
     sampler's frequencies match softmax probabilities."""
-    from engines.kernels import seeded_uniform
+    from engines.sample_kernels import seeded_uniform
 
     async def main():
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=8192)

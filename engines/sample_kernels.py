@@ -1,0 +1,180 @@
+"""Sampling on the device in Triton: the seeded Gumbel-max draw, and one fused pass that
+picks every row's token and its log-probability (greedy or drawn at the row's temperature).
+
+Gumbel-max with counter-based noise: the token of a sampled row is
+    argmax_t  logits[t] / T - log(-log(u(seed, position, t)))
+with u from splitmix64's finalizer over (seed, position, token) — the same bits as
+``seeded_uniform`` (the torch version, used off CUDA). A seeded request's seed and position
+make its tokens independent of the batch; an unseeded row gets a fresh seed from torch's
+generator each step (``torch.manual_seed`` still makes runs repeat). The kernels hash, add and
+reduce in one pass over the vocabulary instead of materialising [rows, vocab] tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import triton
+
+_K_SEED, _K_POS, _K_TOK = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xABC98388FB8FAC03
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_S_SEED, _S_POS, _S_TOK, _S_MIX1, _S_MIX2 = (
+    _signed(c) for c in (_K_SEED, _K_POS, _K_TOK, _MIX1, _MIX2)
+)  # as torch int64
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise ``[rows, vocab]`` (float64) that depends only on each row's
+    (seed, position) and the token index: a counter-based hash (splitmix64's finalizer).
+    Seeded sampling therefore gives the same tokens whatever else is in the batch."""
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    z = seeds[:, None] * _S_SEED + positions[:, None] * _S_POS + tokens[None, :] * _S_TOK
+    z = (z ^ _lsr(z, 30)) * _S_MIX1
+    z = (z ^ _lsr(z, 27)) * _S_MIX2
+    z = z ^ _lsr(z, 31)
+    return (_lsr(z, 11).double() + 0.5) / float(1 << 53)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _gumbel(seed, pos, tok, K_SEED: tl.constexpr, K_POS: tl.constexpr, K_TOK: tl.constexpr,
+                MIX1: tl.constexpr, MIX2: tl.constexpr):
+        """-log(-log(u)) (float64) for the uniform of (seed, pos, token): ``seeded_uniform``'s bits."""
+        z = seed.to(tl.uint64) * K_SEED + pos.to(tl.uint64) * K_POS + tok.to(tl.uint64) * K_TOK
+        z = (z ^ (z >> 30)) * MIX1
+        z = (z ^ (z >> 27)) * MIX2
+        z = z ^ (z >> 31)
+        u = ((z >> 11).to(tl.float64) + 0.5) / 9007199254740992.0  # 2**53
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _seeded_gumbel_kernel(LOGITS, s_l, TEMP, SEED, POS, OUT, vocab, K_SEED: tl.constexpr, K_POS: tl.constexpr,
+                              K_TOK: tl.constexpr, MIX1: tl.constexpr, MIX2: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        seed = tl.load(SEED + row)
+        pos = tl.load(POS + row)
+        temp = tl.load(TEMP + row)
+        best = tl.full([1], float("-inf"), tl.float64)
+        best_idx = tl.zeros([1], tl.int64)
+        for start in range(0, vocab, BLOCK):
+            tok = start + tl.arange(0, BLOCK)
+            mask = tok < vocab
+            x = tl.load(LOGITS + row * s_l + tok, mask=mask, other=0.0)
+            score = (x / temp).to(tl.float64) + _gumbel(seed, pos, tok, K_SEED, K_POS, K_TOK, MIX1, MIX2)
+            score = tl.where(mask, score, float("-inf"))
+            m = tl.max(score, axis=0)
+            i = tl.argmax(score, axis=0).to(tl.int64) + start
+            better = m > best
+            best_idx = tl.where(better, i, best_idx)
+            best = tl.where(better, m, best)
+        tl.store(OUT + row + tl.arange(0, 1), best_idx)
+
+    @triton.jit
+    def _pick_chunk_kernel(LOGITS, s_l, TEMP, SEED, POS, PM, PS, PK, PT, PZ, vocab, chunks,
+                           K_SEED: tl.constexpr, K_POS: tl.constexpr, K_TOK: tl.constexpr, MIX1: tl.constexpr,
+                           MIX2: tl.constexpr, CHUNK: tl.constexpr, GREEDY: tl.constexpr):
+        """One (row, vocabulary chunk): the chunk's max and sum of exp of z = logits / T (T = 1
+        for a greedy row, T = 0 in TEMP), and its best key (z, plus Gumbel noise for a sampled
+        row: float64) with that token and its z."""
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        tok = c * CHUNK + tl.arange(0, CHUNK)
+        mask = tok < vocab
+        x = tl.load(LOGITS + row * s_l + tok, mask=mask, other=float("-inf"))
+        if GREEDY:
+            z = x
+            key = z.to(tl.float64)
+        else:
+            temp = tl.load(TEMP + row)
+            sampled = temp > 0
+            z = x / tl.where(sampled, temp, 1.0)
+            noise = _gumbel(tl.load(SEED + row), tl.load(POS + row), tok, K_SEED, K_POS, K_TOK, MIX1, MIX2)
+            key = tl.where(sampled, z.to(tl.float64) + noise, z.to(tl.float64))
+        key = tl.where(mask, key, float("-inf"))
+        m = tl.max(z, axis=0)
+        best = tl.argmax(key, axis=0)  # the first of equal keys, as torch.argmax
+        at = row * chunks + c
+        tl.store(PM + at, m)
+        tl.store(PS + at, tl.sum(tl.where(z > float("-inf"), tl.exp(z - m), 0.0), axis=0))  # (a chunk all -inf: 0)
+        tl.store(PK + at, tl.max(key, axis=0))
+        tl.store(PT + at, best.to(tl.int64) + c * CHUNK)
+        tl.store(PZ + at, tl.sum(tl.where(tl.arange(0, CHUNK) == best, z, 0.0), axis=0))
+
+    @triton.jit
+    def _pick_rows_kernel(PM, PS, PK, PT, PZ, OUT, chunks, CHUNKS_P: tl.constexpr):
+        """One row: its chunks combined into (token, log-probability) float64."""
+        row = tl.program_id(0)
+        c = tl.arange(0, CHUNKS_P)
+        mask = c < chunks
+        at = row * chunks + c
+        m = tl.load(PM + at, mask=mask, other=float("-inf"))
+        top = tl.max(m, axis=0)
+        total = tl.sum(tl.where(mask, tl.load(PS + at, mask=mask, other=0.0) * tl.exp(m - top), 0.0), axis=0)
+        best = tl.argmax(tl.load(PK + at, mask=mask, other=float("-inf")), axis=0)  # the first chunk of equal keys
+        pick = c == best
+        tok = tl.sum(tl.where(pick, tl.load(PT + at, mask=mask, other=0), 0), axis=0)
+        z = tl.sum(tl.where(pick, tl.load(PZ + at, mask=mask, other=0.0), 0.0), axis=0)
+        lp = z - (top + tl.log(total))
+        tl.store(OUT + row * 2, tok.to(tl.float64))
+        tl.store(OUT + row * 2 + 1, lp.to(tl.float64))
+
+
+def seeded_gumbel_argmax(
+    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Token ids [R] (int64) sampled from softmax(logits / temps) with the noise of each
+    row's (seed, position): float32 ``logits`` [R, V], ``temps`` [R], int64 ``seeds`` and
+    ``positions`` [R]."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _seeded_gumbel_kernel[(rows,)](logits, logits.stride(0), temps, seeds, positions, out, vocab, K_SEED=_K_SEED,
+                                   K_POS=_K_POS, K_TOK=_K_TOK, MIX1=_MIX1, MIX2=_MIX2, BLOCK=1024, num_warps=4)
+    return out
+
+
+#: vocabulary positions per program of :func:`sample_pairs` (fixed: a row's result must not
+#: depend on how many rows its batch has)
+PICK_CHUNK = 2048
+
+
+def sample_pairs(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's token and its log-probability, [R, 2] float64, from float32 ``logits`` [R,
+    V] (last dim contiguous) in two kernels (one pass over the logits): with ``temps`` None
+    every row is greedy (its argmax, the first of equal ones, and its log-softmax); otherwise
+    a row with ``temps`` 0 is greedy and one with T > 0 takes the Gumbel-max draw of (``seeds``,
+    ``positions``) noise at temperature T (the token ``seeded_gumbel_argmax`` gives) with its
+    log-probability at T."""
+    rows, vocab = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
+    dev = logits.device
+    chunk = PICK_CHUNK
+    chunks = triton.cdiv(vocab, chunk)
+    pm, ps, pz = (torch.empty((rows, chunks), dtype=torch.float32, device=dev) for _ in range(3))
+    pk = torch.empty((rows, chunks), dtype=torch.float64, device=dev)
+    pt = torch.empty((rows, chunks), dtype=torch.int64, device=dev)
+    greedy = temps is None
+    if not greedy:
+        assert temps.dtype == torch.float32 and seeds.dtype == positions.dtype == torch.int64
+    _pick_chunk_kernel[(rows, chunks)](
+        logits, logits.stride(0), logits if greedy else temps, pt if greedy else seeds, pt if greedy else positions,
+        pm, ps, pk, pt, pz, vocab, chunks, K_SEED=_K_SEED, K_POS=_K_POS, K_TOK=_K_TOK, MIX1=_MIX1, MIX2=_MIX2,
+        CHUNK=chunk, GREEDY=greedy, num_warps=4,
+    )
+    out = torch.empty((rows, 2), dtype=torch.float64, device=dev)
+    _pick_rows_kernel[(rows,)](pm, ps, pk, pt, pz, out, chunks, CHUNKS_P=max(2, triton.next_power_of_2(chunks)),
+                               num_warps=1)
+    return out
