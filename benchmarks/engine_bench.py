@@ -8,7 +8,7 @@ and sleep/wake seconds (sleep_s_backup, wake_s_backup, sleep_s_discard, pinned_c
 
     python benchmarks/engine_bench.py                      # CPU: tiny Qwen3, prompt 16, 32 new
     python benchmarks/engine_bench.py --size 0.6b --device cuda --prompt 128 --new 256
-    python benchmarks/engine_bench.py --size 0.6b --device cuda --temperature 1   # sampled, as a GRPO rollout
+    python benchmarks/engine_bench.py --size 0.6b --device cuda --temperature 1 --seeded   # as a GRPO rollout samples
     python benchmarks/engine_bench.py --arch qwen3_moe --size 30b-a3b --batches 64,256 --no-swap [--layers 24]
 
 For a hybrid model (qwen3_5_moe) the KV is the full-attention layers' and each sequence's
@@ -44,14 +44,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-async def builtin_tok_s(eng: TorchEngine, batch: int, prompt: int, new: int, temperature: float = 0.0) -> float:
+async def builtin_tok_s(eng: TorchEngine, batch: int, prompt: int, new: int, temperature: float = 0.0,
+                        seeded: bool = False) -> float:
     prompts = [[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)]
     sp = {"temperature": temperature, "max_new_tokens": new, "ignore_eos": True}
+    seeds = [{"seed": 64 * i} if seeded else {} for i in range(batch)]  # a GRPO rollout seeds each sample
     await asyncio.gather(
-        *(eng.generate(p, {**sp, "max_new_tokens": 2}) for p in prompts)
+        *(eng.generate(p, {**sp, **k, "max_new_tokens": 2}) for p, k in zip(prompts, seeds))
     )  # warm-up (captures this batch's graph)
     t = time.perf_counter()
-    res = await asyncio.gather(*(eng.generate(p, sp) for p in prompts))
+    res = await asyncio.gather(*(eng.generate(p, {**sp, **k}) for p, k in zip(prompts, seeds)))
     el = time.perf_counter() - t
     return sum(len(r.token_ids) for r in res) / el
 
@@ -150,6 +152,7 @@ def main() -> None:
     ap.add_argument("--no-swap", action="store_true", help="skip the sleep/wake figures")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the built-in engine's sampling temperature (0: greedy; a GRPO rollout samples at 1)")
+    ap.add_argument("--seeded", action="store_true", help="a sampling seed per request (as a GRPO rollout)")
     ap.add_argument("--compare-run-ahead", action="store_true",
                     help="also an engine with run_ahead=False (every step waits for the one before), alternated")
     ap.add_argument(
@@ -212,9 +215,9 @@ def main() -> None:
         runs: dict[int, list] = {b: [] for b in batches}
         for _ in range(rounds):
             for b in batches:
-                runs[b].append(await builtin_tok_s(eng, b, prompt, new, a.temperature))
+                runs[b].append(await builtin_tok_s(eng, b, prompt, new, a.temperature, a.seeded))
                 if plain is not None:
-                    plain_runs[b].append(await builtin_tok_s(plain, b, prompt, new, a.temperature))
+                    plain_runs[b].append(await builtin_tok_s(plain, b, prompt, new, a.temperature, a.seeded))
                 if b <= a.skip_hf_above:
                     hf_runs[b].append(hf_tok_s(hf, b, prompt, new, dev))
         out = {b: statistics.median(v) for b, v in runs.items()}
@@ -237,6 +240,7 @@ def main() -> None:
     builtin, weight_bytes, cfg = asyncio.run(run_builtin())
     result["rounds"] = rounds
     result["temperature"] = a.temperature
+    result["seeded"] = a.seeded
     for key in [k for k in builtin if isinstance(k, str)]:
         result[key] = round(builtin.pop(key), 3)
     for b in batches:

@@ -5,8 +5,9 @@ Gumbel-max with counter-based noise: the token of a sampled row is
     argmax_t  logits[t] / T - log(-log(u(seed, position, t)))
 with u from splitmix64's finalizer over (seed, position, token) — the same bits as
 ``seeded_uniform`` (the torch version, used off CUDA). A seeded request's seed and position
-make its tokens independent of the batch; an unseeded row gets a fresh seed from torch's
-generator each step (``torch.manual_seed`` still makes runs repeat). The kernels hash, add and
+make its tokens independent of the batch; an unseeded row draws float32 Philox noise
+(``tl.rand``) from a fresh seed of torch's generator each step (``torch.manual_seed`` still
+makes runs repeat). The kernels hash, add and
 reduce in one pass over the vocabulary instead of materialising [rows, vocab] tensors.
 """
 
@@ -101,8 +102,14 @@ if triton is not None:
             temp = tl.load(TEMP + row)
             sampled = temp > 0
             z = x / tl.where(sampled, temp, 1.0)
-            noise = _gumbel(tl.load(SEED + row), tl.load(POS + row), tok, K_SEED, K_POS, K_TOK, MIX1, MIX2)
-            key = tl.where(sampled, z.to(tl.float64) + noise, z.to(tl.float64))
+            seed = tl.load(SEED + row)
+            pos = tl.load(POS + row)
+            if pos < 0:  # an unseeded (or greedy) row: Philox float32 noise, cheaper than the hash's float64
+                u = tl.maximum(tl.rand(seed, tok), 1e-30)
+                key = tl.where(sampled, z - tl.log(-tl.log(u)), z).to(tl.float64)
+            else:  # a seeded row: the hash's noise, as seeded_gumbel_argmax
+                noise = _gumbel(seed, pos, tok, K_SEED, K_POS, K_TOK, MIX1, MIX2)
+                key = tl.where(sampled, z.to(tl.float64) + noise, z.to(tl.float64))
         key = tl.where(mask, key, float("-inf"))
         m = tl.max(z, axis=0)
         best = tl.argmax(key, axis=0)  # the first of equal keys, as torch.argmax
@@ -155,9 +162,10 @@ def sample_pairs(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds:
     """Each row's token and its log-probability, [R, 2] float64, from float32 ``logits`` [R,
     V] (last dim contiguous) in two kernels (one pass over the logits): with ``temps`` None
     every row is greedy (its argmax, the first of equal ones, and its log-softmax); otherwise
-    a row with ``temps`` 0 is greedy and one with T > 0 takes the Gumbel-max draw of (``seeds``,
-    ``positions``) noise at temperature T (the token ``seeded_gumbel_argmax`` gives) with its
-    log-probability at T."""
+    a row with ``temps`` 0 is greedy and one with T > 0 takes the Gumbel-max draw at temperature
+    T with its log-probability at T: with ``positions`` >= 0 the (``seeds``, ``positions``) hash
+    noise (the token ``seeded_gumbel_argmax`` gives), with ``positions`` -1 Philox noise of
+    ``seeds`` (unseeded rows: a fresh seed each step)."""
     rows, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
     dev = logits.device

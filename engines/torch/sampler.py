@@ -111,14 +111,14 @@ class Sampler:
         fresh seed from torch's generator."""
         if all(s.sampling.temperature == 0 for s in seqs):
             return sample_pairs(logits.float())
-        keys = torch.randint(0, 1 << 62, (2, len(seqs)), dtype=torch.int64)
-        keys[1] = 0
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                keys[0, i], keys[1, i] = s.sampling.seed, len(s.output) + ahead
+        seeded = [s.generator is not None for s in seqs]
+        fresh = torch.randint(0, 1 << 62, (len(seqs),), dtype=torch.int64).tolist() if not all(seeded) else []
+        # (built as lists: a tensor written element by element costs ~10 us a write, ms a step)
+        seeds = [s.sampling.seed if k else fresh[i] for i, (s, k) in enumerate(zip(seqs, seeded))]
+        positions = [len(s.output) + ahead if k else -1 for s, k in zip(seqs, seeded)]  # -1: Philox noise
         dev = logits.device
         temps = to_device([float(s.sampling.temperature) for s in seqs], dev, torch.float32)
-        keys = to_device(keys, dev, torch.int64)
+        keys = to_device([seeds, positions], dev, torch.int64)
         return sample_pairs(logits.float(), temps, keys[0], keys[1])
 
     def _pinned_buffer(self, device: torch.device, rows: int) -> torch.Tensor | None:

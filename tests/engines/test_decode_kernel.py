@@ -177,7 +177,8 @@ def test_one_pass_sampling_kernel_matches_the_torch_rules():
     log-softmax; sampled rows give the seeded Gumbel-max token of their (seed, position) at
     their temperature (as ``seeded_gumbel_argmax`` and the torch hash) and its log-softmax at
     that temperature; greedy and sampled rows mixed in one batch; a row whose first chunk is
-    all -inf; and the drawn tokens follow the softmax (4,000 seeds over an 8-token vocabulary)."""
+    all -inf; and the drawn tokens follow the softmax (2,000 seeds over an 8-token vocabulary,
+    with the hash's noise and with the unseeded rows' Philox noise)."""
     out = _interpret("""
         import torch
         from engines.sample_kernels import PICK_CHUNK, sample_pairs, seeded_uniform
@@ -205,16 +206,20 @@ def test_one_pass_sampling_kernel_matches_the_torch_rules():
         ok &= bool((tok == ref).all())
         logp = torch.log_softmax(logits / t[:, None], -1)
         worst = max(worst, (lp - logp.gather(1, tok[:, None])[:, 0].double()).abs().max().item())
-        n = 4000
+        n = 2000
         small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -3.0, 0.3]).repeat(n, 1)
         drawn = sample_pairs(small, torch.ones(n), torch.arange(n, dtype=torch.int64) * 7919 + 1,
                              torch.zeros(n, dtype=torch.int64))[:, 0].long()
         freq = torch.bincount(drawn, minlength=8).double() / n
         dist = (freq - torch.softmax(small[0].double(), -1)).abs().max().item()
+        unseeded = sample_pairs(small * 2, torch.full((n,), 2.0), torch.arange(n, dtype=torch.int64) * 104729 + 3,
+                                torch.full((n,), -1, dtype=torch.int64))[:, 0].long()
+        freq = torch.bincount(unseeded, minlength=8).double() / n
+        dist = max(dist, (freq - torch.softmax(small[0].double(), -1)).abs().max().item())
         print(int(ok), worst, dist)
     """)
     ok, worst, dist = out.split()[-3:]
-    assert ok == "1" and float(worst) < 1e-5 and float(dist) < 0.03, (ok, worst, dist)
+    assert ok == "1" and float(worst) < 1e-5 and float(dist) < 0.04, (ok, worst, dist)
 
 
 def test_sampler_takes_one_pass_rows_through_the_kernel_whatever_the_other_rows():
