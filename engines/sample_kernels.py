@@ -7,8 +7,8 @@ with u from splitmix64's finalizer over (seed, position, token) — the same bit
 ``seeded_uniform`` (the torch version, used off CUDA). A seeded request's seed and position
 make its tokens independent of the batch; an unseeded row draws float32 Philox noise
 (``tl.rand``) from a fresh seed of torch's generator each step (``torch.manual_seed`` still
-makes runs repeat). The kernels hash, add and
-reduce in one pass over the vocabulary instead of materialising [rows, vocab] tensors.
+makes runs repeat). The kernels hash, add and reduce in one pass over the vocabulary
+instead of materialising [rows, vocab] tensors.
 """
 
 from __future__ import annotations

@@ -12,11 +12,10 @@ from .. import kv_pool
 from ..fused_decode import pack_projections
 from ..hybrid_model import build_causal_lm
 from ..interface import SamplingParams
-from ..kernels import triton_usable
 from ..model import ModelConfig, _inv_freq
-from ..sample_kernels import sample_pairs
 from ..weight_names import load_weights
 from .block_manager import BlockManager
+from .sampler import greedy_pairs
 from .scheduler import StepPlan
 from .sequence import Sequence
 from .state_pool import StatePool
@@ -438,13 +437,3 @@ class DecodeGraphs:
         graph, pairs = self.pickers[b]
         graph.replay()
         return pairs
-
-
-def greedy_pairs(logits: torch.Tensor) -> torch.Tensor:
-    """[B, 2] float64: each row's argmax and its log-probability (the greedy rule; by the
-    sampler's own Triton pass where it runs, so a graph's pick equals an eager step's)."""
-    if triton_usable(logits.device):
-        return sample_pairs(logits)
-    tok = logits.argmax(dim=-1)
-    lp = logits.gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    return torch.stack((tok.double(), lp.double()), dim=1)

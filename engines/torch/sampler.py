@@ -13,6 +13,17 @@ from .sequence import Sequence
 from .transfer import to_device
 
 
+def greedy_pairs(logits: torch.Tensor) -> torch.Tensor:
+    """[B, 2] float64: each row's argmax (the first of equal ones) and its log-probability:
+    the greedy rule, by :func:`sample_pairs` where Triton runs (so the decode graph's picker,
+    engines/torch/model_runner.py, and an eager step agree exactly), else by torch."""
+    if triton_usable(logits.device):
+        return sample_pairs(logits.float())
+    tok = logits.argmax(dim=-1)  # (one read of the logits more, no [B, V] log-softmax written)
+    lp = logits.gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return torch.stack((tok.double(), lp.double()), dim=1)
+
+
 class Sampled:
     """One step's tokens [B] and their log-probs, on the device and on their way to the host
     (into a pinned buffer, the copy's completion marked by an event): :meth:`read` waits for
@@ -80,7 +91,7 @@ class Sampler:
         if len(one) == len(seqs):
             return Sampled(self._pick(logits, seqs, ahead), pinned)
         if one:
-            rest = [i for i in range(len(seqs)) if i not in set(one)]
+            rest = sorted(set(range(len(seqs))) - set(one))
             pairs = torch.empty((len(seqs), 2), dtype=torch.float64, device=logits.device)
             for rows, pick in ((one, self._pick), (rest, self._torch_pairs)):
                 idx = to_device(rows, logits.device, torch.int64)
@@ -90,12 +101,10 @@ class Sampler:
 
     def _torch_pairs(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int) -> torch.Tensor:
         """[B, 2] float64 (token, log-prob) by torch operations (every device)."""
-        if all(s.sampling.temperature == 0 for s in seqs):  # all greedy: argmax and its log-prob
-            tok = logits.argmax(dim=-1)  # (one read of the logits more, no [B, V] log-softmax written)
-            lp = logits.gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        else:
-            tok, logp = self._sample_rows(logits, seqs, ahead)
-            lp = logp.gather(1, tok[:, None])[:, 0]
+        if all(s.sampling.temperature == 0 for s in seqs):  # (greedy rows take one_pass where Triton runs)
+            return greedy_pairs(logits)
+        tok, logp = self._sample_rows(logits, seqs, ahead)
+        lp = logp.gather(1, tok[:, None])[:, 0]
         return torch.stack((tok.double(), lp.double()), dim=1)
 
     @staticmethod
@@ -110,7 +119,7 @@ class Sampler:
         of (its seed, its position), as :func:`seeded_gumbel_argmax`; an unseeded one with a
         fresh seed from torch's generator."""
         if all(s.sampling.temperature == 0 for s in seqs):
-            return sample_pairs(logits.float())
+            return greedy_pairs(logits)
         seeded = [s.generator is not None for s in seqs]
         fresh = torch.randint(0, 1 << 62, (len(seqs),), dtype=torch.int64).tolist() if not all(seeded) else []
         # (built as lists: a tensor written element by element costs ~10 us a write, ms a step)
