@@ -59,6 +59,7 @@ class CallTable:
         self._pending: dict[int, _Pending] = {}
         self._by_addr: dict[str, set[int]] = {}  # peer inbox -> its calls in flight
         self.dead: dict[str, MeshFailure] = {}  # inbox addr -> why it is dead
+        self.peers: dict[str, Any] = {}  # inbox addr -> the ProcRef last called there (names it if it dies)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -85,6 +86,8 @@ class CallTable:
         dead = self.dead.get(ref.addr)
         if dead is not None:
             return self._failed(dead) if want_reply else None
+        if ref.addr not in self.peers:
+            self.peers[ref.addr] = ref
         peer = self._transport.peer(ref.addr)
         payload, buffers, shm = self._transport.pack_payload(payload, buffers, peer.local)
         fut = None

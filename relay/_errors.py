@@ -48,7 +48,10 @@ class MeshFailure:
     def __str__(self) -> str:
         who = f"actor {self.actor!r} on " if self.actor else ""
         where = f"pid {self.pid}" + (f" on {self.host}" if self.host else "")
-        text = f"{who}process {self.proc_id!r} (rank {self.rank} of mesh {self.mesh!r}, {where}) {self.reason}"
+        if self.rank < 0:  # a peer known only by its address (not spawned or called from here)
+            text = f"{who}the process at {self.addr or self.proc_id}: {self.reason}"
+        else:
+            text = f"{who}process {self.proc_id!r} (rank {self.rank} of mesh {self.mesh!r}, {where}) {self.reason}"
         if self.detail:
             text += f"\n{self.detail}"
         for c in self.cause:

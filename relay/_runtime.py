@@ -23,7 +23,7 @@ from ._calls import CallTable
 from ._errors import MeshFailure
 from ._host import Actors
 from ._messages import AuthHello, Call, Event, Message, Spawn, Started, Stop
-from ._processes import Processes, stopped
+from ._processes import Processes, failure_of, stopped
 from ._settings import Settings, settings
 from ._transport import Transport
 
@@ -100,8 +100,13 @@ class Runtime:
     def _on_disconnect(self, addr: str) -> None:
         if addr in self.calls.dead or self.procs.owns(addr):
             return  # known, or our own child: pidfd / heartbeats give the precise reason
-        reason = f"at {addr}: connection lost (the process exited or its host is unreachable)"
-        self.calls.mark_dead(addr, MeshFailure("?", "?", -1, "connection", reason))
+        reason = "connection lost (the process exited or its host is unreachable)"
+        ref = self.calls.peers.get(addr)
+        if ref is None:  # never called from here: only its address is known
+            failure = MeshFailure("?", "?", -1, "connection", reason, addr=addr)
+        else:
+            failure = failure_of(ref, "connection", reason)
+        self.calls.mark_dead(addr, failure)
 
     # ---- lifecycle ----------------------------------------------------------------------
 

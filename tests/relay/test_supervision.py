@@ -93,13 +93,16 @@ def test_a_caller_that_does_not_own_the_dead_process_learns_of_its_death(faults)
         os.kill(target_procs.procs[0].pid, signal.SIGKILL)
         in_flight = await pending.result(30)
         later = await caller.call.call_one("ok").result(30)
+        pid = target_procs.procs[0].pid
         await caller_procs.stop()
         await target_procs.stop()
-        return in_flight, later
+        return in_flight, later, pid
 
-    in_flight, later = run(main())
+    in_flight, later, pid = run(main())
     for outcome, detail, seconds in (in_flight, later):
         assert outcome == "SupervisionError" and "connection lost" in detail and seconds < 5, (outcome, detail, seconds)
+        # the caller names the process it lost as an owner would, not as '?' of mesh '?'
+        assert "of mesh 'target'" in detail and f"pid {pid}" in detail, detail
 
 
 def test_missed_heartbeats_are_detected(faults, monkeypatch):
