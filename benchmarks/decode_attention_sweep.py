@@ -24,11 +24,15 @@ from benchmarks._bandwidth import _timed, read_bandwidth  # noqa: E402
 from engines import kernels  # noqa: E402
 
 
-def _case(batch: int, context: int, heads: int, kv_heads: int, dim: int, page: int) -> dict:
+def _case(batch: int, context: int, heads: int, kv_heads: int, dim: int, page: int, head_major: bool) -> dict:
     blocks_per_seq = triton.cdiv(context, page)
     n_blocks = batch * blocks_per_seq + 8
-    k = torch.randn(n_blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    if head_major:  # each (block, KV head) contiguous: [blocks, KV heads, page, dim] seen as the engine's order
+        k = torch.randn(n_blocks, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn(n_blocks, kv_heads, page, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        k = torch.randn(n_blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
     tables = torch.randperm(n_blocks, device="cuda")[: batch * blocks_per_seq].view(batch, blocks_per_seq).int()
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -62,11 +66,13 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--head-major", action="store_true",
+                    help="lay each block out as [KV heads, page, dim] (the engine's cache is [page, KV heads, dim])")
     a = ap.parse_args()
     bw = read_bandwidth("cuda")
     rows = []
     for context in map(int, a.contexts.split(",")):
-        c = _case(a.batch, context, a.heads, a.kv_heads, a.dim, a.page)
+        c = _case(a.batch, context, a.heads, a.kv_heads, a.dim, a.page, a.head_major)
         ref = kernels.paged_decode_attention(c["q"], c["k"], c["v"], c["tables"], c["lens"], a.dim**-0.5)
         for tile in (16, 32, 64, 128):
             for warps in (2, 4, 8):
@@ -86,8 +92,8 @@ def main() -> None:
     for r in rows:
         if "us" in r and r["matches"] and (r["context"] not in best or r["us"] < best[r["context"]]["us"]):
             best[r["context"]] = r
-    print(json.dumps({"bench": "decode_attention_sweep", "batch": a.batch, "read_bw_gb_s": bw,
-                      "best": best, "rows": rows}))
+    print(json.dumps({"bench": "decode_attention_sweep", "batch": a.batch, "head_major": a.head_major,
+                      "read_bw_gb_s": bw, "best": best, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def _mlp(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tables, context_lens, k_cache,
                  v_cache) -> torch.Tensor:
     """``CausalLM.decode`` from the embedded tokens ``x`` [B, hidden] on (see the module
-    docstring): [B, vocab] float32 logits."""
+    docstring): [B, vocab] logits in the model's dtype (the sampler reads them as float32)."""
     if few_rows(model, x):
         return _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_cache, v_cache)
     cfg = model.cfg
@@ -174,7 +174,7 @@ def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tabl
         mlp = layer.mlp
         x = model._reduce(mlp(hidden) if isinstance(mlp, SparseMoE) else _mlp(mlp, hidden))
     hidden, _ = rms_norm(x, model.model.norm.weight, eps, residual=residual)
-    return model._vocab(model.lm_head(hidden))
+    return model._vocab(model.lm_head(hidden), keep_dtype=True)
 
 
 def few_rows(model: nn.Module, x: torch.Tensor) -> bool:
@@ -225,4 +225,4 @@ def _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_c
         x = model._reduce(linear(gate_up, mlp.down_proj.weight, silu_input=True))
     logits, _ = linear(x, model.lm_head.weight, model.lm_head.bias, norm_weight=model.model.norm.weight,
                        residual=residual, eps=eps)
-    return model._vocab(logits)
+    return model._vocab(logits, keep_dtype=True)

@@ -173,6 +173,17 @@ def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
     return DECODE_SPLITS if triton.next_power_of_2(rows) * kv_heads * 4 <= multiprocessors(device) else 1
 
 
+def decode_config(rows: int, kv_heads: int, device: torch.device) -> tuple[int, int, int]:
+    """(context positions a tile, warps, pipeline stages) of an unsplit decode batch: with at
+    least 8 (sequence, KV head) programs an SM (counted at the next power of two of ``rows``,
+    as :func:`decode_splits`) 2 warps a program, else 4 (batch 64 was slower with 2). On an
+    H200 at batch 256 (docs/PERFORMANCE.md): 2 warps 3-4% faster than 4 at contexts of 128-384
+    mixed, as fast as tiles of 32 at an even 256 and 3% faster than them mixed."""
+    if triton.next_power_of_2(rows) * kv_heads >= 8 * multiprocessors(device):
+        return 64, 2, 3
+    return 64, 4, 3
+
+
 def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int | None = None):
     b, h, d = q.shape
     _, page, kvh, _ = k_cache.shape
@@ -191,11 +202,12 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
         ml = torch.empty((b, h, splits, 2), dtype=torch.float32, device=q.device)
         part = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
     d_p = max(16, triton.next_power_of_2(d))
+    tile, warps, stages = decode_config(b, kvh, q.device) if splits == 1 else (64, 4, 3)  # split: tuned at batch 1
     _decode_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, ml, part, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=d_p, PAGE=page, TILE=64, IEEE=ieee,
-        SPLITS=splits, num_warps=4,
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=d_p, PAGE=page, TILE=tile, IEEE=ieee,
+        SPLITS=splits, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _combine_kernel[(b, h)](ml, part, out, out.stride(0), out.stride(1), h, D=d, D_P=d_p, SPLITS=splits,

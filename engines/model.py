@@ -345,11 +345,13 @@ class CausalLM(nn.Module):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._vocab(self.lm_head(self.model.norm(x)))
 
-    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the whole vocabulary (a sharded head's parts gathered)."""
+    def _vocab(self, logits: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """Logits over the whole vocabulary (a sharded head's parts gathered): float32, or in
+        the head's dtype when ``keep_dtype`` (a fused decode step's: the sampler's kernel reads
+        them as float32 without a [B, V] float32 copy written and read again)."""
         if self.cfg.vocab_sharded:
             logits = self.tp.all_gather_last(logits)[..., : self.cfg.vocab_size]
-        return logits.float()
+        return logits if keep_dtype else logits.float()
 
     @torch.inference_mode()
     def prefill(
@@ -401,7 +403,8 @@ class CausalLM(nn.Module):
         to ``slots`` [B]) attending over its cached context through ``block_tables`` [B, W]
         (int32) and ``context_lens`` [B] (int32, including the new token). Static shapes
         and no host synchronisation, so CUDA graphs can capture it. Returns [B, vocab]
-        float32 logits."""
+        logits: float32, or the model's dtype where Triton runs (the fused step's, read as
+        float32 by the sampler's kernel; other consumers take ``.float()``)."""
         cfg = self.cfg
         x = self.model.embed_tokens(input_ids)
         scale = cfg.head_dim**-0.5

@@ -94,7 +94,7 @@ if triton is not None:
         c = tl.program_id(1)
         tok = c * CHUNK + tl.arange(0, CHUNK)
         mask = tok < vocab
-        x = tl.load(LOGITS + row * s_l + tok, mask=mask, other=float("-inf"))
+        x = tl.load(LOGITS + row * s_l + tok, mask=mask, other=float("-inf")).to(tl.float32)
         if GREEDY:
             z = x
             key = z.to(tl.float64)
@@ -159,15 +159,17 @@ PICK_CHUNK = 2048
 
 def sample_pairs(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's token and its log-probability, [R, 2] float64, from float32 ``logits`` [R,
-    V] (last dim contiguous) in two kernels (one pass over the logits): with ``temps`` None
+    """Each row's token and its log-probability, [R, 2] float64, from ``logits`` [R, V]
+    (float32, or bfloat16/float16 read as float32: the same results as from their float32
+    copy; last dim contiguous) in two kernels (one pass over the logits): with ``temps`` None
     every row is greedy (its argmax, the first of equal ones, and its log-softmax); otherwise
     a row with ``temps`` 0 is greedy and one with T > 0 takes the Gumbel-max draw at temperature
     T with its log-probability at T: with ``positions`` >= 0 the (``seeds``, ``positions``) hash
     noise (the token ``seeded_gumbel_argmax`` gives), with ``positions`` -1 Philox noise of
     ``seeds`` (unseeded rows: a fresh seed each step)."""
     rows, vocab = logits.shape
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1, (
+        logits.dtype, logits.stride())
     dev = logits.device
     chunk = PICK_CHUNK
     chunks = triton.cdiv(vocab, chunk)

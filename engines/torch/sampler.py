@@ -18,7 +18,8 @@ def greedy_pairs(logits: torch.Tensor) -> torch.Tensor:
     the greedy rule, by :func:`sample_pairs` where Triton runs (so the decode graph's picker,
     engines/torch/model_runner.py, and an eager step agree exactly), else by torch."""
     if triton_usable(logits.device):
-        return sample_pairs(logits.float())
+        return sample_pairs(logits)
+    logits = logits.float()
     tok = logits.argmax(dim=-1)  # (one read of the logits more, no [B, V] log-softmax written)
     lp = logits.gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     return torch.stack((tok.double(), lp.double()), dim=1)
@@ -86,8 +87,10 @@ class Sampler:
         pinned = self._pinned_buffer(logits.device, len(seqs))
         if picked is not None:
             return Sampled(picked, pinned)
-        logits = apply_penalties(logits, seqs, self.eos)
         one = [i for i, s in enumerate(seqs) if self.one_pass(s.sampling)] if triton_usable(logits.device) else []
+        if len(one) < len(seqs) or any(s.sampling.penalized for s in seqs):
+            logits = logits.float()  # (a decode graph's logits are in the model's dtype: the kernel reads them so)
+        logits = apply_penalties(logits, seqs, self.eos)
         if len(one) == len(seqs):
             return Sampled(self._pick(logits, seqs, ahead), pinned)
         if one:
@@ -128,7 +131,7 @@ class Sampler:
         dev = logits.device
         temps = to_device([float(s.sampling.temperature) for s in seqs], dev, torch.float32)
         keys = to_device([seeds, positions], dev, torch.int64)
-        return sample_pairs(logits.float(), temps, keys[0], keys[1])
+        return sample_pairs(logits, temps, keys[0], keys[1])
 
     def _pinned_buffer(self, device: torch.device, rows: int) -> torch.Tensor | None:
         """The next of two pinned buffers of at least 2 x ``rows`` float64: a step's buffer is

@@ -216,6 +216,9 @@ def test_one_pass_sampling_kernel_matches_the_torch_rules():
                                 torch.full((n,), -1, dtype=torch.int64))[:, 0].long()
         freq = torch.bincount(unseeded, minlength=8).double() / n
         dist = max(dist, (freq - torch.softmax(small[0].double(), -1)).abs().max().item())
+        half = logits.bfloat16()  # a decode graph's logits: read as float32, the same pairs as their float32 copy
+        ok &= bool(torch.equal(sample_pairs(half), sample_pairs(half.float())))
+        ok &= bool(torch.equal(sample_pairs(half, temps, seeds, pos), sample_pairs(half.float(), temps, seeds, pos)))
         print(int(ok), worst, dist)
     """)
     ok, worst, dist = out.split()[-3:]
@@ -403,3 +406,24 @@ def test_an_uninitialised_cache_never_reaches_the_output(tmp_path):
         clean, poisoned = json.loads(out.strip().splitlines()[-1])
         assert clean == poisoned
         assert clean[0] == clean[1] and len(clean[0][0][0]) == 9
+
+
+def test_a_padded_graph_batch_runs_the_attention_as_the_eager_batch_does():
+    """A decode batch of n rows replays the CUDA graph of ``bucket(n)`` rows, whose padding
+    rows are ignored: the attention's splits and launch configuration (tile, warps, stages:
+    they set the order of the online softmax's sums, hence its rounding) depend on the
+    batch only through the next power of two, so the graph's rows round as an eager batch of
+    the same rows does (the graph-vs-eager GPU test compares them exactly)."""
+    import torch
+
+    from engines.kernels import decode_config, decode_splits
+    from engines.torch.model_runner import BUCKETS, bucket
+
+    cpu = torch.device("cpu")  # 4 "SMs": both configurations occur below 256 rows
+    seen = set()
+    for kv_heads in (1, 2, 8):
+        for n in range(1, BUCKETS[-1] + 1):
+            assert decode_splits(n, kv_heads, cpu) == decode_splits(bucket(n), kv_heads, cpu), (n, kv_heads)
+            assert decode_config(n, kv_heads, cpu) == decode_config(bucket(n), kv_heads, cpu), (n, kv_heads)
+            seen.add(decode_config(n, kv_heads, cpu))
+    assert len(seen) == 2, seen
