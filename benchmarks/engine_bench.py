@@ -222,9 +222,14 @@ def main() -> None:
                     hf_runs[b].append(hf_tok_s(hf, b, prompt, new, dev))
         out = {b: statistics.median(v) for b, v in runs.items()}
         if eng.runner.graphs is not None:  # GPU time of one decode step alone (graph replay), per batch
+            graphs = eng.runner.graphs
             for b in batches:
-                if b in eng.runner.graphs.graphs:
-                    graph = eng.runner.graphs.graphs[b][0]
+                if b in graphs.graphs:
+                    graph = graphs.graphs[b][0]
+                    # at the mean context of a generation's steps (the roofline's), not the last step's
+                    # inputs left in the shared buffers (the largest batch's final context)
+                    graphs.meta[3, :b] = prompt + new // 2
+                    graphs.meta[1, :b] = prompt + new // 2 - 1
                     sync(dev)
                     t = time.perf_counter()
                     for _ in range(20):

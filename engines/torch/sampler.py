@@ -88,19 +88,24 @@ class Sampler:
         if picked is not None:
             return Sampled(picked, pinned)
         one = [i for i, s in enumerate(seqs) if self.one_pass(s.sampling)] if triton_usable(logits.device) else []
-        if len(one) < len(seqs) or any(s.sampling.penalized for s in seqs):
-            logits = logits.float()  # (a decode graph's logits are in the model's dtype: the kernel reads them so)
-        logits = apply_penalties(logits, seqs, self.eos)
-        if len(one) == len(seqs):
+        plain = [i for i in one if not seqs[i].sampling.penalized]
+        if len(plain) == len(seqs):  # the kernel reads the logits in the model's dtype (a decode graph's)
             return Sampled(self._pick(logits, seqs, ahead), pinned)
-        if one:
-            rest = sorted(set(range(len(seqs))) - set(one))
-            pairs = torch.empty((len(seqs), 2), dtype=torch.float64, device=logits.device)
-            for rows, pick in ((one, self._pick), (rest, self._torch_pairs)):
+        # Every other row reads float32 logits, penalties applied. A row's result must not depend
+        # on its neighbours: an unpenalized one-pass row reads the model's logits whatever the
+        # batch (the kernel compiled for float32 input may round its log-sum-exp differently).
+        full = apply_penalties(logits.float(), seqs, self.eos)
+        if not one:
+            return Sampled(self._torch_pairs(full, seqs, ahead), pinned)
+        pairs = torch.empty((len(seqs), 2), dtype=torch.float64, device=logits.device)
+        penalized = [i for i in one if seqs[i].sampling.penalized]
+        rest = sorted(set(range(len(seqs))) - set(one))
+        for rows, source, pick in ((plain, logits, self._pick), (penalized, full, self._pick),
+                                   (rest, full, self._torch_pairs)):
+            if rows:
                 idx = to_device(rows, logits.device, torch.int64)
-                pairs[idx] = pick(logits[idx], [seqs[i] for i in rows], ahead)
-            return Sampled(pairs, pinned)
-        return Sampled(self._torch_pairs(logits, seqs, ahead), pinned)
+                pairs[idx] = pick(source[idx], [seqs[i] for i in rows], ahead)
+        return Sampled(pairs, pinned)
 
     def _torch_pairs(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int) -> torch.Tensor:
         """[B, 2] float64 (token, log-prob) by torch operations (every device)."""

@@ -230,7 +230,9 @@ def test_sampler_takes_one_pass_rows_through_the_kernel_whatever_the_other_rows(
     ``sample_pairs`` and the others (min_p, top-k, top-p) the torch rules: a one-pass row's
     token and log-prob are the same in a batch of its kind alone and beside torch-rule rows;
     a seeded row draws its (seed, position) token; a min_p-1 row is greedy's token; a top-k 1
-    row too."""
+    row too. Given a decode graph's bf16 logits, the one-pass rows' kernel reads them as they
+    are in both batches (on a GPU, the kernel compiled for float32 input rounds the log-prob
+    differently: a row's log-prob changed with its neighbours)."""
     out = _interpret("""
         import torch
         from engines.interface import SamplingParams
@@ -253,9 +255,16 @@ def test_sampler_takes_one_pass_rows_through_the_kernel_whatever_the_other_rows(
         same = bool((alone == mixed[:2]).all())
         argmax = logits[3:5].argmax(-1).double()
         greedy_like = bool((mixed[2:4, 0] == argmax).all())
-        print(int(same), int(greedy_like), int(0 <= mixed[4, 0].item() < 5000))
+        import engines.torch.sampler as sampler_module
+        read, kernel = [], sampler_module.sample_pairs
+        sampler_module.sample_pairs = lambda x, *a: (read.append(x.dtype), kernel(x, *a))[1]
+        half = logits.bfloat16()  # a decode graph's logits: the one-pass rows read them so, beside any rows
+        alone = sampler.sample_batch(half[:2].clone(), one[:2]).host
+        mixed = sampler.sample_batch(torch.cat([half[:2], half[3:5], half[2:3]]), one[:2] + rest + one[2:]).host
+        same_half = bool((alone == mixed[:2]).all()) and read == [torch.bfloat16] * 2
+        print(int(same), int(greedy_like), int(0 <= mixed[4, 0].item() < 5000), int(same_half), read)
     """)
-    assert out.split()[-3:] == ["1", "1", "1"], out
+    assert out.split("\n")[-2].split()[:4] == ["1", "1", "1", "1"], out
 
 
 def test_fused_ops_match_the_torch_modules():
