@@ -45,17 +45,23 @@ def sync(device: str) -> None:
 
 
 async def builtin_tok_s(eng: TorchEngine, batch: int, prompt: int, new: int, temperature: float = 0.0,
-                        seeded: bool = False) -> float:
+                        seeded: bool = False) -> tuple[float, float]:
+    """(tokens/s of ``batch`` requests of ``new`` tokens each, end to end: prefill included;
+    seconds a decode step takes: the run's time less that of the same requests for one token
+    (prefill and the first token), over the ``new`` - 1 steps left)."""
     prompts = [[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)]
     sp = {"temperature": temperature, "max_new_tokens": new, "ignore_eos": True}
     seeds = [{"seed": 64 * i} if seeded else {} for i in range(batch)]  # a GRPO rollout seeds each sample
     await asyncio.gather(
         *(eng.generate(p, {**sp, **k, "max_new_tokens": 2}) for p, k in zip(prompts, seeds))
     )  # warm-up (captures this batch's graph)
-    t = time.perf_counter()
-    res = await asyncio.gather(*(eng.generate(p, {**sp, **k}) for p, k in zip(prompts, seeds)))
-    el = time.perf_counter() - t
-    return sum(len(r.token_ids) for r in res) / el
+    times = []
+    for tokens in (1, new):
+        t = time.perf_counter()
+        res = await asyncio.gather(*(eng.generate(p, {**sp, **k, "max_new_tokens": tokens})
+                                     for p, k in zip(prompts, seeds)))
+        times.append(time.perf_counter() - t)
+    return sum(len(r.token_ids) for r in res) / times[1], (times[1] - times[0]) / max(1, new - 1)
 
 
 def hf_tok_s(model, batch: int, prompt: int, new: int, device: str, static_compile: bool = False) -> float:
@@ -213,14 +219,18 @@ def main() -> None:
             plain = TorchEngine(path, device=dev, dtype=dtype, kv_cache_tokens=kv_tokens, max_running=max(batches),
                                 run_ahead=False)
         runs: dict[int, list] = {b: [] for b in batches}
+        decode_runs: dict[int, list] = {b: [] for b in batches}
         for _ in range(rounds):
             for b in batches:
-                runs[b].append(await builtin_tok_s(eng, b, prompt, new, a.temperature, a.seeded))
+                tok_s, decode_s = await builtin_tok_s(eng, b, prompt, new, a.temperature, a.seeded)
+                runs[b].append(tok_s)
+                decode_runs[b].append(decode_s)
                 if plain is not None:
-                    plain_runs[b].append(await builtin_tok_s(plain, b, prompt, new, a.temperature, a.seeded))
+                    plain_runs[b].append((await builtin_tok_s(plain, b, prompt, new, a.temperature, a.seeded))[0])
                 if b <= a.skip_hf_above:
                     hf_runs[b].append(hf_tok_s(hf, b, prompt, new, dev))
         out = {b: statistics.median(v) for b, v in runs.items()}
+        out.update({f"decode_step_ms_b{b}": statistics.median(v) * 1e3 for b, v in decode_runs.items()})
         if eng.runner.graphs is not None:  # GPU time of one decode step alone (graph replay), per batch
             graphs = eng.runner.graphs
             for b in batches:
@@ -288,6 +298,11 @@ def main() -> None:
                 result[f"flops_frac_b{b}"] = round(flops_step / step_s / (result["matmul_tflops"] * 1e12), 4)
                 if f"graph_ms_b{b}" in result:  # time outside the decode graph: host, sampling, prefill share
                     result[f"outside_graph_share_b{b}"] = round(1 - result[f"graph_ms_b{b}"] / (step_s * 1e3), 3)
+                # decode alone (prefill left out: the step time by difference, see builtin_tok_s)
+                decode_s = result[f"decode_step_ms_b{b}"] / 1e3
+                result[f"decode_roofline_frac_b{b}"] = round(bytes_step / decode_s / (result["read_gb_s"] * 1e9), 3)
+                if f"graph_ms_b{b}" in result:  # a decode step's time outside its graph: host work not overlapped
+                    result[f"decode_host_share_b{b}"] = round(1 - result[f"graph_ms_b{b}"] / (decode_s * 1e3), 3)
                 if f"tok_s_b{b}_no_run_ahead" in result:
                     result[f"step_ms_b{b}_no_run_ahead"] = round(b / result[f"tok_s_b{b}_no_run_ahead"] * 1e3, 2)
     if not a.no_swap:

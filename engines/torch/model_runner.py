@@ -19,7 +19,7 @@ from .sampler import greedy_pairs
 from .scheduler import StepPlan
 from .sequence import Sequence
 from .state_pool import StatePool
-from .transfer import to_device
+from .transfer import host_tensor, to_device
 from .weights import Weights
 
 
@@ -287,13 +287,13 @@ class ModelRunner:
         scratch_slot = self.blocks.scratch_block * bs
         ahead = ids is not None
         tokens = [0] * n if ahead else [s.last_token for s in seqs]
-        pos = [s.n_tokens - 1 + ahead for s in seqs]
+        pos = [len(s.prompt) + len(s.output) - 1 + ahead for s in seqs]  # (n_tokens, inlined: every row, every step)
         slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
         pad = padded - n
-        meta = torch.tensor([tokens + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad,
-                             [p + 1 for p in pos] + [1] * pad])
+        meta = host_tensor([tokens + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad,
+                            [p + 1 for p in pos] + [1] * pad], torch.int64)
         width = max(len(s.blocks) for s in seqs)
-        rows = torch.tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad)
+        rows = host_tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad, torch.int64)
         tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
         logits = self.decode_tensors(meta, tables, n, None if self.state is None else rows, ids)  # a hybrid's rows
         if greedy and self.graphs is not None and self.tp is None:

@@ -47,8 +47,7 @@ class Sampled:
     def read(self) -> tuple[list[int], list[float]]:
         if self.event is not None:
             self.event.synchronize()
-        pairs = self.host.tolist()
-        return [int(t) for t, _ in pairs], [lp for _, lp in pairs]
+        return self.host[:, 0].long().tolist(), self.host[:, 1].tolist()  # (column by column: ~3x faster)
 
 
 class Sampler:

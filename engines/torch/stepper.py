@@ -54,11 +54,11 @@ class Stepper:
             return plan.finished
         greedy = self.sampler.all_greedy(plan.batch)
         logits = self.runner.run(plan, greedy=greedy)
-        step = (plan.batch, self.sampler.sample_batch(logits, plan.batch, picked=self.runner.picked))
+        step = (plan.batch, self.sampler.sample_batch(logits, plan.batch, picked=self.runner.picked), greedy)
         done = list(plan.finished)
         since_done = 0
-        for _ in range(RUN_AHEAD):
-            ahead = self._run_ahead(step, done)
+        for chained in range(RUN_AHEAD):
+            ahead = self._run_ahead(step, done, checked=chained > 0)
             done += self._land(step)
             if ahead is None:
                 return done
@@ -70,25 +70,26 @@ class Stepper:
 
     def _land(self, step: tuple) -> list[Sequence]:
         """Read a launched step's tokens and append them; the requests it finished."""
-        seqs, sampled = step
+        seqs, sampled, _ = step
         token_ids, logprobs = sampled.read()
         self.tokens_out += sum(s.finish_reason is None for s in seqs)
         return self.scheduler.postprocess(seqs, token_ids, logprobs, self.sampler.is_finished)
 
-    def _run_ahead(self, step: tuple, done: list[Sequence]) -> tuple | None:
+    def _run_ahead(self, step: tuple, done: list[Sequence], checked: bool) -> tuple | None:
         """Launch the decode step after ``step`` before ``step``'s tokens are read: its
         requests (those not finished, nor ending by length with ``step``'s token) feed those
         tokens from the device. Only when nothing waits to be admitted or aborted, the
         engine runs on one GPU, every request samples on the device (:meth:`Sampler.on_device`)
         and free blocks hold the next slots. A request that ``step`` ends has a void row (its
         KV write lands in its own, not yet reused, block); every other row is as a regular
-        step would compute it."""
-        seqs, sampled = step
+        step would compute it. ``checked``: ``step`` was itself launched ahead (its requests,
+        and so any of them, all sample on the device: not asked again, row by row)."""
+        seqs, sampled, greedy = step
         if (not self.run_ahead or self.paused() or self.runner.tp is not None or self.scheduler.has_input()
                 or (done and self.scheduler.waiting_count())):
             return None
         live = [s for s in seqs if s.finish_reason is None and len(s.output) + 1 < s.sampling.max_new_tokens]
-        if (not live or not all(self.sampler.on_device(s.sampling) for s in live)
+        if (not live or not (checked or all(self.sampler.on_device(s.sampling) for s in live))
                 or not self.scheduler.reserve_ahead(live)):
             return None
         if len(live) == len(seqs):
@@ -96,6 +97,7 @@ class Stepper:
         else:
             index = {id(s): i for i, s in enumerate(seqs)}
             ids = sampled.tok[to_device([index[id(s)] for s in live], sampled.tok.device, torch.int64)]
+            greedy = greedy or self.sampler.all_greedy(live)  # (rows of an all-greedy step are all greedy)
         self.steps_ahead += 1
-        logits = self.runner.decode(live, ids, greedy=self.sampler.all_greedy(live))
-        return live, self.sampler.sample_batch(logits, live, 1, picked=self.runner.picked)
+        logits = self.runner.decode(live, ids, greedy=greedy)
+        return live, self.sampler.sample_batch(logits, live, 1, picked=self.runner.picked), greedy

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def host_tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+    """``data`` (a list, or a list of equal-length lists) as a CPU tensor of ``dtype``. Through
+    numpy where it has the dtype: it converts Python lists several times faster than
+    ``torch.tensor`` (4 x 256 ints: ~19 vs ~160 us), which a decode step does every step."""
+    np_dtype = _NUMPY.get(dtype)
+    if np_dtype is None:
+        return torch.tensor(data, dtype=dtype)
+    return torch.from_numpy(np.asarray(data, dtype=np_dtype))
 
 
 def to_device(data: list | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -11,5 +24,8 @@ def to_device(data: list | torch.Tensor, device: torch.device, dtype: torch.dtyp
     queued on the stream, which would stall a decode step launched ahead."""
     if device.type != "cuda":
         return torch.as_tensor(data, dtype=dtype, device=device)
-    host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if isinstance(data, torch.Tensor):
+        host = data
+    else:
+        host = torch.tensor(data, dtype=dtype) if dtype is None else host_tensor(data, dtype)
     return host.pin_memory().to(device, dtype=dtype, non_blocking=True)
