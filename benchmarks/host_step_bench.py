@@ -36,7 +36,8 @@ async def _measure(batches: list[int], new: int) -> dict:
     from engines.torch import TorchEngine
 
     torch.set_num_threads(1)
-    path = make_model("qwen3", "tiny", tempfile.mkdtemp(prefix="host-step-"), seed=0, num_hidden_layers=1)
+    tmp = tempfile.TemporaryDirectory(prefix="host-step-")
+    path = make_model("qwen3", "tiny", tmp.name, seed=0, num_hidden_layers=1)
     eng = TorchEngine(path, device="cpu", kv_cache_tokens=max(batches) * (new + 64) + 1024,
                       max_running=max(batches), run_ahead=True)
     vocab = eng.cfg.vocab_size
@@ -59,6 +60,7 @@ async def _measure(batches: list[int], new: int) -> dict:
             times.append(time.perf_counter() - t)
         out[b] = (times[1] - times[0]) / (new - 1) * 1e6
     await eng.close()
+    tmp.cleanup()
     return out
 
 
@@ -80,7 +82,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    base = tempfile.mkdtemp(prefix="host-step-baseline-")
+    keep = tempfile.TemporaryDirectory(prefix="host-step-baseline-")
+    base = keep.name
     archive = subprocess.run(["git", "archive", a.baseline], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
     # the baseline measured by this file's _measure (the same stand-in on both sides)
@@ -97,6 +100,7 @@ def main() -> None:
         result[f"host_us_b{b}"] = round(tree, 1)
         result[f"host_us_b{b}_baseline"] = round(baseline, 1)
         result[f"speedup_b{b}"] = round(baseline / tree, 2)
+    keep.cleanup()
     print(json.dumps(result))
 
 
