@@ -69,3 +69,25 @@ def read_bandwidth(device: str, nbytes: int = 4 << 30) -> dict[str, float]:
             pass
     out["best"] = max(out.values())
     return out
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Seconds one call of ``fn`` (itself many kernels) takes, from a CUDA graph's replays (the
+    host's launches do not bound it). CUDA only."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps

@@ -23,34 +23,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._bandwidth import read_bandwidth  # noqa: E402
+from benchmarks._bandwidth import graph_time, read_bandwidth  # noqa: E402
 from engines import skinny_gemm  # noqa: E402
 from engines.kernels import rms_norm, silu_mul  # noqa: E402
 
 # Qwen3-0.6B: hidden 1024, 16 x 128 query heads, 8 x 128 KV heads, MLP 3072, vocabulary 151,936
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
           "lm_head": (151936, 1024)}
-
-
-def graph_time(fn, reps: int = 20) -> float:
-    """Seconds one call of ``fn`` (itself many kernels) takes, from a CUDA graph's replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def prologues(rows: int, layers: int, h: int = 1024, inter: int = 3072) -> dict:

@@ -28,6 +28,10 @@ try:  # Triton ships with CUDA builds of torch; on CPU it is optional (interpret
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+if triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    from .triton_interpreter import skip_nested_language_patches
+
+    skip_nested_language_patches()
 
 
 def triton_usable(device: torch.device) -> bool:

@@ -84,41 +84,119 @@ if triton is not None:
         tl.store(OUT + row + tl.arange(0, 1), best_idx)
 
     @triton.jit
+    def _gumbel32(seed, pos, tok, K_SEED: tl.constexpr, K_POS: tl.constexpr, K_TOK: tl.constexpr,
+                  MIX1: tl.constexpr, MIX2: tl.constexpr):
+        """:func:`_gumbel`'s value in float32 (the same hash; no float64), within ~2e-5 of it.
+        With k the hash's 53 bits, u = (2k + 1) / 2^54 and w = 1 - u = (2^54 - 2k - 1) / 2^54 are
+        exact integers over 2^54; the smaller one, converted once, gives -log(u) as -log(u) where
+        u < 1/2, else -log(1 - w), or the series w + w^2/2 + ... where w < 1/64 (where a float32
+        log of 1 - w would lose it)."""
+        z = seed.to(tl.uint64) * K_SEED + pos.to(tl.uint64) * K_POS + tok.to(tl.uint64) * K_TOK
+        z = (z ^ (z >> 30)) * MIX1
+        z = (z ^ (z >> 27)) * MIX2
+        z = z ^ (z >> 31)
+        odd = (z >> 11).to(tl.int64) * 2 + 1  # 2k + 1 (< 2^54)
+        low = odd < 9007199254740992  # u < 1/2
+        v = tl.where(low, odd, 18014398509481984 - odd).to(tl.float32) * 5.551115123125783e-17  # u or w; 2**-54
+        series = v * (1.0 + v * (0.5 + v * (0.33333334 + v * (0.25 + v * 0.2))))
+        a = tl.where(low | (v >= 0.015625), -tl.log(tl.where(low, v, 1.0 - v)), series)
+        return -tl.log(a)
+
+    @triton.jit
     def _pick_chunk_kernel(LOGITS, s_l, TEMP, SEED, POS, PM, PS, PK, PT, PZ, vocab, chunks,
                            K_SEED: tl.constexpr, K_POS: tl.constexpr, K_TOK: tl.constexpr, MIX1: tl.constexpr,
-                           MIX2: tl.constexpr, CHUNK: tl.constexpr, GREEDY: tl.constexpr):
-        """One (row, vocabulary chunk): the chunk's max and sum of exp of z = logits / T (T = 1
-        for a greedy row, T = 0 in TEMP), and its best key (z, plus Gumbel noise for a sampled
-        row: float64) with that token and its z."""
+                           MIX2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+        """One (row, vocabulary chunk of CHUNK tokens, read BLOCK at a time): the chunk's max and
+        sum of exp of z = logits / T (T = 1 for a greedy row, T = 0 in TEMP), and its best key (z,
+        plus Gumbel noise for a sampled row) as float64, with that token and its z.
+
+        Each lane keeps its running max, sum, best key (float32) and the token of it, reduced
+        once at the end. A seeded row's float64 key (the hash's noise, as ``seeded_gumbel_argmax``)
+        is computed for the chunk's winner only: its float32 key is within 1.5e-4 + 1e-6 |key|
+        of the float64 one (:func:`_gumbel32`), so when no other token's float32 key is within
+        twice that of the best, the float64 argmax is the same token; otherwise (rare: a near
+        tie) the chunk is read again with float64 keys."""
         row = tl.program_id(0)
         c = tl.program_id(1)
-        tok = c * CHUNK + tl.arange(0, CHUNK)
-        mask = tok < vocab
-        x = tl.load(LOGITS + row * s_l + tok, mask=mask, other=float("-inf")).to(tl.float32)
-        if GREEDY:
-            z = x
-            key = z.to(tl.float64)
-        else:
+        lane = tl.arange(0, BLOCK)
+        if not GREEDY:
             temp = tl.load(TEMP + row)
             sampled = temp > 0
-            z = x / tl.where(sampled, temp, 1.0)
+            temp = tl.where(sampled, temp, 1.0)
             seed = tl.load(SEED + row)
             pos = tl.load(POS + row)
-            if pos < 0:  # an unseeded (or greedy) row: Philox float32 noise, cheaper than the hash's float64
-                u = tl.maximum(tl.rand(seed, tok), 1e-30)
-                key = tl.where(sampled, z - tl.log(-tl.log(u)), z).to(tl.float64)
-            else:  # a seeded row: the hash's noise, as seeded_gumbel_argmax
-                noise = _gumbel(seed, pos, tok, K_SEED, K_POS, K_TOK, MIX1, MIX2)
-                key = tl.where(sampled, z.to(tl.float64) + noise, z.to(tl.float64))
-        key = tl.where(mask, key, float("-inf"))
-        m = tl.max(z, axis=0)
-        best = tl.argmax(key, axis=0)  # the first of equal keys, as torch.argmax
+            seeded = sampled & (pos >= 0)
+        # the lane's running max of z (finite: -inf would make -inf - -inf), sum of exp(z - max),
+        # best key and its token and z, and (a seeded row's near ties) its second best key
+        m_acc = tl.full([BLOCK], -3.0e38, tl.float32)
+        s_acc = tl.zeros([BLOCK], tl.float32)
+        t_acc = c * CHUNK + lane  # (a chunk all -inf: its first token, as torch.argmax)
+        k_acc = tl.full([BLOCK], float("-inf"), tl.float32)  # (greedy: the max, m_acc)
+        k2_acc = tl.full([BLOCK], float("-inf"), tl.float32)
+        zb_acc = tl.zeros([BLOCK], tl.float32)
+        for off in range(0, CHUNK, BLOCK):
+            tok = c * CHUNK + off + lane
+            mask = tok < vocab
+            x = tl.load(LOGITS + row * s_l + tok, mask=mask, other=float("-inf")).to(tl.float32)
+            z = x if GREEDY else x / temp
+            # one exp a token: exp(-|z - max|) is either the new term or the old sum's rescaling
+            diff = z - m_acc
+            up = diff > 0  # strict: a lane keeps the first of its equal values
+            e = tl.exp(-tl.abs(diff))
+            s_acc = tl.where(up, s_acc * e + 1.0, s_acc + e)
+            m_acc = tl.where(up, z, m_acc)
+            if GREEDY:  # the key is z: the best is the max
+                t_acc = tl.where(up, tok, t_acc)
+            else:
+                if seeded:
+                    key = z + _gumbel32(seed, pos, tok, K_SEED, K_POS, K_TOK, MIX1, MIX2)
+                elif sampled:  # an unseeded row: Philox float32 noise from this step's seed
+                    key = z - tl.log(-tl.log(tl.maximum(tl.rand(seed, tok), 1e-30)))
+                else:
+                    key = z
+                key = tl.where(mask, key, float("-inf"))
+                better = key > k_acc  # strict, as above
+                k2_acc = tl.where(better, k_acc, tl.maximum(k2_acc, key))
+                k_acc = tl.where(better, key, k_acc)
+                t_acc = tl.where(better, tok, t_acc)
+                zb_acc = tl.where(better, z, zb_acc)
+        if GREEDY:
+            k_acc = m_acc
+            zb_acc = m_acc
+        m = tl.max(m_acc, axis=0)
+        total = tl.sum(s_acc * tl.exp(m_acc - m), axis=0)  # (a chunk all -inf: 0, and m -3e38)
+        best = tl.max(k_acc, axis=0)
+        top = k_acc == best
+        tok = tl.min(tl.where(top, t_acc, 2147483647), axis=0)  # the first of equal keys, as torch.argmax
+        zb = tl.sum(tl.where(top & (t_acc == tok), zb_acc, 0.0), axis=0)
+        key64 = best.to(tl.float64)
+        if not GREEDY:  # (static: a greedy kernel has no seeded rows)
+            if seeded:
+                tol = 3e-4 + 2e-6 * tl.abs(best)
+                near = tl.sum((k_acc >= best - tol).to(tl.int32), axis=0)
+                near += tl.sum((k2_acc >= best - tol).to(tl.int32), axis=0)
+                if (near > 1) & (best > float("-inf")):  # a near tie: the float64 keys of the whole chunk decide
+                    key64 = best.to(tl.float64) - float("inf")
+                    for off in range(0, CHUNK, BLOCK):
+                        t = c * CHUNK + off + lane
+                        mask = t < vocab
+                        z = tl.load(LOGITS + row * s_l + t, mask=mask, other=float("-inf")).to(tl.float32) / temp
+                        k = tl.where(mask, z.to(tl.float64) + _gumbel(seed, pos, t, K_SEED, K_POS, K_TOK, MIX1, MIX2),
+                                     float("-inf"))
+                        kb = tl.max(k, axis=0)
+                        if kb > key64:  # strict: the first chunk part of equal keys
+                            at = tl.argmax(k, axis=0)
+                            key64 = kb
+                            tok = at + c * CHUNK + off
+                            zb = tl.sum(tl.where(lane == at, z, 0.0), axis=0)
+                else:
+                    key64 = zb.to(tl.float64) + _gumbel(seed, pos, tok, K_SEED, K_POS, K_TOK, MIX1, MIX2)
         at = row * chunks + c
         tl.store(PM + at, m)
-        tl.store(PS + at, tl.sum(tl.where(z > float("-inf"), tl.exp(z - m), 0.0), axis=0))  # (a chunk all -inf: 0)
-        tl.store(PK + at, tl.max(key, axis=0))
-        tl.store(PT + at, best.to(tl.int64) + c * CHUNK)
-        tl.store(PZ + at, tl.sum(tl.where(tl.arange(0, CHUNK) == best, z, 0.0), axis=0))
+        tl.store(PS + at, total)
+        tl.store(PK + at, key64)
+        tl.store(PT + at, tok.to(tl.int64))
+        tl.store(PZ + at, zb)
 
     @triton.jit
     def _pick_rows_kernel(PM, PS, PK, PT, PZ, OUT, chunks, CHUNKS_P: tl.constexpr):
@@ -153,8 +231,10 @@ def seeded_gumbel_argmax(
 
 
 #: vocabulary positions per program of :func:`sample_pairs` (fixed: a row's result must not
-#: depend on how many rows its batch has)
-PICK_CHUNK = 2048
+#: depend on how many rows its batch has), and per read of it
+PICK_CHUNK = 8192
+PICK_BLOCK = 1024
+PICK_WARPS = 4
 
 
 def sample_pairs(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
@@ -171,7 +251,8 @@ def sample_pairs(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds:
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1, (
         logits.dtype, logits.stride())
     dev = logits.device
-    chunk = PICK_CHUNK
+    chunk = min(PICK_CHUNK, max(16, triton.next_power_of_2(vocab)))
+    block = min(PICK_BLOCK, chunk)
     chunks = triton.cdiv(vocab, chunk)
     pm, ps, pz = (torch.empty((rows, chunks), dtype=torch.float32, device=dev) for _ in range(3))
     pk = torch.empty((rows, chunks), dtype=torch.float64, device=dev)
@@ -182,7 +263,7 @@ def sample_pairs(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds:
     _pick_chunk_kernel[(rows, chunks)](
         logits, logits.stride(0), logits if greedy else temps, pt if greedy else seeds, pt if greedy else positions,
         pm, ps, pk, pt, pz, vocab, chunks, K_SEED=_K_SEED, K_POS=_K_POS, K_TOK=_K_TOK, MIX1=_MIX1, MIX2=_MIX2,
-        CHUNK=chunk, GREEDY=greedy, num_warps=4,
+        CHUNK=chunk, BLOCK=block, GREEDY=greedy, num_warps=PICK_WARPS,
     )
     out = torch.empty((rows, 2), dtype=torch.float64, device=dev)
     _pick_rows_kernel[(rows,)](pm, ps, pk, pt, pz, out, chunks, CHUNKS_P=max(2, triton.next_power_of_2(chunks)),

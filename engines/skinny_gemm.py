@@ -30,6 +30,8 @@ KERNEL_ROWS = 8
 MAX_ROWS = 1
 #: weight elements one program holds at once
 _TILE = 8192
+#: the same under the interpreter (CPU), where fewer, larger programs are cheaper
+_INTERPRETED_TILE = 65536
 
 if triton is not None:
     import triton.language as tl
@@ -112,6 +114,14 @@ def config(n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_n, block_k, 8 if block_n * block_k >= 8192 else 4
 
 
+def interpreter_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) under Triton's interpreter (CPU tests): it runs the programs one
+    after another and each operation as one numpy call, so the cost is the number of programs,
+    not their size: tiles of up to 64 Ki elements (one program for a tiny model's projection)."""
+    block_k = max(16, min(triton.next_power_of_2(k), 1024))
+    return max(2, min(triton.next_power_of_2(n), _INTERPRETED_TILE // block_k)), block_k, 4
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
                   silu_input: bool = False, block: tuple[int, int, int] | None = None):
@@ -127,7 +137,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     summed = torch.empty((rows, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if block is None:
-        block = config(n, k, multiprocessors(x.device))
+        block = config(n, k, multiprocessors(x.device)) if x.device.type == "cuda" else interpreter_config(n, k)
     block_n, block_k, warps = block
     r = residual if residual is not None else x
     out_sum = summed if summed is not None else y

@@ -76,12 +76,14 @@ class NodeAgent(Actor):
         return {"node": self.node, "host": socket.gethostname(), "pid": os.getpid()}
 
     @endpoint
-    async def check_paths(self, inputs: list) -> dict:
+    async def check_paths(self, inputs: list, run_dir: str | None = None) -> dict:
         """Which of ``inputs`` ([flag, path, kind], see launcher/paths.py) are missing on this
-        node, resolved against this agent's working directory: {"host", "missing": [[flag, path]]}."""
-        from .paths import missing_here
+        node, resolved against this agent's working directory, and why ``run_dir`` cannot be
+        written here (None: it can): {"host", "missing": [[flag, path, why]], "unwritable"}."""
+        from .paths import missing_here, unwritable_here
 
-        return {"host": socket.gethostname(), "missing": missing_here(inputs)}
+        return {"host": socket.gethostname(), "missing": missing_here(inputs),
+                "unwritable": unwritable_here(run_dir) if run_dir else None}
 
     @endpoint
     async def spawn_workers(self, specs: list, controller, env: dict) -> list:
@@ -97,8 +99,9 @@ class NodeAgent(Actor):
             per_host={"gpus": len(specs)}, env=lambda point: self._worker_env(specs[point.coords["gpus"]]),
             name=f"node{self.node}"
         )
-        await self.procs.ready(timeout=120)
+        # known before their hello: a worker that dies while starting is reported with its bundle
         self.spec_of.update((p.proc_id, s) for s, p in zip(specs, self.procs.procs))
+        await self.procs.ready(timeout=120)
         self.worker_of.update((s.bundle, (self.procs, p)) for s, p in zip(specs, self.procs.procs))
         return [WorkerInfo(s.bundle, self.node, p, s.roles) for s, p in zip(specs, self.procs.procs)]
 
@@ -129,8 +132,8 @@ class NodeAgent(Actor):
         procs = relay.this_host().spawn_procs(per_host={"gpus": 1}, env=lambda point: self._worker_env(spec),
                                               name=f"node{self.node}-b{bundle}")
         self.replacements.append(procs)
-        await procs.ready(timeout=120)
         self.spec_of[procs.procs[0].proc_id] = spec
+        await procs.ready(timeout=120)
         self.worker_of[bundle] = (procs, procs.procs[0])
         return WorkerInfo(spec.bundle, self.node, procs.procs[0], spec.roles)
 

@@ -9,6 +9,8 @@ import os
 import sys
 import textwrap
 
+import relay
+
 
 def _version(_: argparse.Namespace) -> int:
     import relay
@@ -78,13 +80,20 @@ def _sft(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from launcher.metrics import plot
 
+    skipped: list[int] = []
     try:
-        paths = plot(args.run_dir)
+        paths = plot(args.run_dir, skipped)
     except FileNotFoundError as e:
         print(f"relay plot: {e}", file=sys.stderr)
         return 2
+    if skipped:
+        lines = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+        print(f"relay plot: warning: left out {len(skipped)} line(s) of its metrics file that are not a metrics "
+              f"record (line {lines}; a job killed while writing leaves half a line)", file=sys.stderr)
     for p in paths:
         print(f"wrote {p}")
+    if not paths:
+        print(f"relay plot: nothing to plot: {args.run_dir} has no step with a value to draw", file=sys.stderr)
     return 0
 
 
@@ -133,15 +142,47 @@ def _sbatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def int_at_least(lowest: int, highest: int | None = None, what: str = "an integer"):
+    """An argparse type: an integer from ``lowest`` (to ``highest``), else an error naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if n < lowest or (highest is not None and n > highest):
+            bounds = f"{lowest}-{highest}" if highest is not None else f">= {lowest}"
+            raise argparse.ArgumentTypeError(f"{n} is out of range: use {bounds}")
+        return n
+
+    return parse
+
+
+def port_number(lowest: int):
+    """An argparse type: a TCP port from ``lowest`` to 65535 (a bigger number would wrap)."""
+    return int_at_least(lowest, 65535, "a port number")
+
+
 def _make_model(args: argparse.Namespace) -> int:
     import functools
 
     from engines.model_builder import make_model
 
+    if args.layers is not None and args.layers < 1:
+        print(f"relay make-model: --layers must be at least 1, got {args.layers}", file=sys.stderr)
+        return 2
+    if args.fp8_block < 0:
+        print(f"relay make-model: --fp8-block must be 0 (off) or a block size, got {args.fp8_block}", file=sys.stderr)
+        return 2
     if args.layers is not None:
-        if args.layers < 1:
-            raise SystemExit("--layers must be at least 1")
         make_model = functools.partial(make_model, num_hidden_layers=args.layers)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        print(f"relay make-model: cannot write to --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     if args.fp8_block:
         import tempfile
 
@@ -224,6 +265,8 @@ def config_flags_help(width: int = 100) -> str:
             text += f" (one of: {', '.join(map(str, choices))})"
         if f.metadata.get("min") is not None:
             text += f" (>= {f.metadata['min']:g})"
+        if f.metadata.get("max") is not None:
+            text += f" (<= {f.metadata['max']:g})"
         text += f" [default: {shown}]"
         kind = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
         lines.append(f"  --{name.replace('_', '-')} {metavars.get(kind, 'VALUE')}")
@@ -258,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the main demo: a tiny judge and policy, then GRPO with the judge through the whole stack (CPU, minutes)",
     )
     d.add_argument("--fresh", action="store_true", help="rebuild everything (the trained judge is cached otherwise)")
-    d.add_argument("--steps", type=int, help="GRPO steps (default: the demo-grpo config's num_rollout, 60)")
+    d.add_argument("--steps", type=int_at_least(1), help="GRPO steps (default: the demo-grpo config's num_rollout, 60)")
     from .demo import DEMO_ARCHS
 
     d.add_argument("--arch", default="qwen3", choices=DEMO_ARCHS,
@@ -270,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: a short tour of the relay runtime (process mesh, errors, failures)",
     )
-    d.add_argument("--procs", type=int, default=4, help="--runtime: number of worker processes (default 4)")
+    d.add_argument("--procs", type=int_at_least(2, 64), default=4,
+                   help="--runtime: number of worker processes, 2-64 (default 4)")
     d.set_defaults(func=_demo)
     pl = _config_command(
         sub,
@@ -316,15 +360,19 @@ def build_parser() -> argparse.ArgumentParser:
         "the job's).",
     )
     sb.add_argument("--config", required=True, help="YAML config")
-    sb.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    sb.add_argument("--nodes", type=int_at_least(1), required=True, help="number of nodes")
     sb.add_argument("--partition", help="slurm partition")
     sb.add_argument("--time", help="time limit, e.g. 24:00:00")
     sb.add_argument(
-        "--gpus-per-node", type=int, help="GPUs per node to request and use (default: the config's gpus_per_node, 8)"
+        "--gpus-per-node",
+        type=int_at_least(1),
+        help="GPUs per node to request and use (default: the config's gpus_per_node, 8)",
     )
     sb.add_argument("--job-name", default="relay", help="slurm job name")
     sb.add_argument(
-        "--port", type=int, help="rendezvous port on the head node (default: a free one from 20000 + job id %% 10000)"
+        "--port",
+        type=port_number(1),
+        help="rendezvous port on the head node (default: a free one from 20000 + job id %% 10000)",
     )
     sb.add_argument(
         "--log-dir",
@@ -333,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sb.add_argument(
         "--signal-grace",
-        type=int,
+        type=int_at_least(0),
         default=300,
         help="seconds before the time limit at which slurm sends SIGTERM so the job checkpoints and requeues (default "
              "300; 0: none)",
@@ -349,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     jd.add_argument("--config", required=True, help="YAML config with a GenRM judge")
     jd.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    jd.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    jd.add_argument("--port", type=port_number(0), default=8000, help="port (default 8000; 0: any free port)")
     jd.add_argument(
         "--token",
         default=relay.settings().genrm_token or None,
@@ -383,6 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # every RELAY_* variable, checked before any work starts (relay/_settings.py)
+        relay.settings()
+    except ValueError as e:
+        print(f"relay: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "takes_overrides", False):

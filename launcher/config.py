@@ -40,11 +40,12 @@ def _opt(
     help: str = "",
     choices: tuple | None = None,
     minimum: float | None = None,
+    maximum: float | None = None,
     user_code: bool = False,
     **kw,
 ):
     """A config field; ``user_code``: its value is a ``module.func`` path imported at validation."""
-    meta = {"help": help, "choices": choices, "min": minimum, "user_code": user_code}
+    meta = {"help": help, "choices": choices, "min": minimum, "max": maximum, "user_code": user_code}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
     return field(default=default, metadata=meta, **kw)
@@ -130,7 +131,7 @@ class JobConfig:
              "prompt)",
     )
     genrm_gateway_port: int = _opt(
-        8000, help="port of the judge's HTTP gateway on 127.0.0.1 (0: any free port)", minimum=0
+        8000, help="port of the judge's HTTP gateway on 127.0.0.1 (0: any free port)", minimum=0, maximum=65535
     )
     genrm_gateway_header_timeout: float = _opt(
         10.0, help="judge gateway: seconds a client may take to send a request's headers (then 408)", minimum=0.001
@@ -178,10 +179,11 @@ class JobConfig:
     )
     genrm_audit_rate: float = _opt(
         0.1, help="share of judged samples with a numeric label that the rule grader also grades (0: no audit)",
-        minimum=0.0,
+        minimum=0.0, maximum=1.0,
     )
     genrm_audit_min_agreement: float = _opt(
-        0.8, help="drift alarm: judge and rule grader agree on fewer than this share of audited samples", minimum=0.0
+        0.8, help="drift alarm: judge and rule grader agree on fewer than this share of audited samples", minimum=0.0,
+        maximum=1.0,
     )
     genrm_audit_max_gap: float = _opt(
         0.2, help="drift alarm: judge accuracy and rule accuracy on the audited samples differ by more", minimum=0.0

@@ -284,9 +284,13 @@ def coerce_value(f: dataclasses.Field, value: Any) -> Any:
     if choices and value not in choices:
         allowed = ", ".join(str(c) for c in choices if c is not None)
         raise ConfigError(f"{flag} must be one of: {allowed}; got {value!r}")
-    minimum = f.metadata.get("min")
-    if minimum is not None and isinstance(value, (int, float)) and value < minimum:
-        raise ConfigError(f"{flag} must be >= {minimum:g}, got {value!r}")
+    minimum, maximum = f.metadata.get("min"), f.metadata.get("max")
+    low = minimum is not None and isinstance(value, (int, float)) and value < minimum
+    high = maximum is not None and isinstance(value, (int, float)) and value > maximum
+    if low or high:
+        allowed = (f"between {minimum:g} and {maximum:g}" if minimum is not None and maximum is not None
+                   else f">= {minimum:g}" if low else f"<= {maximum:g}")
+        raise ConfigError(f"{flag} must be {allowed}, got {value!r}")
     return value
 
 

@@ -137,7 +137,7 @@ async def run_controller(
             agent_refs[r] = ref
             relay.watch_heartbeats(ref)  # silence for the heartbeat timeout stops the job
             agents[r] = ProcMesh.attach([ref], name=f"agent{r}").actors("agent", NodeAgent)
-        missing = await check_inputs_on_every_node(cfg, mode, agents)  # before any worker starts
+        missing = await check_inputs_on_every_node(cfg, mode, agents, run_dir)  # before any worker starts
         if missing:
             raise JobFailed(missing)
         grpo = None
@@ -326,7 +326,8 @@ def _describe(item: tuple, plan: Plan, agent_refs: dict[int, ProcRef], run_dir: 
     if kind == "worker":
         return (
             f"node {node} (host {failure.host}): the worker of bundle {bundle} "
-            f"(roles: {', '.join(roles.get(bundle, ['?']))}; pid {failure.pid}) {failure.reason}; its output: "
+            f"(roles: {', '.join(roles.get(bundle, ['?']))}; pid {failure.pid or 'not known yet'}) {failure.reason}; "
+            "its output: "
             f"{worker_log(run_dir, node, bundle)}"
         )
     if failure.mesh == "agents":

@@ -30,17 +30,24 @@ class Row:
 
 
 def load_rows(path: str, what: str = "--prompt-data", need_response: bool = False, input_key: str = "prompt",
-              label_key: str = "label") -> list[Row]:
-    """The rows of a JSONL file: each an object with the prompt under ``input_key`` (text or
-    chat messages), the reference answer under ``label_key`` (optional), a ``response`` (for
-    SFT), and anything else as metadata. Raises DataError saying which line is wrong."""
+              label_key: str = "label", label_for: str | None = None) -> list[Row]:
+    """The rows of a JSONL file (UTF-8): each an object with the prompt under ``input_key``
+    (text or chat messages), the reference answer under ``label_key`` (required when
+    ``label_for`` names what compares against it, e.g. "--rm-type dapo"; otherwise a missing
+    or null one reads as ""), a ``response`` (for SFT), and anything else as metadata. Raises
+    DataError saying which line is wrong."""
     rows: list[Row] = []
     try:
-        f = open(path)
+        f = open(path, "rb")
     except OSError as e:
         raise DataError(f"{what}: cannot read {path!r}: {e.strerror}") from None
     with f:
-        for n, line in enumerate(f, 1):
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{what}: {path}:{n} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                                "JSONL files are UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -61,8 +68,12 @@ def load_rows(path: str, what: str = "--prompt-data", need_response: bool = Fals
             response = obj.pop("response", None)
             if need_response and not isinstance(response, str):
                 raise DataError(f"{what}: {path}:{n} needs a 'response' (the target text) for relay sft")
-            label = obj.pop(label_key, "")
-            rows.append(Row(len(rows), prompt, str(label), response, obj))
+            label = obj.pop(label_key, None)
+            if label is None and label_for:
+                hint = "" if label_key != "label" else " (another key: --label-key KEY)"
+                raise DataError(f"{what}: {path}:{n} has no {label_key!r}: {label_for} compares each answer with this "
+                                f"reference answer{hint}")
+            rows.append(Row(len(rows), prompt, "" if label is None else str(label), response, obj))
     if not rows:
         raise DataError(f"{what}: {path!r} has no rows")
     return rows

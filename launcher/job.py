@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+import time
 
 from .allocator import PlanError
 from .config import ConfigError, load_config
@@ -57,6 +58,30 @@ def torchrun_restart_problem(max_global_restart: int) -> str | None:
     )
 
 
+def gateway_port_taken(cfg, grace: float | None = None) -> str | None:
+    """Why the judge's HTTP gateway could not listen on its port on this node (another job or
+    server is there), checked before anything starts; None when it can, or when no judge serves.
+    ``grace`` (default: 10 s with fault tolerance, else 0): how long a taken port may take to
+    be freed (a restarted job's previous judge may still be exiting)."""
+    import socket
+
+    if not (cfg.prompt_data and cfg.genrm and cfg.genrm_gateway_port):
+        return None
+    deadline = time.monotonic() + (grace if grace is not None else 10.0 if cfg.fault_tolerant else 0.0)
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway binds: a closed job's port is free
+            try:
+                s.bind(("127.0.0.1", cfg.genrm_gateway_port))
+                return None
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    return (f"the judge gateway cannot listen on 127.0.0.1:{cfg.genrm_gateway_port} ({e.strerror}: "
+                            "another job or server is there); choose another port (--genrm-gateway-port; 0 picks a "
+                            "free one)")
+        time.sleep(0.2)
+
+
 def versions_ok(prog: str) -> bool:
     """The version matrix (launcher/versions.py): warnings on stderr; False (said why) when a
     package is too old to run."""
@@ -93,6 +118,11 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
             print(f"{prog}: {problem}", file=sys.stderr)
             return 2
     rank = Rank(0, 1) if single_node else (torchrun_rank() or Rank(0, 1))
+    if rank.rank == 0 and not args.sft:
+        problem = gateway_port_taken(cfg)
+        if problem:
+            print(f"{prog}: {problem}", file=sys.stderr)
+            return 2
     if cfg.nnodes is None:
         cfg = dataclasses.replace(cfg, nnodes=rank.world_size)
     install_uvloop()

@@ -67,12 +67,27 @@ class MetricsLog:
             self._tb.close()
 
 
-def read_metrics(run_dir: str) -> list[dict]:
+def read_metrics(run_dir: str, skipped: list[int] | None = None) -> list[dict]:
+    """The records of ``run_dir``'s metrics file. A line that is not a JSON object with a
+    numeric ``step`` (a job killed while writing leaves half a line) is left out; its number
+    goes to ``skipped`` when given."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {run_dir!r} a run directory (--run-dir)?")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    records = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:  # not JSON, or not UTF-8
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+                records.append(record)
+            elif skipped is not None:
+                skipped.append(n)
+    return records
 
 
 def _figures(train: list[dict], evals: list[dict], checks: list[dict] = ()) -> list[tuple[str, str, list[tuple]]]:
@@ -119,15 +134,15 @@ def _figures(train: list[dict], evals: list[dict], checks: list[dict] = ()) -> l
     ]
 
 
-def plot(run_dir: str) -> list[str]:
+def plot(run_dir: str, skipped: list[int] | None = None) -> list[str]:
     """Write reward.png, accuracy.png, judge.png and phases.png into ``run_dir`` (each one
-    that has data); returns the paths."""
+    that has data); returns the paths. ``skipped``: as :func:`read_metrics`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
+    records = read_metrics(run_dir, skipped)
     train = [r for r in records if r.get("kind", "train") in ("train", "sft")]
     evals = [r for r in records if r.get("kind") == "eval"]
     written = []

@@ -31,6 +31,7 @@ from engines.actor import EngineActor
 from engines.model_builder import ensure_model
 from engines.torch.tp import FollowerActor
 from launcher.config import JobConfig
+from launcher.paths import judge_models, problems_here
 from relay import ProcMesh, job_secret, read_secret_file, write_secret_file
 from reward.judge import start_judge_service
 
@@ -218,6 +219,10 @@ def _secret_lines(addr: str, source: str, path: str) -> list[str]:
 async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, ready=None) -> int:
     if not cfg.genrm:
         print("relay judge: the config has no judge (set genrm_model_path or genrm_instances)", file=sys.stderr)
+        return 2
+    problem = problems_here(judge_models(cfg))
+    if problem:
+        print(f"relay judge: {problem}", file=sys.stderr)
         return 2
     try:
         secret_source, detail = _choose_secret()  # detail: the file's path, or the generated secret

@@ -49,7 +49,9 @@ class SFTJob:
         if claim is None:
             raise ValueError("relay sft trains on the 'actor' GPUs: give --resource an 'actor' entry")
         procs = attach_claim(self.plan, claim, self.by_bundle, "trainer")
-        self.trainer = TrainerGroup.spawn_policy(cfg, procs, claim.size, total_iters=self.steps)
+        # the ranks have the cores to themselves (no engines): share them out
+        threads = max(1, (os.cpu_count() or 1) // claim.size)
+        self.trainer = TrainerGroup.spawn_policy(cfg, procs, claim.size, total_iters=self.steps, cpu_threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
         await self.trainer.initialized()
 

@@ -51,6 +51,22 @@ def _int(name: str, raw: str) -> int:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
+def _threads_from(minimum: int, meaning: str):
+    """A parser of a number of threads >= ``minimum`` (``meaning``: what the least means)."""
+
+    def parse(name: str, raw: str) -> int:
+        v = _int(name, raw)
+        if v < minimum:
+            raise ValueError(f"{name} must be a number of threads {meaning}, got {raw!r}")
+        return v
+
+    return parse
+
+
+_threads = _threads_from(1, ">= 1")
+_threads_or_auto = _threads_from(0, "(0: chosen for you)")
+
+
 def _opt_int(name: str, raw: str) -> int | None:
     return _int(name, raw) if raw else None
 
@@ -138,7 +154,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("RELAY_FORK_SERVER", "fork_server", True, _flag_off, _L,
              "node agents fork each worker from a process that imported torch, transformers and Megatron "
              "once (seconds faster to start); `0`: each worker starts as a new process"),
-    Variable("RELAY_ENGINE_CPU_THREADS", "engine_cpu_threads", 1, _int, _L, "intra-op threads of a CPU engine's step"),
+    Variable("RELAY_ENGINE_CPU_THREADS", "engine_cpu_threads", 1, _threads, _L,
+             "intra-op threads of a CPU engine's step"),
+    Variable("RELAY_TRAINER_CPU_THREADS", "trainer_cpu_threads", 0, _threads_or_auto, _L,
+             "intra-op threads of each CPU trainer rank (0: 1 in relay train, whose workers share the cores; "
+             "the cores shared out among the ranks in relay sft)"),
     Variable("RELAY_SGLANG_LAUNCH", "sglang_launch", "sglang.launch_server", _str, _L,
              "the module the SGLang engine runs to start its server"),
     Variable("RELAY_GENRM_ADDR", "genrm_addr", "", _str, _L,
@@ -197,6 +217,7 @@ class Settings:
     zygote_parent: int = 0
     environ_room: str = ""
     engine_cpu_threads: int = 1
+    trainer_cpu_threads: int = 0
     sglang_launch: str = "sglang.launch_server"
     genrm_addr: str = ""
     genrm_actor: str = "genrm"

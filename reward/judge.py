@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import errno
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -315,9 +316,10 @@ class JudgeService(Actor):
         try:
             self._http, bound = await serve(self, host, port, token, within_fd_limit(http_limits))
         except OSError as e:
-            raise OSError(
-                f"the judge gateway cannot listen on {host}:{port} ({e.strerror or e}); choose another port"
-            ) from None
+            # a port taken or reserved: another port; a name that does not resolve, an address
+            # not on this machine: another host
+            fix = "choose another port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "check the host"
+            raise OSError(f"the judge gateway cannot listen on {host}:{port} ({e.strerror or e}); {fix}") from None
         return bound
 
     async def __cleanup__(self, exc) -> None:

@@ -17,7 +17,8 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 stamp=.venv/.relay-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  "$VPY" -m pip install -q -e ".[dev]"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
+  # within the tested matrix (scripts/constraints.txt): a new upstream release does not change a fresh setup
+  "$VPY" -m pip install -q -c scripts/constraints.txt -e ".[dev]"
   touch "$stamp"
 fi

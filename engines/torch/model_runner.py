@@ -6,6 +6,7 @@ again by sleep/wake; a hybrid model's linear-attention state pool with them:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import kv_pool
@@ -252,17 +253,22 @@ class ModelRunner:
         their K/V into their blocks; the logits of each one's next token."""
         bs = self.blocks.block_size
         self.prefill_tokens += sum(s.n_tokens for s in seqs)
-        longest = max(len(s.tokens) for s in seqs)
-        ids = torch.zeros((len(seqs), longest), dtype=torch.int64)
-        slots = torch.full((len(seqs), longest), self.blocks.scratch_block * bs, dtype=torch.int64)
-        lens = torch.empty(len(seqs), dtype=torch.int64)
+        # through numpy (a row's list into an array row: ~100x faster than torch.tensor per row)
+        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
+        longest = int(lens.max())
+        ids = np.zeros((len(seqs), longest), np.int64)
+        table = np.full((len(seqs), -(-longest // bs)), self.blocks.scratch_block, np.int64)
         for r, seq in enumerate(seqs):
-            n = len(seq.tokens)
-            ids[r, :n] = torch.tensor(seq.tokens)
-            slots[r, :n] = (torch.tensor(seq.blocks).repeat_interleave(bs)[:n] * bs) + torch.arange(n) % bs
-            lens[r] = n
+            ids[r, : lens[r]] = seq.tokens
+            held = seq.blocks[: table.shape[1]]
+            if len(held) * bs < lens[r]:
+                raise RuntimeError(f"request {seq.request_id}: {len(held)} KV blocks for {lens[r]} tokens")
+            table[r, : len(held)] = held
+        at = np.arange(longest)
+        slots = table[:, at // bs] * bs + at % bs
+        slots[at[None, :] >= lens[:, None]] = self.blocks.scratch_block * bs  # padding: the scratch slot
         rows = None if self.state is None else torch.tensor([s.table_row for s in seqs])  # a hybrid's state rows
-        return self.prefill_tensors(ids, lens, slots, rows)
+        return self.prefill_tensors(torch.from_numpy(ids), torch.from_numpy(lens), torch.from_numpy(slots), rows)
 
     def prefill_tensors(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
                         rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+import relay
 from engines import kv_pool, weight_sync
 from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
@@ -55,8 +56,10 @@ class TrainerActor(Actor):
         optimizer: str = "auto",
         ep: int = 1,
         moe_aux_loss_coeff: float | None = None,
+        cpu_threads: int | None = None,
     ):
         self.model_path = model_path
+        self.cpu_threads = cpu_threads  # intra-op threads on CPU (RELAY_TRAINER_CPU_THREADS overrides; None: 1)
         self.tp = tp
         self.ep = ep  # expert-parallel size (MoE models)
         self.aux_loss_coeff = moe_aux_loss_coeff  # None: the checkpoint's router_aux_loss_coef
@@ -90,6 +93,11 @@ class TrainerActor(Actor):
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
+        if self.device.type == "cpu":
+            # One intra-op thread unless told (relay sft's ranks are alone on their cores): a
+            # CPU job's ranks and engines share the cores, and OpenMP teams spinning against
+            # each other made a step 3-6x slower.
+            torch.set_num_threads(relay.settings().trainer_cpu_threads or self.cpu_threads or 1)
         with _PROCESS_SETUP:
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)

@@ -83,10 +83,13 @@ class GRPOLoop:
         self.mode = plan.mode
         self.colocate = plan.mode.startswith("colocate")
         self.defer = plan.mode == "colocate-defer"
-        self.rows = load_rows(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key)
+        # the built-in rewards compare with the reference; a --custom-rm-path function may go without
+        compares = cfg.rm_type in ("dapo", "dapo-genrm") and not cfg.custom_rm_path
+        label_for = f"--rm-type {cfg.rm_type}" if compares else None
+        self.rows = load_rows(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key, label_for=label_for)
         self.order = PromptOrder(self.rows, cfg.seed)
         self.eval_rows = (load_rows(cfg.eval_prompt_data, "--eval-prompt-data", input_key=cfg.input_key,
-                                    label_key=cfg.label_key) if cfg.eval_prompt_data else None)
+                                    label_key=cfg.label_key, label_for=label_for) if cfg.eval_prompt_data else None)
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.checkpoints = Checkpoints(self.run_dir)
         self.timer = PhaseTimer(span_names=("reward",))

@@ -55,9 +55,11 @@ class TrainerGroup:
         self.tp = tp
 
     @classmethod
-    def spawn_policy(cls, cfg, procs: ProcMesh, size: int, total_iters: int, loss: dict | None = None) -> TrainerGroup:
+    def spawn_policy(cls, cfg, procs: ProcMesh, size: int, total_iters: int, loss: dict | None = None,
+                     cpu_threads: int | None = None) -> TrainerGroup:
         """The trained model, with the config's optimizer and LR schedule over
-        ``total_iters`` optimizer steps (``loss``: GRPO's loss settings; None for SFT)."""
+        ``total_iters`` optimizer steps (``loss``: GRPO's loss settings; None for SFT).
+        ``cpu_threads``: each rank's intra-op threads on CPU (default 1)."""
         from engines.trainer.actor import TrainerActor
 
         _check_tp(cfg, size)
@@ -65,7 +67,7 @@ class TrainerGroup:
         options = dict(**parallel_options(cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
                        lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters, total_iters=total_iters,
                        seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16,
-                       optimizer=cfg.optimizer_impl)
+                       optimizer=cfg.optimizer_impl, cpu_threads=cpu_threads)
         if loss is not None:
             options["loss"] = loss
         mesh = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, **options)

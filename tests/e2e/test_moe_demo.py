@@ -2,7 +2,8 @@
 and ``relay demo --arch qwen3_5_moe`` (as a user types them) teach a tiny judge, warm up a
 tiny policy of that architecture (Qwen3-MoE; Qwen3.5: Gated DeltaNet + gated attention +
 MoE with a shared expert) and run GRPO with the judge through the whole stack; the held-out
-accuracy must rise by at least 10 points (the command exits 1 otherwise)."""
+accuracy must rise by at least 10 points (the command exits 1 otherwise), here in 40 GRPO steps
+(2 CPU cores, 2026-12-04: the default 60 raised it 53 and 84 points; 30 steps, 20.5 and 43)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_relay_demo_with_moe_or_hybrid_policy_and_judge_passes_the_bar(arch, tmp_path):
     env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run([RELAY, "demo", "--arch", arch], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([RELAY, "demo", "--arch", arch, "--steps", "40"], cwd=ROOT, capture_output=True, text=True,
                        timeout=1150, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"random {arch} shapes, 2 layers" in p.stdout

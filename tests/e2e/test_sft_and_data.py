@@ -63,6 +63,25 @@ def test_data_errors_name_the_file_and_line(tmp_path):
         load_rows(str(p), need_response=True)
     with pytest.raises(DataError, match="cannot read"):
         load_rows(str(tmp_path / "missing.jsonl"))
+    # bytes that are not UTF-8: the line, not a bare UnicodeDecodeError
+    p.write_bytes(b'{"prompt": "hi", "label": "1"}\n\xff\xfe{"prompt"\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2 is not UTF-8 text \(byte 0: b'\\xff'\)"):
+        load_rows(str(p))
+
+
+@pytest.mark.unit
+def test_a_row_without_a_reference_is_refused_where_the_reward_compares_with_one(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n{"prompt": "c", "label": null}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2 has no 'label': --rm-type dapo compares each answer with this "
+                                        r"reference answer \(another key: --label-key KEY\)"):
+        load_rows(str(p), label_for="--rm-type dapo")
+    p.write_text('{"prompt": "a", "label": "1"}\n{"prompt": "c", "label": null}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2 has no 'label'"):
+        load_rows(str(p), label_for="--rm-type dapo-genrm")
+    # a custom reward may go without: missing and null read as "", never as the text "None"
+    p.write_text('{"prompt": "a", "label": 7}\n{"prompt": "b"}\n{"prompt": "c", "label": null}\n')
+    assert [r.label for r in load_rows(str(p))] == ["7", "", ""]
 
 
 @pytest.mark.unit
@@ -115,6 +134,20 @@ def test_relay_plot_writes_pngs(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr
+    # a job killed while writing leaves half a line (it once ended relay plot with a JSONDecodeError)
+    for name in ("reward.png", "accuracy.png", "phases.png"):
+        (tmp_path / name).unlink()
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"kind": "train", "step": 3, "reward/me')
+    torn = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert torn.returncode == 0, torn.stderr
+    assert "left out 1 line(s) of its metrics file that are not a metrics record (line 5;" in torn.stderr
+    assert all((tmp_path / name).exists() for name in ("reward.png", "accuracy.png", "phases.png"))
+    (tmp_path / "metrics.jsonl").write_text("")
+    empty = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 0 and "nothing to plot" in empty.stderr, empty.stderr
 
 
 @pytest.mark.unit

@@ -225,6 +225,64 @@ def test_one_pass_sampling_kernel_matches_the_torch_rules():
     assert ok == "1" and float(worst) < 1e-5 and float(dist) < 0.04, (ok, worst, dist)
 
 
+def test_one_pass_seeded_rows_decide_near_ties_in_float64():
+    """A seeded row's float32 keys only shortlist: where another token's key is within the
+    float32 error of the best (in another lane, or in the best one's own lane a block later),
+    the float64 keys decide, as the torch hash's scores do; tiny temperatures (keys in the
+    thousands) too."""
+    out = _interpret("""
+        import torch
+        from engines.sample_kernels import PICK_BLOCK, sample_pairs, seeded_uniform
+        v = 3 * PICK_BLOCK + 5
+        # within float32's rounding at 5 (4.8e-7 apart) the float32 keys tie or flip; further, they agree
+        deltas = [k * 2.5e-8 for k in range(-40, 41)] + [3e-5, -3e-5, 4e-4, -4e-4, 1e-2]
+        rows, temps, seeds, pos = [], [], [], []
+        for i, d in enumerate(deltas):
+            for lane_mate in (False, True):  # the rival in another lane, or in the best one's lane
+                s, p = 1000 + 7 * i + lane_mate, 3 + i
+                g = -torch.log(-torch.log(seeded_uniform(torch.tensor([s]), torch.tensor([p]), v)[0]))
+                x = torch.full((v,), -20.0, dtype=torch.float64)
+                a, b = 17, 17 + PICK_BLOCK if lane_mate else 40
+                x[a], x[b] = 5.0 - g[a], 5.0 - g[b] + d  # keys 5 and 5 + d: a near tie
+                rows.append(x.float()); temps.append(1.0); seeds.append(s); pos.append(p)
+        for i in range(6):  # tiny temperatures: large keys
+            rows.append(torch.randn(v) * 2); temps.append(0.002 * (i + 1)); seeds.append(77 + i); pos.append(i)
+        logits, temps = torch.stack(rows), torch.tensor(temps)
+        seeds, pos = torch.tensor(seeds, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+        u = seeded_uniform(seeds, pos, v)
+        ref = ((logits / temps[:, None]).double() - torch.log(-torch.log(u))).argmax(-1)
+        tok = sample_pairs(logits, temps, seeds, pos)[:, 0].long()
+        print(int((tok == ref).all()), (tok != ref).nonzero().flatten().tolist())
+    """)
+    assert out.split()[0] == "1", out
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_sampling_kernels_compile_for_an_h200_without_one(greedy, dtype):
+    """The interpreter runs a kernel as Python and forgives what Triton's compiler does not (a
+    name bound only in a branch the compiler also builds failed the greedy picker on the
+    GPU): ``sample_pairs``' kernels compiled for sm_90 down to a cubin, greedy and sampling,
+    for bf16 and float32 logits, without spilling to local memory."""
+    from triton.compiler import ASTSource
+
+    from engines import sample_kernels as sk
+    from tests.helpers import compile_for_h200
+
+    consts = {"K_SEED": sk._K_SEED, "K_POS": sk._K_POS, "K_TOK": sk._K_TOK, "MIX1": sk._MIX1, "MIX2": sk._MIX2,
+              "CHUNK": sk.PICK_CHUNK, "BLOCK": sk.PICK_BLOCK, "GREEDY": greedy}
+    chunk = ASTSource(fn=sk._pick_chunk_kernel, constexprs=consts, signature={
+        "LOGITS": f"*{dtype}", "s_l": "i32", "TEMP": f"*{dtype}" if greedy else "*fp32", "SEED": "*i64", "POS": "*i64",
+        "PM": "*fp32", "PS": "*fp32", "PK": "*fp64", "PT": "*i64", "PZ": "*fp32", "vocab": "i32", "chunks": "i32",
+        **{k: "constexpr" for k in consts}})
+    rows = ASTSource(fn=sk._pick_rows_kernel, constexprs={"CHUNKS_P": 32}, signature={
+        "PM": "*fp32", "PS": "*fp32", "PK": "*fp64", "PT": "*i64", "PZ": "*fp32", "OUT": "*fp64", "chunks": "i32",
+        "CHUNKS_P": "constexpr"})
+    for src, options in ((chunk, {"num_warps": sk.PICK_WARPS}), (rows, {"num_warps": 1})):
+        kernel = compile_for_h200(src, options)
+        assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"]
+
+
 def test_sampler_takes_one_pass_rows_through_the_kernel_whatever_the_other_rows():
     """Where Triton runs, the sampler's greedy and untruncated rows (seeded or not) take
     ``sample_pairs`` and the others (min_p, top-k, top-p) the torch rules: a one-pass row's
@@ -334,6 +392,42 @@ def test_qkv_rope_write_matches_norm_rope_and_the_cache_writes():
     """)
     worst, untouched = out.split()[-2:]
     assert float(worst) < 1e-5 and untouched == "True"
+
+
+def test_under_the_interpreter_a_launch_patches_the_language_once_not_once_a_helper_call():
+    """engines/triton_interpreter.py: Triton's interpreter re-patched triton.language at every
+    @triton.jit helper call (normed_rotated, tl.sum: per program), a fifth of an interpreted
+    decode step. Counted through Triton's own patch function: a qkv_rope launch of 5 x 6
+    programs (each calling helpers) patches at most twice (the launch, tl.core for tl.sum's
+    first call), the launch's patch is undone after it, and the queries still equal norm_rope's
+    (the full check: test_qkv_rope_write_matches_norm_rope_and_the_cache_writes)."""
+    out = _interpret("""
+        import torch
+        import triton.language as tl
+        from triton.runtime import interpreter
+        calls = []
+        triton_patch = interpreter._patch_lang
+        interpreter._patch_lang = lambda fn: calls.append(fn.__name__) or triton_patch(fn)
+        from engines.fused_decode import qkv_rope_write  # installs the skip over the counting patch
+        from engines.kernels import norm_rope
+        torch.manual_seed(4)
+        b, h, kvh, d = 5, 4, 2, 16
+        qkv = torch.randn(b, (h + 2 * kvh) * d)
+        qn, kn = torch.randn(d), torch.randn(d)
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        pos, slots = torch.tensor([0, 5, 9, 200, 3]), torch.tensor([7, 2, 19, 12, 0])
+        kc, vc = torch.zeros(6, 4, kvh, d), torch.zeros(6, 4, kvh, d)
+        for launch in range(2):
+            calls.clear()
+            q = qkv_rope_write(qkv, qn, kn, pos, inv, slots, kc, vc, h, kvh, 1e-6)
+            print(len(calls), ",".join(calls), tl.core.is_builtin(tl.program_id))
+        print((q - norm_rope(qkv[:, :h * d].reshape(b, h, d), qn, pos, inv, 1e-6)).abs().max().item())
+    """)
+    *launches, worst = out.strip().splitlines()
+    for line in launches:
+        count, names, undone = line.split()
+        assert 1 <= int(count) <= 2 and names.startswith("_qkv_rope_kernel") and undone == "True", line
+    assert float(worst) < 1e-5
 
 
 def test_packed_projections_follow_loads_updates_and_sleep(tmp_path):

@@ -205,3 +205,33 @@ def test_sampling_keys_under_cuda_graphs(tmp_path):
         assert [r.token_ids for r in mixed[2::6]] == [r.token_ids for r in mixed[0::6]]  # min_p 1 == greedy
         assert all(22 not in r.token_ids[:6] for r in mixed[5::6])
     assert [r.token_ids for r in g_mixed] == [r.token_ids for r in e_mixed]
+
+
+def test_one_pass_sampling_at_a_real_vocabulary():
+    """``sample_pairs`` on the GPU at the 0.6B shape's vocabulary and a 256-row batch (bf16
+    logits as the decode graph leaves them): greedy rows give torch's argmax and log-softmax;
+    seeded rows at temperatures from 0.05 to 2 give the torch hash's Gumbel-max token (float64
+    scores: the kernel's float32 shortlist and GPU logs must not change a token) and its
+    log-probability at that temperature."""
+    from engines.sample_kernels import sample_pairs, seeded_uniform
+
+    torch.manual_seed(0)
+    rows, vocab = 256, 151936
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).bfloat16()
+    x = logits.float()
+    greedy = sample_pairs(logits)
+    assert torch.equal(greedy[:, 0].long(), x.argmax(-1))
+    lp = torch.log_softmax(x, -1).gather(1, greedy[:, 0].long()[:, None])[:, 0].double()
+    assert (greedy[:, 1] - lp).abs().max().item() < 1e-4
+    temps = torch.linspace(0.05, 2.0, rows, device="cuda")
+    seeds = torch.arange(rows, dtype=torch.int64, device="cuda") * 7919 + 11
+    pos = torch.arange(rows, dtype=torch.int64, device="cuda") * 13
+    pairs = sample_pairs(logits, temps, seeds, pos)
+    tok = pairs[:, 0].long()
+    for lo in range(0, rows, 32):  # the float64 reference in slices ([32, V] float64 at a time)
+        sl = slice(lo, lo + 32)
+        u = seeded_uniform(seeds[sl], pos[sl], vocab)
+        ref = ((x[sl] / temps[sl, None]).double() - torch.log(-torch.log(u))).argmax(-1)
+        assert torch.equal(tok[sl], ref), (tok[sl] != ref).nonzero().flatten().tolist()
+        z = torch.log_softmax(x[sl] / temps[sl, None], -1).gather(1, tok[sl, None])[:, 0].double()
+        assert (pairs[sl, 1] - z).abs().max().item() < 1e-3

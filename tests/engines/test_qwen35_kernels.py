@@ -234,10 +234,10 @@ def test_the_kernels_compile_for_an_h200_without_one(dtype):
     decode and prefill kernels compiled through Triton's CUDA backend for sm_90 (H100/H200) at
     35B-A3B's shapes, down to a cubin, without spilling to local memory, within a block's
     shared memory."""
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from engines import linear_kernels as lk
+    from tests.helpers import compile_for_h200
 
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     conv = ASTSource(fn=lk._conv_decode_kernel, constexprs={"K": 4, "BLOCK_C": 256}, signature={
@@ -259,11 +259,6 @@ def test_the_kernels_compile_for_an_h200_without_one(dtype):
     # with the options each wrapper launches with (shared memory depends on them); prefill: float32 only
     kernels = [(conv, {}), (rec, {})] + ([(solve, {"num_warps": 4}), (scan, lk.SCAN_LAUNCH)] if dtype == "fp32" else [])
     for src, options in kernels:
-        try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        except RuntimeError as e:  # no CUDA backend in this Triton build
-            if "backend" in str(e).lower():
-                pytest.skip(str(e))
-            raise
+        kernel = compile_for_h200(src, options)
         assert kernel.asm["cubin"] and ".local" not in kernel.asm["ptx"]
         assert kernel.metadata.shared <= 232448  # a Hopper block's shared memory (227 KB)

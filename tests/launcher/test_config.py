@@ -56,6 +56,9 @@ def test_unknown_key_and_flag_name_the_closest_valid_one(tmp_path):
         ("rm_type", "magic", "--rm-type must be one of: dapo, dapo-genrm, dummy"),
         ("sglang_mem_fraction_static", 1.5, r"--sglang-mem-fraction-static must be in \(0, 1\)"),
         ("global_batch_size", 30, "must be a multiple of --n-samples-per-prompt"),
+        ("genrm_gateway_port", 70000, "--genrm-gateway-port must be between 0 and 65535, got 70000"),
+        ("genrm_audit_rate", 5, "--genrm-audit-rate must be between 0 and 1, got 5"),
+        ("genrm_audit_min_agreement", 1.5, "--genrm-audit-min-agreement must be between 0 and 1, got 1.5"),
     ],
 )
 def test_bad_values_say_which_key_and_what_is_allowed(key, value, message):

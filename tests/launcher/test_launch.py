@@ -257,6 +257,97 @@ def test_a_missing_input_stops_the_job_before_any_worker_starts_naming_node_and_
     )
 
 
+def test_a_model_folder_without_a_checkpoint_stops_the_job_before_any_worker_starts(tmp_path):
+    """An existing folder without config.json once passed the check and failed in the controller
+    after every worker was placed, as "model ... not found"."""
+    model, data = tmp_path / "empty-model", tmp_path / "d.jsonl"
+    model.mkdir()
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--hf-checkpoint", str(model), "--prompt-data", str(data),
+                  "--run-dir", str(tmp_path))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "placed a probe actor" not in out
+    assert (f"relay: job failed: node 0 (host {socket.gethostname()}): --hf-checkpoint {model} is a folder without "
+            "config.json, not a model checkpoint") in err, err[-3000:]
+
+
+def test_a_bad_data_row_stops_the_job_before_any_worker_starts_naming_its_line(tmp_path):
+    """A row without a reference once trained on "" (every reward 0, silently); bytes that are not
+    UTF-8 once ended the job with a bare UnicodeDecodeError."""
+    data = tmp_path / "d.jsonl"
+    for content, message in (
+        (b'{"prompt": "1+1?", "label": "2"}\n{"prompt": "2+2?"}\n',
+         f"relay: job failed: DataError: --prompt-data: {data}:2 has no 'label': --rm-type dapo-genrm compares"),
+        (b'{"prompt": "1+1?", "label": "2"}\n\xff{"prompt": "2+2?"}\n',
+         f"relay: job failed: DataError: --prompt-data: {data}:2 is not UTF-8 text"),
+    ):
+        data.write_bytes(content)
+        p = relay_cli("train", "--config", "tiny-cpu-split", "--prompt-data", str(data), "--run-dir", str(tmp_path))
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and "placed a probe actor" not in out and message in err, err[-3000:]
+
+
+def test_a_taken_gateway_port_stops_the_job_before_anything_starts(tmp_path):
+    """A second job with a judge on a node once placed every worker, then failed ~15 s later."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = relay_cli("train", "--config", "tiny-cpu-split", "--prompt-data", str(data), "--run-dir", str(tmp_path),
+                      "--genrm-gateway-port", str(port))
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and out == "", (out, err)
+    assert (f"the judge gateway cannot listen on 127.0.0.1:{port} (Address already in use: another job or server is "
+            "there); choose another port (--genrm-gateway-port; 0 picks a free one)") in err
+
+
+def test_a_restarted_job_waits_a_moment_for_its_previous_judge_to_free_the_port(tmp_path):
+    """With fault tolerance the port check gives a taken port 10 s to be freed (the failed run's
+    judge may still be exiting); without it, it answers at once."""
+    import threading
+
+    from launcher.config import load_config
+    from launcher.job import gateway_port_taken
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    args = ["--prompt-data", str(data), "--genrm-gateway-port", str(port)]
+    t0 = time.monotonic()
+    assert "cannot listen on" in gateway_port_taken(load_config("tiny-cpu-split", args))
+    assert time.monotonic() - t0 < 1.0
+    threading.Timer(1.0, taken.close).start()
+    t0 = time.monotonic()
+    assert gateway_port_taken(load_config("tiny-cpu-split", [*args, "--use-fault-tolerance"])) is None
+    assert 0.9 < time.monotonic() - t0 < 5.0
+
+
+def test_a_run_dir_that_cannot_be_written_stops_the_job_before_any_worker_starts(tmp_path):
+    """Each worker once failed to open its log there: four tracebacks and "bundle -1 (roles: ?)"."""
+    (tmp_path / "file").write_text("")
+    run_dir = tmp_path / "file" / "run"  # under a regular file: even root cannot create it
+    p = relay_cli("train", "--config", "tiny-cpu-split", "--run-dir", str(run_dir), "--num-rollout", "1")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "placed a probe actor" not in out and "Traceback" not in err, err[-3000:]
+    assert (
+        f"relay: job failed: node 0 (host {socket.gethostname()}): cannot write --run-dir {run_dir} (Not a directory): "
+        "choose a directory this user can create and write on every node\n" in err
+    ), err[-3000:]
+    # past the check (patched out here), a worker that dies before its hello is named by its bundle and roles
+    code = ("import sys, launcher.paths as p; p.unwritable_here = lambda d: None; from launcher.cli import main; "
+            f"sys.exit(main(['train', '--config', 'tiny-cpu-split', '--run-dir', {str(run_dir)!r}]))")
+    p = subprocess.Popen([PY, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1, err[-3000:]
+    assert re.search(r"relay: job failed: node 0 \(host [^)]*\): the worker of bundle [0-3] \(roles: actor, "
+                     r"(rollout|genrm\[__default__\]); pid (\d+|not known yet)\) exited with code 1", err), err[-3000:]
+
+
 def test_a_model_missing_on_another_node_names_that_node(tmp_path):
     """Two "nodes" in two working directories: the relative model path exists only in the
     controller's; the agent's check (its workers would load it) names node 1."""

@@ -41,3 +41,24 @@ def test_a_job_checks_versions_before_anything_else():
             "from launcher.job import main; sys.exit(main(['--config', 'tiny-cpu-split'], prog='relay train'))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "relay train: torch 2.0.0 is installed; this code needs torch >= 2.6" in p.stderr
+
+
+def test_setup_installs_under_the_tested_upper_ends():
+    """scripts/constraints.txt caps each installed matrix package just above its tested high end
+    (5.25 -> <5.26), so a fresh setup never picks an untried release and the two move together."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    caps = {}
+    for line in (root / "scripts" / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, bound = line.partition("<")
+            caps[name.strip()] = bound.strip()
+    assert {"transformers", "megatron-core"} <= set(caps)
+    for name, bound in caps.items():
+        if name not in TESTED:
+            continue
+        *head, last = TESTED[name][1].split(".")
+        assert bound == ".".join([*head, str(int(last) + 1)]), (name, bound, TESTED[name])
+    assert "-c scripts/constraints.txt" in (root / "scripts" / "setup.sh").read_text()

@@ -24,6 +24,12 @@ def test_values_parse_to_their_types_and_unset_ones_take_their_defaults():
         Settings.from_env({"RELAY_HEARTBEAT_TIMEOUT": "0"})
     with pytest.raises(ValueError, match="RELAY_SHM_MIN_BYTES must be an integer"):
         Settings.from_env({"RELAY_SHM_MIN_BYTES": "lots"})
+    assert s.engine_cpu_threads == 1 and s.trainer_cpu_threads == 0  # the trainer's: chosen per job
+    with pytest.raises(ValueError, match="RELAY_ENGINE_CPU_THREADS must be a number of threads >= 1"):
+        Settings.from_env({"RELAY_ENGINE_CPU_THREADS": "0"})
+    with pytest.raises(ValueError, match=r"RELAY_TRAINER_CPU_THREADS must be a number of threads \(0: chosen"):
+        Settings.from_env({"RELAY_TRAINER_CPU_THREADS": "-1"})
+    assert Settings.from_env({"RELAY_TRAINER_CPU_THREADS": "2"}).trainer_cpu_threads == 2
     assert "job_secret=" not in repr(Settings(job_secret="abcd")) and "abcd" not in repr(Settings(job_secret="abcd"))
 
 
