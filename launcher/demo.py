@@ -37,10 +37,6 @@ DEMO_ARCHS = ("qwen3", "qwen3_moe", "qwen3_5_moe")
 #: MoE policy reaches ~0.93 held-out accuracy in 50 steps (the dense one ~0.26), 0.31 in 40;
 #: the 2-layer hybrid 0.955 in 50, 0.16 at step 40 of 50
 WARMUP_STEPS = {"qwen3_moe": 40, "qwen3_5_moe": 40}
-#: the judge's SFT steps where the config's 600 are more than it needs: held-out accuracy at
-#: step 300 of 600 was 0.905 for the MoE judge (0.968 at 600), at step 200 0.917 for the
-#: hybrid judge (0.988), whose step costs 2x the dense one's on CPU (2026-12-04, 2 cores)
-JUDGE_STEPS = {"qwen3_moe": 300, "qwen3_5_moe": 200}
 #: make_model overrides of the demo's models: 2 layers each, as the dense ones (the hybrid:
 #: one Gated DeltaNet layer, then one gated full-attention layer)
 DEMO_SHAPES = {"qwen3_5_moe": {"num_hidden_layers": 2}}
@@ -116,8 +112,7 @@ def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3")
         shutil.rmtree(os.path.join(root, "runs", "judge-sft"), ignore_errors=True)
         _run(
             "1/3 teach the judge (SFT: reply 1 if the answer matches the reference, else 0)",
-            ["sft", "--config", "demo-judge-sft",
-             *(["--sft-steps", str(JUDGE_STEPS[arch])] if arch in JUDGE_STEPS else [])],
+            ["sft", "--config", "demo-judge-sft"],
             os.path.join(logs, "judge-sft.log"),
             root,
         )
