@@ -1,6 +1,7 @@
 """Decode steps launched before the last step's tokens are read (TorchEngine ``run_ahead``,
-the default on CUDA; forced on here, on CPU) give exactly what step-by-step decoding gives:
-tokens, log-probs, finish reasons and texts, for requests that end at different steps
+the default on CUDA; forced on here, on CPU) give what step-by-step decoding gives: the same
+tokens, finish reasons and texts, log-probs to float32 rounding (a CPU matmul's rounding
+depends on the batch a row is in), for requests that end at different steps
 (length, stop token, stop string), seeded sampling, min_p, block boundaries crossed while
 running ahead, KV pressure that makes the run ahead give way and preemption happen,
 penalized requests (never run ahead) and a hybrid model (whose recurrent state a void row
@@ -65,10 +66,20 @@ def _mixed_requests(path: str) -> list:
     return list(zip(_prompts(), sampling))
 
 
+def _same_up_to_rounding(ahead: list, plain: list) -> None:
+    """Tokens, finish reasons and texts equal; log-probs equal to float32 rounding. A request
+    decodes beside other rows when running ahead (those of requests that ended, void for a few
+    steps) than step by step, and on CPU a matmul's rounding depends on its batch: on an
+    AVX-512 Xeon, ``F.linear`` gives one row different last bits at 1, 2 and 3+ rows."""
+    assert [(r[0], r[2], r[3]) for r in ahead] == [(r[0], r[2], r[3]) for r in plain]
+    assert [len(r[1]) for r in ahead] == [len(r[1]) for r in plain]
+    assert max(abs(x - y) for a, b in zip(ahead, plain) for x, y in zip(a[1], b[1])) < 1e-5
+
+
 def test_run_ahead_equals_step_by_step_decoding(llama):
     requests = _mixed_requests(llama)
     ahead, stats, plain, plain_stats = _both(llama, requests, kv_cache_tokens=4096, block_size=4)
-    assert ahead == plain
+    _same_up_to_rounding(ahead, plain)
     assert [r[2] for r in ahead][:4] == ["length", "stop", "stop", "length"]
     assert len(ahead[0][0]) == 1 and len(ahead[1][0]) < 24
     assert stats["steps_run_ahead"] > 10 and plain_stats["steps_run_ahead"] == 0
@@ -81,10 +92,8 @@ def test_run_ahead_gives_way_under_kv_pressure(llama):
     and the tokens still equal step-by-step decoding's (log-probs to rounding)."""
     greedy = [(p, {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}) for p in _prompts()]
     ahead, stats, plain, _ = _both(llama, greedy, kv_cache_tokens=160, block_size=4)
-    # a preempted request is readmitted a few steps later when running ahead, so the batches a
-    # request decodes in differ: on CPU a matmul's rounding depends on its batch (< 1e-6 here)
-    assert [(r[0], r[2], r[3]) for r in ahead] == [(r[0], r[2], r[3]) for r in plain]
-    assert max(abs(x - y) for a, b in zip(ahead, plain) for x, y in zip(a[1], b[1])) < 1e-5
+    # a preempted request is readmitted a few steps later when running ahead: other batches too
+    _same_up_to_rounding(ahead, plain)
     assert stats["steps_run_ahead"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["prefill_tokens"] > sum(len(p) for p in _prompts())  # preempted requests were prefilled again
 
