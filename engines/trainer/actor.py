@@ -38,6 +38,13 @@ MOE_TP_TRAINING = (
 _PROCESS_SETUP = threading.Lock()
 
 
+def _cpu_threads(requested: int | None) -> int:
+    """A CPU rank's intra-op threads: ``RELAY_TRAINER_CPU_THREADS``, else ``requested`` (relay
+    sft's ranks, alone on their cores, ask for cores // ranks), else 1: a CPU job's ranks and
+    engines share the cores, and OpenMP teams spinning against each other made a step 3-6x slower."""
+    return relay.settings().trainer_cpu_threads or requested or 1
+
+
 class TrainerActor(Actor):
     def __init__(
         self,
@@ -59,7 +66,7 @@ class TrainerActor(Actor):
         cpu_threads: int | None = None,
     ):
         self.model_path = model_path
-        self.cpu_threads = cpu_threads  # intra-op threads on CPU (RELAY_TRAINER_CPU_THREADS overrides; None: 1)
+        self.cpu_threads = cpu_threads  # intra-op threads on CPU (see _cpu_threads)
         self.tp = tp
         self.ep = ep  # expert-parallel size (MoE models)
         self.aux_loss_coeff = moe_aux_loss_coeff  # None: the checkpoint's router_aux_loss_coef
@@ -94,10 +101,7 @@ class TrainerActor(Actor):
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
         if self.device.type == "cpu":
-            # One intra-op thread unless told (relay sft's ranks are alone on their cores): a
-            # CPU job's ranks and engines share the cores, and OpenMP teams spinning against
-            # each other made a step 3-6x slower.
-            torch.set_num_threads(relay.settings().trainer_cpu_threads or self.cpu_threads or 1)
+            torch.set_num_threads(_cpu_threads(self.cpu_threads))
         with _PROCESS_SETUP:
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)

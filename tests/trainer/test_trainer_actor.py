@@ -307,3 +307,14 @@ def test_ppo_ratio_is_against_the_policy_before_the_rollouts_first_step(policy, 
         assert stats["ppo_kl"] == 0.0 and stats["pg_clipfrac"] == 0.0
     else:
         assert stats["ppo_kl"] != 0.0  # 0 for the first step, the second's old policy is the first's
+
+
+def test_a_cpu_rank_runs_one_intra_op_thread_unless_asked_or_told(monkeypatch):
+    """relay train's CPU ranks share the cores with the engines (1 thread); relay sft asks for
+    cores // ranks; RELAY_TRAINER_CPU_THREADS overrides both."""
+    from engines.trainer.actor import _cpu_threads
+
+    monkeypatch.delenv("RELAY_TRAINER_CPU_THREADS", raising=False)
+    assert (_cpu_threads(None), _cpu_threads(2)) == (1, 2)
+    monkeypatch.setenv("RELAY_TRAINER_CPU_THREADS", "3")
+    assert (_cpu_threads(None), _cpu_threads(2)) == (3, 3)
