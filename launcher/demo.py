@@ -83,6 +83,19 @@ def _last_eval(run_dir: str, key: str = "eval/accuracy") -> float | None:
     return vals[-1] if vals else None
 
 
+def shortfall(before: float, after: float, judged_after: float, run_dir: str) -> str:
+    """Why the demo missed its bar, for the user: the rise, and when the judge accepted many
+    more held-out answers than are right, that the policy learned to fool this judge."""
+    msg = (f"relay demo: the held-out accuracy rose by {(after - before) * 100:.1f} points, less than the "
+           f"{TARGET_RISE * 100:.0f} the demo promises")
+    if judged_after - after >= TARGET_RISE:
+        msg += (f"; the judge accepted {judged_after:.3f} of the held-out answers but {after:.3f} are right: the "
+                f"policy learned answers this judge wrongly scores 1 (the audited ones are in "
+                f"{os.path.join(run_dir, 'judge_audit.jsonl')}); a judge trained longer (relay sft --config "
+                f"demo-judge-sft --sft-steps N) makes fewer such mistakes")
+    return msg
+
+
 def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3") -> int:
     """The demo with a policy and a judge of architecture ``arch`` (:data:`DEMO_ARCHS`:
     ``qwen3_moe``: tiny Qwen3-MoE models, 4 experts, top 2); exit status 1 below the bar."""
@@ -175,11 +188,7 @@ def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3")
     print(f"{len(train)} GRPO steps; orchestration {orchestration * 100:.1f}% of step time; curves: {', '.join(plots)}")
     print(f"total {time.monotonic() - t0:.0f} s")
     if rise < TARGET_RISE:
-        print(
-            f"relay demo: the held-out accuracy rose by {rise * 100:.1f} points, less than the {TARGET_RISE * 100:.0f} "
-            f"the demo promises",
-            file=sys.stderr,
-        )
+        print(shortfall(before, after, judged_after, run_dir), file=sys.stderr)
         return 1
     print(
         f"the held-out accuracy rose by at least {TARGET_RISE * 100:.0f} points: GRPO with a GenRM judge works end to "

@@ -33,3 +33,16 @@ def test_the_judge_learns_to_reject_every_junk_character(tmp_path):
     assert all(answers[a] == {"0"} for a in sentences)
     assert sum(1 for r in rows if r["response"].endswith(" 1")) / len(rows) > 0.3  # matches stay common
     assert os.path.getsize(paths["judge_sft_eval"]) > 0
+
+
+def test_a_missed_bar_says_when_the_policy_learned_to_fool_the_judge():
+    """A judge that says 1 to some wrong answers can be gamed: the demo's message then says so
+    (a run of 2026-12-05: exact 0.315 -> 0.09 while the judge's accuracy rose to 0.335)."""
+    from launcher.demo import shortfall
+
+    fooled = shortfall(0.315, 0.09, 0.335, "/r")
+    assert fooled.startswith("relay demo: the held-out accuracy rose by -22.5 points, less than the 10 the demo")
+    assert "the judge accepted 0.335 of the held-out answers but 0.090 are right" in fooled
+    assert "/r/judge_audit.jsonl" in fooled and "--sft-steps" in fooled
+    honest = shortfall(0.30, 0.35, 0.36, "/r")  # too little learning, and the judge agrees with the grader
+    assert "rose by 5.0 points" in honest and "judge accepted" not in honest
