@@ -5,14 +5,18 @@ the rest (host work: scheduling, inputs, launches, appending tokens), at each ba
 Prints one JSON line: per batch, tok/s, wall ms a token step, host ms and waiting ms a step
 (per readback), and the scheduled steps (each runs ahead a chain of decode steps, then
 drains the pipeline). When waiting is well above zero the host is ahead of the device.
+``--profile N``: one more generation per batch with the engine thread under cProfile (its
+own overhead slows the host: read the shares, not the sums), the N functions of most own
+time, in microseconds a token step (``host_profile_us``).
 
-    python3 benchmarks/decode_host_split.py --size 0.6b --batches 1,64,256
+    python3 benchmarks/decode_host_split.py --size 0.6b --batches 1,64,256 [--profile 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
 import sys
@@ -60,7 +64,31 @@ class Clock:
         self.reads = self.steps = 0
 
 
-async def measure(eng: TorchEngine, clock: Clock, batch: int, prompt: int, new: int) -> dict:
+async def profile(eng: TorchEngine, prompts: list, sp: dict, top: int) -> dict:
+    """{function: own µs a token step} of the engine thread over one more generation."""
+    import pstats
+
+    prof, steps = cProfile.Profile(), eng.stepper.steps
+
+    def profiled(*args, **kwargs):  # runs in the engine thread: cProfile sees that thread only
+        prof.enable()
+        try:
+            return steps(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    eng.stepper.steps = profiled
+    try:
+        await asyncio.gather(*(eng.generate(p, sp) for p in prompts))
+    finally:
+        eng.stepper.steps = steps
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    per_step = 1e6 / sp["max_new_tokens"]
+    return {f"{os.path.basename(f)}:{line}({name})": round(v[2] * per_step, 1) for (f, line, name), v in rows}
+
+
+async def measure(eng: TorchEngine, clock: Clock, batch: int, prompt: int, new: int, top: int = 0) -> dict:
     prompts = [[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)]
     sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
     await asyncio.gather(*(eng.generate(p, {**sp, "max_new_tokens": 2}) for p in prompts))  # captures the graph
@@ -73,7 +101,8 @@ async def measure(eng: TorchEngine, clock: Clock, batch: int, prompt: int, new: 
             "wall_ms_per_step": round(wall / reads * 1e3, 4),
             "host_ms_per_step": round((clock.step - clock.wait) / reads * 1e3, 4),
             "wait_ms_per_step": round(clock.wait / reads * 1e3, 4),
-            "readbacks": clock.reads, "scheduled_steps": clock.steps}
+            "readbacks": clock.reads, "scheduled_steps": clock.steps,
+            **({"host_profile_us": await profile(eng, prompts, sp, top)} if top else {})}
 
 
 async def run(args) -> dict:
@@ -83,7 +112,7 @@ async def run(args) -> dict:
     eng = TorchEngine(path, device=args.device, kv_cache_tokens=max(batches) * (args.prompt + args.new + 16),
                       max_running=max(batches))
     try:
-        return {f"b{b}": await measure(eng, clock, b, args.prompt, args.new) for b in batches}
+        return {f"b{b}": await measure(eng, clock, b, args.prompt, args.new, args.profile) for b in batches}
     finally:
         await eng.close()
 
@@ -95,6 +124,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile the engine thread: its N functions of most own time")
     args = ap.parse_args()
     print(json.dumps({"device": args.device, "size": args.size, **asyncio.run(run(args))}))
 
