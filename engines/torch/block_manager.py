@@ -28,6 +28,7 @@ class BlockManager:
         self.refs: list[int] = []  # requests holding each block
         self.free_rows: list[int] = []
         self.host_tables = torch.empty((0, 0), dtype=torch.int32)
+        self._tables = self.host_tables.numpy()  # its memory: an element written in ~0.1 us, not ~5
 
     @property
     def scratch_block(self) -> int:
@@ -43,6 +44,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = self.blocks_for(min(max_tokens, num_blocks * self.block_size))
         self.host_tables = torch.full((self.max_rows + 1, self.max_blocks_per_seq), num_blocks, dtype=torch.int32)
+        self._tables = self.host_tables.numpy()
         self.allocated = True
         self.reset()
 
@@ -75,12 +77,12 @@ class BlockManager:
     def assign_row(self, seq: Sequence) -> None:
         """Give ``seq`` (holding its blocks) a row of the host block table."""
         seq.table_row = self.free_rows.pop()
-        self.host_tables[seq.table_row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        self._tables[seq.table_row, : len(seq.blocks)] = seq.blocks
 
     def append_block(self, seq: Sequence) -> None:
         """One more block for a running request (its next token starts a block)."""
         seq.blocks.append(self.take())
-        self.host_tables[seq.table_row, len(seq.blocks) - 1] = seq.blocks[-1]
+        self._tables[seq.table_row, len(seq.blocks) - 1] = seq.blocks[-1]
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on its blocks (a block is free once its last holder lets go)

@@ -300,7 +300,7 @@ class ModelRunner:
                             [p + 1 for p in pos] + [1] * pad], torch.int64)
         width = max(len(s.blocks) for s in seqs)
         rows = host_tensor([s.table_row for s in seqs] + [self.blocks.padding_row] * pad, torch.int64)
-        tables = self.blocks.host_tables.index_select(0, rows)[:, :width]
+        tables = self.blocks.host_tables[:, :width].index_select(0, rows)  # the columns in use only
         logits = self.decode_tensors(meta, tables, n, None if self.state is None else rows, ids)  # a hybrid's rows
         if greedy and self.graphs is not None and self.tp is None:
             self.picked = self.graphs.pick_greedy(padded)[:n]
