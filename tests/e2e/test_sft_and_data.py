@@ -12,6 +12,7 @@ import pytest
 from launcher.data import DataError, PromptOrder, load_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types
 
 
 @pytest.mark.integration
@@ -117,7 +118,7 @@ def test_relay_plot_writes_pngs(tmp_path):
     recs.append({"kind": "eval", "step": 3, "eval/accuracy": 0.5, "eval/pass@k": 0.6})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     p = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)],
+        [RELAY, "plot", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -127,7 +128,7 @@ def test_relay_plot_writes_pngs(tmp_path):
     for name in ("reward.png", "accuracy.png", "phases.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     bad = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "plot", str(tmp_path / "nope")],
+        [RELAY, "plot", str(tmp_path / "nope")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -139,13 +140,13 @@ def test_relay_plot_writes_pngs(tmp_path):
         (tmp_path / name).unlink()
     with open(tmp_path / "metrics.jsonl", "ab") as f:
         f.write(b'{"kind": "train", "step": 3, "reward/me')
-    torn = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)], cwd=ROOT,
+    torn = subprocess.run([RELAY, "plot", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert torn.returncode == 0, torn.stderr
     assert "left out 1 line(s) of its metrics file that are not a metrics record (line 5;" in torn.stderr
     assert all((tmp_path / name).exists() for name in ("reward.png", "accuracy.png", "phases.png"))
     (tmp_path / "metrics.jsonl").write_text("")
-    empty = subprocess.run([sys.executable, "-m", "launcher.cli", "plot", str(tmp_path)], cwd=ROOT,
+    empty = subprocess.run([RELAY, "plot", str(tmp_path)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert empty.returncode == 0 and "nothing to plot" in empty.stderr, empty.stderr
 
