@@ -288,6 +288,7 @@ class BroadcastGroup:
         import torch.distributed as dist
 
         self.name, self.rank, self.world_size = name, rank, world_size
+        self._in_flight = False  # a broadcast was started and not seen complete
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.protocol = protocol
         op_timeout = datetime.timedelta(seconds=op_timeout_s or timeout_s)
@@ -333,10 +334,12 @@ class BroadcastGroup:
         self.backend = backend
         self.timeout = op_timeout  # from now on: what a collective may take
 
-    def broadcast(self, buf: torch.Tensor) -> None:
+    def broadcast(self, buf: torch.Tensor, watch: list = ()) -> None:
         """Rank 0 sends ``buf``; the others receive into theirs (same size). Polls the work
         against the timeout (an NCCL wait alone would not return), then raises
-        ``TimeoutError`` and shuts the group down."""
+        ``TimeoutError`` and shuts the group down. ``watch``: futures (the receivers' calls)
+        whose failure ends the wait at once, raised, the group shut down (a receiver that
+        failed will not take part)."""
         import time
 
         import torch.distributed as dist
@@ -344,8 +347,16 @@ class BroadcastGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         work = self.pg.broadcast([buf], opts)
+        self._in_flight = True
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not work.is_completed():
+            for f in watch:
+                if f.done():
+                    try:
+                        f.get(0)
+                    except BaseException:
+                        self.close()
+                        raise
             if time.monotonic() > deadline:
                 self.close()
                 raise TimeoutError(
@@ -353,6 +364,7 @@ class BroadcastGroup:
                     f"{self.timeout.total_seconds()}s (rank {self.rank})"
                 )
             time.sleep(0.0005)
+        self._in_flight = False
         work.wait()  # raises the backend's error, if any
         if buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()
@@ -367,13 +379,29 @@ class BroadcastGroup:
             except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
                 pass
             return
-        for how in ("abort", "shutdown") if self.backend == "nccl" else ("shutdown",):
-            if pg is not None and hasattr(pg, how):
-                try:
-                    getattr(pg, how)()
-                    return
-                except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
-                    pass
+        if pg is None:
+            return
+        if self.backend == "nccl":
+            _shut_down(pg, ("abort", "shutdown"))
+        elif self._in_flight:  # gloo's shutdown (and its destructor) would wait that operation's timeout out
+            _ABANDONED.append(pg)  # holding the GIL: kept instead, the operation fails on its own
+        else:
+            _shut_down(pg, ("shutdown",))
+
+
+#: gloo groups closed while an operation was in flight (see ``BroadcastGroup.close``).
+_ABANDONED: list = []
+
+
+def _shut_down(pg, ways: tuple) -> None:
+    """The first of ``ways`` (methods of process group ``pg``) that works."""
+    for how in ways:
+        if hasattr(pg, how):
+            try:
+                getattr(pg, how)()
+                return
+            except Exception:  # noqa: BLE001 (best effort: the peers may be gone)
+                pass
 
 
 def _sglang_compatible_group(store, rank: int, world_size: int, backend: str, timeout, name: str):

@@ -30,6 +30,7 @@ from . import (
     device_uuid,
     flatten,
     ipc_handle,
+    layout,
     packed_views,
     release,
     share_in_place,
@@ -217,27 +218,43 @@ class WeightSender:
         ``ranks`` TP ranks takes that many), one flat buffer per bucket. The group is made
         on the first push to these engines and kept for the next ones (its set-up is paid
         once); pushing to another set of engines, a failed push and :meth:`close` tear it
-        down."""
+        down.
+
+        Each bucket's call goes out before the bucket is packed (the engines post their side
+        of the broadcast meanwhile). Built-in engines take their calls in order, so the next
+        bucket goes out without waiting for the last one's acknowledgement (read after the
+        next broadcast, by when the engines have applied it); an engine's failure ends the
+        broadcast waiting on it at once. SGLang servers (HTTP requests, not ordered) get one
+        bucket at a time. Two buffers, used in turn: one is repacked only after its
+        broadcast completed."""
         engine_ids = tuple(info.get("engine_id") for info in infos)
         if self._group is not None and (self._group.engine_ids != engine_ids or None in engine_ids):
             self.close(timeout)
         if self._group is None:
             self._group = _Group(engine_ids, *_join(engines, infos, self.device, timeout), engines)
         name, group = self._group.name, self._group.group
+        pipelined = all(info.get("backend") == "torch" for info in infos)  # built-in: calls taken in order
         align = min(int(info.get("align", ALIGN)) for info in infos)
+        buffers: list = [None, None]
+        pending: list = []  # the calls of the bucket before, when pipelined
         sent = 0
         try:
             for i, bucket in enumerate(buckets):
-                buffer, metas = flatten(bucket, self.device, align=align)
+                metas, _ = layout(bucket, align)
                 names, shapes, dtypes = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
                 last = i == len(buckets) - 1
                 receives = [
                     e.update_weights_from_distributed.call(names, dtypes, shapes, version, name, last) for e in engines
                 ]
-                group.broadcast(buffer)
-                for f in receives:
+                buffer, _ = flatten(bucket, self.device, out=buffers[i % 2], align=align)
+                buffers[i % 2] = buffer
+                group.broadcast(buffer, watch=pending + receives)
+                for f in pending if pipelined else pending + receives:
                     f.get(timeout)
+                pending = receives if pipelined else []
                 sent += buffer.numel() * len(engines)
+            for f in pending:
+                f.get(timeout)
         except BaseException:
             self.close(timeout)
             raise

@@ -314,3 +314,116 @@ def test_broadcast_group_times_out_instead_of_hanging(policy):
     with pytest.raises(TimeoutError, match="did not finish"):
         groups[1].broadcast(torch.empty(16, dtype=torch.uint8))
     groups[0].close()
+
+
+class _Call:
+    """A fake actor endpoint: ``call`` runs ``fn`` on the engine's one thread (calls taken
+    in order, as an actor's) and returns a future with ``get`` / ``done``, as relay's."""
+
+    def __init__(self, engine, fn):
+        self.engine, self.fn = engine, fn
+
+    def call(self, *args):
+        self.engine.log.append(("call", self.fn.__name__, args[-1] if self.fn.__name__ == "receive" else None))
+        return _Fut(self.engine, self.engine.thread.submit(self.fn, *args))
+
+
+class _Fut:
+    def __init__(self, engine, cf):
+        self.engine, self.cf = engine, cf
+
+    def get(self, timeout=None):
+        if timeout != 0:  # (the broadcast's watch reads done futures with 0: not a wait)
+            self.engine.log.append(("get", self.cf in self.engine.receives))
+        return self.cf.result(timeout)
+
+    def done(self):
+        return self.cf.done()
+
+
+class _FakeEngine:
+    """The receiving side of a broadcast group, as a built-in (or SGLang) engine runs it:
+    joins the gloo group, receives each bucket into a flat buffer, keeps its tensors."""
+
+    def __init__(self, backend: str, fail_at: int | None = None):
+        import concurrent.futures
+
+        self.info = {"backend": backend, "device_type": "cpu", "uuid": None, "engine_id": f"fake-{backend}"}
+        self.thread = concurrent.futures.ThreadPoolExecutor(1)
+        self.log, self.got, self.receives, self.fail_at = [], {}, set(), fail_at
+        self.group = None
+        self.init_weights_update_group = _Call(self, self.join)
+        self.update_weights_from_distributed = _Call(self, self.receive)
+        self.destroy_weights_update_group = _Call(self, self.leave)
+
+    def join(self, address, port, rank, size, name, backend, timeout):
+        self.group = weight_sync.BroadcastGroup(address, port, rank, size, backend, timeout, name)
+
+    def receive(self, names, dtypes, shapes, version, name, last):
+        metas, total = weight_sync.metas_for(names, dtypes, shapes)
+        if self.fail_at is not None and len(self.got) >= self.fail_at:  # (one tensor a bucket here)
+            raise RuntimeError("engine failed before receiving a bucket")  # as an allocation that fails
+        buf = torch.empty(total, dtype=torch.uint8)
+        self.group.broadcast(buf)
+        self.got.update((n, t.clone()) for n, t in weight_sync.unflatten(buf, metas))
+
+    def leave(self, name):
+        if self.group is not None:
+            self.group.close()
+
+
+def _push_to_fake(engine: _FakeEngine, named: dict, timeout: float = 30.0) -> int:
+    from engines.weight_sync.sender import WeightSender
+
+    sender = WeightSender(0, torch.device("cpu"))
+    calls = engine.receives
+    original = engine.update_weights_from_distributed.call
+
+    def call(*args):  # mark the futures of bucket calls (the log tells them from the join's)
+        f = original(*args)
+        calls.add(f.cf)
+        return f
+
+    engine.update_weights_from_distributed.call = call
+    try:
+        return sender._push_broadcast([engine], [engine.info], weight_sync.buckets(named, 64), 1, timeout)
+    finally:
+        sender.close(5.0)
+        engine.thread.shutdown(wait=False)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_broadcast_push_sends_the_next_bucket_before_the_last_ack_to_built_in_engines_only():
+    """Built-in engines take their calls in order: bucket i+1 is announced and broadcast
+    before bucket i's acknowledgement is read. SGLang servers (unordered HTTP) get one
+    bucket at a time. Both receive exactly the trainer's tensors."""
+    named = {f"w{i:02d}": torch.arange(12, dtype=torch.float32) * (i + 1) for i in range(6)}  # 48 B each: 6 buckets
+    orders = {}
+    for backend in ("torch", "sglang"):
+        engine = _FakeEngine(backend)
+        sent = _push_to_fake(engine, named)
+        assert sent >= sum(t.numel() * 4 for t in named.values())
+        assert set(engine.got) == set(named) and all(torch.equal(engine.got[n], t) for n, t in named.items())
+        orders[backend] = [e for e in engine.log if e[0] == "get" and e[1] or e[0] == "call" and e[1] == "receive"]
+    calls_before_first_ack = {b: next(i for i, e in enumerate(o) if e[0] == "get") for b, o in orders.items()}
+    assert calls_before_first_ack == {"torch": 2, "sglang": 1}
+    assert [e[0] for e in orders["sglang"]] == ["call", "get"] * 6
+    assert [e[0] for e in orders["torch"]] == ["call", "call"] + ["get", "call"] * 4 + ["get", "get"]
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_an_engine_failing_mid_push_ends_the_broadcast_at_once_with_its_error():
+    """A receiver that fails before taking part in a bucket's broadcast (its call raised)
+    never joins it: the sender raises that error at once, not the group's timeout (30 s)
+    for the broadcast it waits in, and tears the group down."""
+    import time
+
+    named = {f"w{i:02d}": torch.ones(12) * i for i in range(6)}
+    engine = _FakeEngine("torch", fail_at=2)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="engine failed before receiving a bucket"):
+        _push_to_fake(engine, named, timeout=30.0)
+    assert time.monotonic() - t < 5
+    assert engine.group.pg is None  # the sender's teardown reached the engine: it left the group
