@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -112,7 +113,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
 
-    @property
+    @functools.cached_property  # read for every row of every step; the fields are not changed after validation
     def penalized(self) -> bool:
         """Whether the logits are changed before sampling (a penalty or min_new_tokens)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

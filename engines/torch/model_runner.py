@@ -293,7 +293,7 @@ class ModelRunner:
         scratch_slot = self.blocks.scratch_block * bs
         ahead = ids is not None
         tokens = [0] * n if ahead else [s.last_token for s in seqs]
-        pos = [s.n_tokens - 1 + ahead for s in seqs]
+        pos = [len(s.prompt) + len(s.output) - 1 + ahead for s in seqs]  # n_tokens - 1 (inlined: every row)
         slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
         pad = padded - n
         meta = host_tensor([tokens + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad,

@@ -176,7 +176,7 @@ class Scheduler:
         preempting: False, taking nothing, when the free blocks do not cover them (the step
         is then not launched; a regular step follows)."""
         bs = self.blocks.block_size
-        need = [s for s in seqs if s.n_tokens + 1 > len(s.blocks) * bs]
+        need = [s for s in seqs if len(s.prompt) + len(s.output) >= len(s.blocks) * bs]  # n_tokens + 1 > room
         if len(need) > len(self.blocks.free_blocks):
             return False
         for seq in need:
@@ -193,8 +193,9 @@ class Scheduler:
         for seq, token, logprob in zip(batch, token_ids, logprobs):
             if seq.finish_reason is not None:
                 continue
-            seq.cached_tokens = seq.n_tokens
-            seq.output.append(token)
+            output = seq.output
+            seq.cached_tokens = len(seq.prompt) + len(output)  # (n_tokens, inlined: every row, every step)
+            output.append(token)
             seq.logprobs.append(logprob)
             if is_finished(seq, token):
                 finished.append(self.finish(seq))

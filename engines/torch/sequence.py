@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from ..interface import SamplingParams
 
 
-@dataclass(eq=False)  # identity: requests are compared in list scans every step
+@dataclass(eq=False, slots=True)  # identity: requests are compared in list scans every step; slots: read every step
 class Sequence:
     request_id: int  # in arrival order: "abort all before N" relies on it
     prompt: list
