@@ -12,6 +12,8 @@ HF checkpoint to ``--save-hf`` (default RUN_DIR/hf).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 
 from .agent import WorkerInfo
@@ -40,6 +42,8 @@ class SFTJob:
         self.steps = cfg.sft_steps or max(1, len(self.rows) // cfg.global_batch_size)
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.save_to = os.path.abspath(cfg.save_hf or os.path.join(self.run_dir, "hf"))
+        self._encoded: dict[int, tuple[list[int], list[int]]] = {}  # id(row) -> _encode(row)
+        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sft-encode")  # the tokenizer's
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -56,22 +60,36 @@ class SFTJob:
         await self.trainer.initialized()
 
     def _encode(self, row: Row) -> tuple[list[int], list[int]]:
+        """(token ids, response mask) of ``row``, tokenized once: the rows come back every
+        epoch and every evaluation (tokenizing a batch of 128 chat rows took ~35 ms, a fifth
+        of the demo judge's step)."""
+        got = self._encoded.get(id(row))  # (the rows live as long as the job: their ids are theirs)
+        if got is None:
+            got = self._encoded[id(row)] = self._tokenize(row)
+        return got
+
+    def _tokenize(self, row: Row) -> tuple[list[int], list[int]]:
         prompt = prompt_ids(self.tokenizer, row.prompt, self.cfg.apply_chat_template, self.cfg.chat_template_kwargs)
         response = self.tokenizer(row.response, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         return prompt + response, [0] * (len(prompt) - 1) + [1] * len(response)
 
-    async def _per_dp(self, method: str, rows: list[Row]) -> list:
-        """Rows split across DP ranks (a DP rank whose shard would be empty takes all rows);
-        returns each DP shard's result."""
+    def _shards(self, rows: list[Row]) -> list[tuple[list, list]]:
+        """``rows`` split across DP ranks (a DP rank whose shard would be empty takes all
+        rows), encoded: (token ids, response masks) per DP rank. Runs on :attr:`_encoder`."""
         dp = self.trainer.dp
-        shards = [rows[d::dp] or rows for d in range(dp)]
-        encoded = [[self._encode(r) for r in shard] for shard in shards]
-        return await self.trainer.call_per_dp(method, [([e[0] for e in enc], [e[1] for e in enc]) for enc in encoded])
+        encoded = [[self._encode(r) for r in rows[d::dp] or rows] for d in range(dp)]
+        return [([e[0] for e in enc], [e[1] for e in enc]) for enc in encoded]
+
+    def _encode_ahead(self, rows: list[Row]) -> asyncio.Future:
+        """:meth:`_shards` of ``rows`` on the one thread that tokenizes (it runs while the ranks
+        train: the controller waits then)."""
+        return asyncio.get_running_loop().run_in_executor(self._encoder, self._shards, rows)
 
     async def evaluate(self) -> float:
         hits = []
         for i in range(0, len(self.eval_rows), 256):
-            for shard in await self._per_dp("greedy_match", self.eval_rows[i : i + 256]):
+            shards = await self._encode_ahead(self.eval_rows[i : i + 256])
+            for shard in await self.trainer.call_per_dp("greedy_match", shards):
                 hits += shard
         return sum(hits) / len(hits)
 
@@ -82,11 +100,15 @@ class SFTJob:
         rec: dict = {}
         timer = PhaseTimer()
         t0 = timer.clock()
+        ahead = self._encode_ahead(order.batch(0, cfg.global_batch_size))  # each step's batch, encoded the step before
         try:
             for step in range(self.steps):
                 timer.begin_step()
                 with timer.phase("train"):
-                    stats = await self._per_dp("sft_step", order.batch(step, cfg.global_batch_size))
+                    shards = await ahead
+                    if step + 1 < self.steps:
+                        ahead = self._encode_ahead(order.batch(step + 1, cfg.global_batch_size))
+                    stats = await self.trainer.call_per_dp("sft_step", shards)
                 rec = {"kind": "sft", "step": step, "train/loss": sum(s["loss"] for s in stats) / len(stats),
                        "train/grad_norm": stats[0]["grad_norm"], "train/lr": stats[0]["lr"], **timer.metrics()}
                 last = step == self.steps - 1
@@ -97,6 +119,8 @@ class SFTJob:
                     log.progress(step, rec)
         finally:
             log.close()
+            if not ahead.cancel() and not ahead.cancelled():  # done: its error (if any) was read or is moot
+                ahead.exception()
         await self.save()
         rec["time/total"] = timer.clock() - t0
         accuracy = f"; held-out accuracy {rec['eval/accuracy']:.3f}" if "eval/accuracy" in rec else ""
@@ -109,5 +133,6 @@ class SFTJob:
         await write_hf_checkpoint(self.trainer, self.cfg.hf_checkpoint, self.save_to)
 
     async def close(self, graceful: bool = True) -> None:
+        self._encoder.shutdown(wait=False, cancel_futures=True)
         if graceful:
             await self.trainer.shutdown(self.out)

@@ -454,3 +454,47 @@ def test_the_post_process_hook_runs_on_every_training_batch_outside_defer_swap()
     assert [s.reward for s in samples] == [10.0] * 4 and [s.advantage for s in samples] == [0.5, -0.5] * 2
     deferred = asyncio.run(loop._generate_batch(0, score_inline=False))
     assert len(HOOK_CALLS) == 1 and all(s.advantage is None for s in deferred)
+
+
+@pytest.mark.unit
+def test_relay_sft_tokenizes_each_row_once_and_encodes_the_next_batch_on_its_own_thread(tmp_path):
+    """relay sft's rows come back every epoch and every evaluation: each is tokenized once
+    (by the one thread that tokenizes), and a batch's DP shards are what encoding its rows
+    one by one gives."""
+    import json
+    import threading
+
+    from launcher.config import build_config
+    from launcher.sft import SFTJob
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(5)))
+    cfg = build_config({"hf_checkpoint": str(tmp_path), "prompt_data": str(data), "apply_chat_template": False})
+    job = SFTJob(cfg, plan=None, workers=[], out=None)
+    calls, threads = [], set()
+
+    class Tokenizer:  # characters as ids
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=True):
+            calls.append(text)
+            threads.add(threading.current_thread().name)
+            return {"input_ids": [ord(c) for c in text]}
+
+        def encode(self, text, add_special_tokens=True):
+            return self(text, add_special_tokens)["input_ids"]
+
+    job.tokenizer, job.trainer = Tokenizer(), SimpleNamespace(dp=2)
+
+    async def main():
+        first = await job._encode_ahead(job.rows[:4])
+        again = await job._encode_ahead(job.rows)  # rows 0-3 again, and row 4
+        return first, again
+
+    first, again = asyncio.run(main())
+    job._encoder.shutdown()
+    assert sorted(calls) == sorted([f"q{i}" for i in range(5)] + [f"a{i}" for i in range(5)])  # once each
+    assert threads == {n for n in threads if n.startswith("sft-encode")}
+    ids = {i: [ord(c) for c in f"q{i}a{i}"] + [0] for i in range(5)}
+    assert first == [([ids[0], ids[2]], [[0, 1, 1, 1]] * 2), ([ids[1], ids[3]], [[0, 1, 1, 1]] * 2)]
+    assert again[0][0] == [ids[0], ids[2], ids[4]] and again[1][0] == [ids[1], ids[3]]
