@@ -203,20 +203,15 @@ class TrainerActor(Actor):
         from .megatron_model import causal_mask
 
         width = width or max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-        ids = ids.to(self.device)
+        ids = batching.padded(seqs, width).to(self.device)
         s = width - 1
         pos = torch.arange(s, device=self.device)[None].expand(len(seqs), -1)
         return ids[:, :-1], pos, causal_mask(s).to(self.device), ids[:, 1:]
 
     def _mask(self, seqs: list, response_masks: list, width: int | None = None) -> torch.Tensor:
         """0/1 over tokens 1..n of each (right-padded) sequence: 1 on response tokens."""
-        mask = torch.zeros(len(seqs), (width or max(len(s) for s in seqs)) - 1, device=self.device)
-        for i, m in enumerate(response_masks):
-            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-        return mask
+        width = (width or max(len(s) for s in seqs)) - 1
+        return batching.padded(response_masks, width, torch.float32).to(self.device)
 
     def _logprobs(self, seqs, temperature: float = 1.0, width: int | None = None) -> torch.Tensor:
         from .megatron_model import token_logprobs
