@@ -349,14 +349,15 @@ class BroadcastGroup:
         work = self.pg.broadcast([buf], opts)
         self._in_flight = True
         deadline = time.monotonic() + self.timeout.total_seconds()
+        watching = list(watch)
         while not work.is_completed():
-            for f in watch:
-                if f.done():
-                    try:
-                        f.get(0)
-                    except BaseException:
-                        self.close()
-                        raise
+            for f in [f for f in watching if f.done()]:  # each read once: a failure raises here
+                watching.remove(f)
+                try:
+                    f.get(0)
+                except BaseException:
+                    self.close()
+                    raise
             if time.monotonic() > deadline:
                 self.close()
                 raise TimeoutError(
