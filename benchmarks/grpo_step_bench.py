@@ -3,7 +3,9 @@ workers, engines, judge service + gateway + client, Megatron trainer) in colocat
 Defer-swap on this machine's GPUs (or virtual CPU bundles), with random-weight Qwen3-shaped
 policy and judge, and prints one JSON line per mode: mean seconds per phase over the steps
 after the first, the share of the step spent on orchestration (not generating, judging,
-training, swapping or moving weights), and the memory in use per GPU per phase.
+training, swapping or moving weights), the memory in use per GPU per phase, and how far the
+trainer's log-probs are from the engines' (the largest gap, mismatch_kl, the TIS clip
+fraction; ``benchmarks/grpo_learning_bench.py`` measures them with trained, peaked models).
 
     python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 2 --steps 3
     python benchmarks/grpo_step_bench.py --device cpu --size tiny --gpus 2 --steps 2   # smoke run
@@ -159,6 +161,13 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
     out["engine_bytes_training"] = steady[-1].get("mem/engine_bytes_training")
     out["trainer_stays_on_device"] = [r.get("mem/trainer_stays_on_device") for r in recs]
     out["judge_requests"] = steady[-1].get("judge/requests")
+    # training against the engines: the largest |engine - trainer| log-prob gap of a response
+    # token, mismatch_kl and the TIS clip fraction (with --use-tis) over every step
+    gaps = [r["train/rollout_logprob_abs_diff_max"] for r in recs if "train/rollout_logprob_abs_diff_max" in r]
+    out["logprob_gap_max"] = max(gaps) if gaps else None
+    for key in ("mismatch_kl", "tis_clipfrac"):
+        values = [r[f"train/{key}"] for r in recs if f"train/{key}" in r]
+        out[key] = round(statistics.fmean(values), 6) if values else None
     return out
 
 

@@ -60,6 +60,7 @@ def pinned_copy_s_per_gb(device: str, nbytes: int) -> tuple[float, float]:
 async def bench(args, path: str) -> dict:
     from engines.actor import EngineActor
     from engines.trainer.actor import TrainerActor
+    from engines.trainer.train_batch import TrainBatch
     from relay import setup_torch_distributed, this_host
 
     seqs = [[5 + (i * 7 + j * 3) % 90 for j in range(args.seq)] for i in range(args.batch)]
@@ -77,11 +78,11 @@ async def bench(args, path: str) -> dict:
     out: dict = {"size": args.size, "device": args.device, "bf16": args.bf16, "batch": args.batch, "seq": args.seq}
     out["optimizer"] = (await t.optimizer_info.call_one().result(60))["kind"]
 
-    await t.train_step.call_one(seqs, masks, adv).result(1200)  # warm-up (allocates the optimizer state)
+    await t.train_step.call_one(TrainBatch(seqs, masks, adv)).result(1200)  # warm-up (allocates the optimizer state)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        await t.train_step.call_one(seqs, masks, adv).result(1200)
+        await t.train_step.call_one(TrainBatch(seqs, masks, adv)).result(1200)
         times.append(time.perf_counter() - t0)
     out["step_s"] = statistics.median(times)
     out["tokens_per_s"] = args.batch * args.seq / out["step_s"]

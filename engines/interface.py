@@ -273,7 +273,7 @@ class GenerateResult:
     logprobs: list  # one per generated token (see the module docstring)
     finish_reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
-    weight_version: int
+    weight_version: int  # the weights of the request's start (a weight update mid-request keeps the older)
 
 
 class Engine(abc.ABC):

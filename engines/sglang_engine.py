@@ -210,6 +210,7 @@ class SGLangEngine(Engine):
             body["text"] = prompt
         else:
             body["input_ids"] = list(prompt)
+        started_version = self.weight_version  # the version that began it (staleness counts from the start)
         data = await self._generate_call(body)
         meta = data["meta_info"]
         lps = meta.get("output_token_logprobs") or []
@@ -220,7 +221,7 @@ class SGLangEngine(Engine):
             logprobs=[t[0] for t in lps],
             finish_reason=finish if finish in ("stop", "length", "abort") else "stop",
             prompt_tokens=meta.get("prompt_tokens", 0),
-            weight_version=_version(meta.get("weight_version"), self.weight_version),
+            weight_version=min(started_version, _version(meta.get("weight_version"), self.weight_version)),
         )
 
     # ------------------------------------------------------------------ control

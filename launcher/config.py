@@ -84,7 +84,9 @@ class JobConfig:
     )
     n_samples_per_prompt: int = _opt(1, help="samples per prompt (the GRPO group size)", minimum=1)
     rollout_batch_size: int = _opt(32, help="prompts per rollout step", minimum=1)
-    global_batch_size: int = _opt(256, help="samples per optimizer step", minimum=1)
+    global_batch_size: int | None = _opt(
+        None, help="samples per optimizer step (default: a rollout's, --rollout-batch-size x "
+        "--n-samples-per-prompt: one step per rollout, as the original); relay sft: rows per step", minimum=1)
     rollout_max_response_len: int = _opt(1024, help="max new tokens per rollout sample", minimum=1)
     rollout_temperature: float = _opt(1.0, help="rollout sampling temperature", minimum=0.0)
     rollout_top_p: float = _opt(1.0, help="rollout nucleus sampling", minimum=0.0)
@@ -199,7 +201,14 @@ class JobConfig:
     use_tis: bool = _opt(False, help="truncated importance sampling against rollout log-probs")
     tis_clip: float = _opt(2.0, help="TIS upper clamp", minimum=0.0)
     tis_clip_low: float = _opt(0.0, help="TIS lower clamp", minimum=0.0)
-    entropy_coef: float = _opt(0.0, help="entropy bonus coefficient", minimum=0.0)
+    entropy_coef: float = _opt(0.0, help="entropy bonus coefficient (train/entropy is logged whatever it is)",
+                               minimum=0.0)
+    calculate_per_token_loss: bool = _opt(
+        False, help="the loss is the mean over the step's response tokens (default: each sample's token-mean, "
+        "averaged over the step's samples, as the original)")
+    disable_rewards_normalization: bool = _opt(False, help="advantages are the raw rewards (no group mean or std)")
+    disable_grpo_std_normalization: bool = _opt(
+        False, help="advantages are rewards minus their group's mean, not divided by its std (Dr. GRPO)")
     micro_batch_tokens: int = _opt(
         8192,
         help="trainer: padded tokens per forward/backward pass (gradients accumulate over micro-batches)",
@@ -223,7 +232,10 @@ class JobConfig:
     lr: float = _opt(1e-6, help="learning rate", minimum=0.0)
     lr_decay_style: str = _opt("constant", help="learning-rate schedule", choices=("constant", "cosine"))
     lr_warmup_iters: int = _opt(0, help="warm-up steps", minimum=0)
-    weight_decay: float = _opt(0.0, help="weight decay", minimum=0.0)
+    weight_decay: float = _opt(0.0, help="weight decay (norms and biases are exempt, as in Megatron)", minimum=0.0)
+    adam_beta1: float = _opt(0.9, help="Adam beta1", minimum=0.0, maximum=1.0)
+    adam_beta2: float = _opt(0.999, help="Adam beta2", minimum=0.0, maximum=1.0)
+    adam_eps: float = _opt(1e-8, help="Adam epsilon", minimum=0.0)
     clip_grad: float = _opt(1.0, help="gradient-norm clip", minimum=0.0)
     bf16: bool = _opt(False, help="trainer: bf16 params with fp32 master weights (Megatron's optimizer); default fp32")
     optimizer_impl: str = _opt(
@@ -247,7 +259,9 @@ class JobConfig:
     eval_max_response_len: int | None = _opt(
         None, help="max new tokens per evaluation sample (default: --rollout-max-response-len)", minimum=1
     )
-    eval_temperature: float = _opt(0.0, help="evaluation sampling temperature (0: greedy)", minimum=0.0)
+    eval_temperature: float | None = _opt(
+        None, help="evaluation sampling temperature (default: --rollout-temperature, as the original; 0: greedy)",
+        minimum=0.0)
     eval_top_p: float = _opt(1.0, help="evaluation nucleus sampling", minimum=0.0)
     skip_eval_before_train: bool = _opt(False, help="do not evaluate before the first step")
     apply_chat_template: bool = _opt(
@@ -379,8 +393,12 @@ def build_config(values: dict[str, Any]) -> JobConfig:
     check_resource(cfg.resource)
     if cfg.eps_clip_high is None:
         cfg.eps_clip_high = cfg.eps_clip
+    if cfg.eval_temperature is None:  # the original evaluates at the rollout temperature unless told otherwise
+        cfg.eval_temperature = cfg.rollout_temperature
     if not 0 < cfg.sglang_mem_fraction_static < 1:
         raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got {cfg.sglang_mem_fraction_static}")
+    if cfg.global_batch_size is None:  # the original: one optimizer step per rollout
+        cfg.global_batch_size = cfg.rollout_batch_size * cfg.n_samples_per_prompt
     if cfg.global_batch_size % cfg.n_samples_per_prompt:
         raise ConfigError(
             f"--global-batch-size ({cfg.global_batch_size}) must be a multiple of --n-samples-per-prompt "

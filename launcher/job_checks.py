@@ -15,6 +15,23 @@ def user_code_flags() -> list[str]:
     return [name for name, f in FIELDS.items() if f.metadata.get("user_code")]
 
 
+def check_training_math(cfg: JobConfig) -> None:
+    """GRPO settings that would train on something else than asked: a rollout temperature of
+    0 (greedy groups are identical: every advantage is 0, nothing is learned), and a global
+    batch size that does not divide the rollout (a short last optimizer step, and an LR
+    schedule counting steps that never run)."""
+    if cfg.rollout_temperature == 0:
+        raise ConfigError("--rollout-temperature 0 samples every answer of a group greedily, so they are identical, "
+                          "every advantage is 0 and nothing is learned: train with a temperature > 0 (the original's "
+                          "scripts use 1.0); evaluate greedily with --eval-temperature 0")
+    rollout = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    if rollout % cfg.global_batch_size:
+        raise ConfigError(f"--global-batch-size {cfg.global_batch_size} does not divide the {rollout} samples of a "
+                          f"rollout (--rollout-batch-size {cfg.rollout_batch_size} x --n-samples-per-prompt "
+                          f"{cfg.n_samples_per_prompt}): every optimizer step must take the same number of samples; "
+                          f"use a divisor of {rollout}")
+
+
 def check_job(cfg: JobConfig, sft: bool = False) -> None:
     """What a job needs beyond well-formed values, checked by every entry point (``relay
     plan / train / sbatch``, ``python -m launcher``) before any process starts: a judge for
@@ -24,6 +41,7 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
     ``python -m`` does). ``sft``: only the trainer runs, so rewards and hooks are not used."""
     if sft:
         return
+    check_training_math(cfg)
     if cfg.rm_type == "dapo-genrm" and not cfg.custom_rm_path and not cfg.genrm:
         raise ConfigError(
             "--rm-type dapo-genrm scores every sample with a judge, and this config has none: add a genrm model "

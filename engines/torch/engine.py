@@ -172,7 +172,8 @@ class TorchEngine(Engine):
         if request_sampling.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(request_sampling.seed)
-        seq = Sequence(self._next_rid, ids, request_sampling, loop.create_future(), loop, gen)
+        seq = Sequence(self._next_rid, ids, request_sampling, loop.create_future(), loop, gen,
+                       weight_version=self.weight_version)
         self._next_rid += 1
         self.scheduler.add(seq)
         self._ensure_loop()
@@ -219,7 +220,7 @@ class TorchEngine(Engine):
             text = self.tokenizer.decode(seq.output, skip_special_tokens=seq.sampling.skip_special_tokens)
         self._requests_done += 1
         seq.future.set_result(GenerateResult(list(seq.output), text, list(seq.logprobs), seq.finish_reason,
-                                             len(seq.prompt), self.weight_version))
+                                             len(seq.prompt), seq.weight_version))
 
     # ------------------------------------------------------------------ the step (engine thread)
 

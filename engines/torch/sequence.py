@@ -29,6 +29,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     text_before_stop: str | None = None  # the text, set when a stop (trimmed off it) ended the request
     penalty: object | None = None  # a PenaltyState (engines/torch/penalties.py) when penalties are asked
+    weight_version: int = 0  # the engine's weights when the request arrived (the oldest that generated it)
 
     @property
     def tokens(self) -> list:

@@ -24,7 +24,8 @@ from relay import Actor, endpoint
 from . import batching, checkpoint_io
 from .batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
 from .dist_init import _init_process_group
-from .loss import LossConfig, policy_loss
+from .loss import LossConfig, policy_loss, token_weights
+from .train_batch import StepStats, TrainBatch
 
 MOE_TP_TRAINING = (
     "training a mixture-of-experts model with tensor parallelism needs Megatron's sequence parallelism, which "
@@ -64,13 +65,16 @@ class TrainerActor(Actor):
         ep: int = 1,
         moe_aux_loss_coeff: float | None = None,
         cpu_threads: int | None = None,
+        adam: tuple = (0.9, 0.999, 1e-8),
+        frozen: bool = False,
     ):
         self.model_path = model_path
         self.cpu_threads = cpu_threads  # intra-op threads on CPU (see _cpu_threads)
         self.tp = tp
         self.ep = ep  # expert-parallel size (MoE models)
         self.aux_loss_coeff = moe_aux_loss_coeff  # None: the checkpoint's router_aux_loss_coef
-        self.opt_args = dict(lr=lr, weight_decay=weight_decay)
+        self.opt_args = dict(lr=lr, weight_decay=weight_decay, betas=tuple(adam[:2]), eps=adam[2])
+        self.frozen = frozen  # a reference model: never steps (so bf16 params need no master weights)
         self.clip_grad = clip_grad
         self.schedule = (lr_decay_style, lr_warmup_iters, total_iters)
         self.seed = seed
@@ -78,7 +82,7 @@ class TrainerActor(Actor):
         self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward/backward
         if optimizer not in ("auto", "torch", "megatron"):
             raise ValueError(f"optimizer must be 'auto', 'torch' or 'megatron', not {optimizer!r}")
-        if bf16 and optimizer == "torch":
+        if bf16 and optimizer == "torch" and not frozen:
             raise ValueError("bf16 params need fp32 master weights: use optimizer 'megatron' (or 'auto')")
         self.bf16 = bf16
         self.optimizer_kind = optimizer
@@ -186,6 +190,8 @@ class TrainerActor(Actor):
         return base
 
     def _begin_step(self) -> None:
+        if self.frozen:
+            raise RuntimeError("this trainer holds a frozen reference model: it does not train")
         if self.offloaded:
             raise RuntimeError("the trainer is offloaded; onload() before training")
         if self.cfg.num_experts and self.tp > 1:
@@ -193,9 +199,10 @@ class TrainerActor(Actor):
         self.model.train()
         self.opt.zero_grad(self._lr())
 
-    def _finish_step(self) -> float:
-        """Average gradients over DP, clip, step the optimizer; returns the norm before clipping."""
-        norm = self.opt.step()
+    def _finish_step(self, what: str) -> float:
+        """Average gradients over DP, clip, step the optimizer; returns the norm before
+        clipping. A non-finite norm (the same on every rank) raises before any weight changes."""
+        norm = self.opt.step(what)
         self.step += 1
         return norm
 
@@ -213,12 +220,12 @@ class TrainerActor(Actor):
         width = (width or max(len(s) for s in seqs)) - 1
         return batching.padded(response_masks, width, torch.float32).to(self.device)
 
-    def _logprobs(self, seqs, temperature: float = 1.0, width: int | None = None) -> torch.Tensor:
+    def _logprobs(self, seqs, temperature: float = 1.0, width: int | None = None, entropy: str | None = None):
         from .megatron_model import token_logprobs
 
         ids, pos, mask, tgt = self._batch(seqs, width)
         pad = batching.padding_mask(seqs, ids.shape[1] + 1, self.device) if self.cfg.num_experts else None
-        return token_logprobs(self.model, ids, pos, mask, tgt, temperature, padding_mask=pad)
+        return token_logprobs(self.model, ids, pos, mask, tgt, temperature, padding_mask=pad, entropy=entropy)
 
     def _micro(self, seqs: list) -> list:
         """``(indices, width)`` per micro-batch; with EP > 1 the schedule the EP group shares
@@ -229,7 +236,10 @@ class TrainerActor(Actor):
 
     @endpoint
     def compute_logprobs(self, seqs: list, temperature: float = 1.0) -> list:
-        """Per-token log-probs of each sequence's tokens 1..n (the engines' definition)."""
+        """Per-token log-probs of each sequence's tokens 1..n at ``temperature`` (the engines'
+        definition: log-softmax of logits / T)."""
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a positive number, not {temperature!r}")
         self.model.eval()
         out: list = [None] * len(seqs)
         with torch.no_grad():
@@ -242,47 +252,41 @@ class TrainerActor(Actor):
         return out
 
     @endpoint
-    def train_step(
-        self,
-        seqs: list,
-        response_masks: list,
-        advantages: list,
-        rollout_logprobs: list | None = None,
-        ref_logprobs: list | None = None,
-        temperature: float = 1.0,
-        old_logprobs: list | None = None,
-    ) -> dict:
-        """One optimizer step of GRPO on these sequences. ``response_masks[i][t]`` marks the
-        response tokens among tokens 1..n of sequence i; ``rollout_logprobs`` / ``ref_logprobs``
-        (aligned the same way) feed TIS / mismatch_kl and the KL loss; ``old_logprobs`` are
-        the policy's before the rollout's first optimizer step (PPO's ratio; None: this is
-        that step, and the log-probs of this forward, detached, are the old ones)."""
+    def train_step(self, batch: TrainBatch) -> StepStats:
+        """One optimizer step of GRPO on ``batch`` (engines/trainer/train_batch.py: the step's
+        aggregation, its whole-step denominator when it is one DP rank's shard, the rollout
+        temperature of every log-prob). A non-finite loss or gradient raises
+        FloatingPointError on every rank before any weight changes."""
+        batch.validate()
         self._begin_step()
-        token_level = self.loss_cfg.aggregation == "token"
-        total = sum(sum(m) for m in response_masks) if token_level else len(seqs)
-        stats: dict = {}
-        # Micro-batches under the token budget; each one's loss is weighted by its share of
-        # the batch (tokens or samples), so the summed gradient equals the whole batch's.
-        plan = self._micro(seqs)
+        # a shard weights its tokens by their share of the whole step and scales by the DP
+        # size, which the DP averaging of gradients divides out: the ranks' gradients add up
+        denominator = batch.denominator or batch.total() or 1
+        scale = self.dp_size if batch.denominator else 1
+        entropy = "trained" if self.loss_cfg.entropy_coef else "logged"
+        shares: dict = {}
+        maxima: dict = {}
+        plan = self._micro(batch.tokens)
         for idx, width in plan:
-            part = batching.rows(seqs, idx)
-            mask = self._mask(part, batching.pick(response_masks, idx, []), width)
-            real = sum(i is not None for i in idx)
-            share = (float(mask.sum()) if token_level else real) / max(total, 1)
-            batching.set_aux_loss_scale(self.cfg, self.model.config, idx, share)
-            logp = self._logprobs(part, temperature, width)
-            old, rollout, ref = batching.step_logprobs(logp, idx, old_logprobs, rollout_logprobs, ref_logprobs)
-            adv = torch.tensor(batching.pick(advantages, idx, 0.0), device=self.device, dtype=torch.float32)
-            loss, st = policy_loss(logp, old, adv, mask, self.loss_cfg, ref_logp=ref, rollout_logp=rollout)
-            # sample-level aggregation averages over every row, dummies (EP) included
-            weight = (float(mask.sum()) if token_level else len(idx)) / max(total, 1)
-            (loss * weight).backward()
+            part = batching.rows(batch.tokens, idx)
+            mask = self._mask(part, batching.pick(batch.response_masks, idx, []), width)
+            weights = token_weights(mask, batch.aggregation, denominator)
+            batching.set_aux_loss_scale(self.cfg, self.model.config, idx, float(weights.sum()) * scale)
+            logp, ent = self._logprobs(part, batch.temperature, width, entropy)
+            old, rollout, ref = batching.step_logprobs(logp, idx, batch.old_logprobs, batch.rollout_logprobs,
+                                                       batch.ref_logprobs)
+            adv = torch.tensor(batching.pick(batch.advantages, idx, 0.0), device=self.device, dtype=torch.float32)
+            loss, st = policy_loss(logp, old, adv, weights, self.loss_cfg, ref_logp=ref, rollout_logp=rollout,
+                                   entropy=ent)
+            (loss * scale).backward()
             for k, v in st.items():
-                stats[k] = stats.get(k, 0.0) + v * weight
-        stats.update(batching.aux_loss_stats(self.cfg, plan))
-        stats["grad_norm"] = self._finish_step()
-        stats["lr"] = self.opt.lr
-        return stats
+                if k.endswith("_max"):
+                    maxima[k] = max(maxima.get(k, v), v)
+                else:
+                    shares[k] = shares.get(k, 0.0) + v
+        means = batching.aux_loss_stats(self.cfg, plan)
+        norm = self._finish_step(f"GRPO step {self.step} (loss {shares.get('loss', 0.0):.6g} on this rank)")
+        return StepStats(norm, self.opt.lr, shares, means, maxima)
 
     @endpoint
     def sft_step(self, seqs: list, response_masks: list) -> dict:
@@ -301,7 +305,7 @@ class TrainerActor(Actor):
             loss_sum += float(loss.detach())
         stats = {"loss": loss_sum}
         stats.update(batching.aux_loss_stats(self.cfg, plan))
-        stats.update(grad_norm=self._finish_step(), lr=self.opt.lr)
+        stats.update(grad_norm=self._finish_step(f"SFT step {self.step} (loss {loss_sum:.6g})"), lr=self.opt.lr)
         return stats
 
     @endpoint

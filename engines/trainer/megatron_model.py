@@ -332,14 +332,44 @@ def token_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-token log-probs of ``targets`` under the model, vocab-parallel (no full-vocab
-    gather across TP): ``-vocab_parallel_cross_entropy(logits / T, targets)``. ``padding_mask``
-    (MoE models only; True on padding) keeps padding out of the routing statistics."""
+    entropy: str | None = None,
+):
+    """Per-token log-probs of ``targets`` under the model at ``temperature`` (the engines'
+    definition: log-softmax of logits / T), vocab-parallel (no full-vocab gather across TP):
+    ``-vocab_parallel_cross_entropy(logits / T, targets)``. With ``entropy`` (``"logged"``:
+    without gradient; ``"trained"``: with it): ``(log-probs, entropy of each position's
+    distribution at T)``, from the same logits (no second forward). ``padding_mask`` (MoE
+    models only; True on padding) keeps padding out of the routing statistics."""
     from megatron.core import tensor_parallel
 
     extra = {} if padding_mask is None else {"padding_mask": padding_mask}
     logits = model(input_ids, position_ids, mask, **extra)  # [b, s, V/tp]
     if temperature != 1.0:
         logits = logits / temperature
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float().contiguous(), targets)
+    logits = logits.float().contiguous()
+    ent = None
+    if entropy is not None:  # before the cross entropy, which overwrites its input (exp in place)
+        with torch.set_grad_enabled(entropy == "trained" and torch.is_grad_enabled()):
+            ent = vocab_parallel_entropy(logits)
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
+    return logp if entropy is None else (logp, ent)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``-sum p log p`` over the whole vocabulary of each position, where each TP rank holds a
+    slice of the vocabulary (``[..., V/tp]``): ``log Z - sum(p * x)`` with the max, ``Z`` and
+    ``sum(exp(x) * x)`` summed over TP (a sum's backward goes to each rank's own slice)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    top = logits.detach().max(dim=-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    x = logits - top
+    e = x.exp()
+    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
+    if tp > 1:
+        sums = reduce_from_tensor_model_parallel_region(sums)
+    return torch.log(sums[0]) - sums[1] / sums[0]

@@ -19,6 +19,7 @@ Python objects, so onload restores them bit for bit.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -124,6 +125,20 @@ def _unique_storages(tensors) -> list:
     return out
 
 
+def no_weight_decay(name: str, param) -> bool:
+    """Megatron's rule: norms (1-D weights) and biases are exempt from weight decay."""
+    return param.ndim == 1 or name.endswith(".bias")
+
+
+def check_finite_norm(norm: float, what: str) -> None:
+    """Raises FloatingPointError (before the optimizer changes any weight) for a non-finite
+    gradient norm; ``what`` names the step."""
+    if not math.isfinite(norm):
+        raise FloatingPointError(
+            f"{what}: the gradient norm is {norm}; not stepping (no weight changed). A reward, advantage or "
+            "log-prob reached the loss as NaN or inf: check the reward function and --lr")
+
+
 class _Optimizer:
     """What both paths share: lr and master dtype from ``self.opt``, and offload / onload /
     ``params_present`` over the storages that :meth:`_storages` names as (params, state to
@@ -131,6 +146,7 @@ class _Optimizer:
 
     opt = None
     _held: tuple | None = None
+    weight_decay = 0.0
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -146,8 +162,11 @@ class _Optimizer:
         return self.opt.param_groups[0]["params"][0].dtype
 
     def _set_lr(self, lr: float) -> None:
+        """The step's learning rate, and each group's weight decay: the configured one times
+        the group's ``wd_mult`` (0 for norms and biases, as Megatron's param scheduler sets it)."""
         for g in self.opt.param_groups:
             g["lr"] = lr
+            g["weight_decay"] = self.weight_decay * g.get("wd_mult", 1.0)
 
     def _storages(self) -> tuple[list, list, list]:
         raise NotImplementedError
@@ -189,14 +208,22 @@ class TorchAdamW(_Optimizer):
         tp_group=None,
         tp_size: int = 1,
         ep_groups: tuple | None = None,
+        betas: tuple = (0.9, 0.999),
+        eps: float = 1e-8,
     ):
         super().__init__(device)
         self.model = model
+        self.weight_decay = weight_decay
         self.tp_group, self.tp_size = tp_group, tp_size
         # expert parallel: (EP group, expert-DP group); expert params (Megatron marks them
         # allreduce=False) average over expert-DP and count once per EP rank in the norm
         self.ep_groups = ep_groups
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        named = list(model.named_parameters())
+        groups = [{"params": [p for n, p in named if not no_weight_decay(n, p)], "wd_mult": 1.0},
+                  {"params": [p for n, p in named if no_weight_decay(n, p)], "wd_mult": 0.0}]
+        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay,
+                                     betas=betas, eps=eps)
+        self._set_lr(lr)
         self.clip_grad = clip_grad
         self.dp_group, self.dp_size = dp_group, dp_size
 
@@ -226,16 +253,17 @@ class TorchAdamW(_Optimizer):
                 g.copy_(flat[off : off + g.numel()].view_as(g))
                 off += g.numel()
 
-    def step(self) -> float:
+    def step(self, what: str = "step") -> float:
         """Average gradients over DP, clip to ``clip_grad`` (0: no clipping), step; returns
-        the gradient norm before clipping."""
+        the gradient norm before clipping. A non-finite norm (every rank computes the same
+        one) raises before the step."""
         self._reduce_grads()
         sum_tp_partial_grads(self.model)
-        norm = self._clip()
+        norm = self._clip(what)
         self.opt.step()
         return norm
 
-    def _clip(self) -> float:
+    def _clip(self, what: str) -> float:
         """Clip by the global norm, as ``clip_grad_norm_`` would on the unsharded model: a
         TP-sharded parameter's shards are summed over the TP group, a replicated one (norms,
         biases) counted once."""
@@ -260,6 +288,7 @@ class TorchAdamW(_Optimizer):
         if self.tp_size > 1:
             dist.all_reduce(sq, group=self.tp_group)
         norm = float(sq.sqrt())
+        check_finite_norm(norm, what)
         if self.clip_grad > 0:
             coef = min(1.0, self.clip_grad / (norm + 1e-6))
             if coef < 1.0:
@@ -287,12 +316,14 @@ class MegatronAdamW(_Optimizer):
 
     kind = "megatron"
 
-    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, bf16: bool, device):
+    def __init__(self, model, lr: float, weight_decay: float, clip_grad: float, bf16: bool, device,
+                 betas: tuple = (0.9, 0.999), eps: float = 1e-8):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
 
         super().__init__(device)
         self.model = model
+        self.weight_decay = weight_decay
         model.config.bf16 = bf16
         with cpu_shim.megatron_cuda_calls():
             self.ddp = DistributedDataParallel(
@@ -310,8 +341,14 @@ class MegatronAdamW(_Optimizer):
                 params_dtype=torch.bfloat16 if bf16 else torch.float32,
                 clip_grad=clip_grad if clip_grad > 0 else float("inf"),
                 use_distributed_optimizer=True,
+                adam_beta1=betas[0],
+                adam_beta2=betas[1],
+                adam_eps=eps,
             )
-            self.opt = get_megatron_optimizer(config, [self.ddp])
+            # norms and biases in groups of wd_mult 0 (applied by _set_lr: no param scheduler runs)
+            overrides = get_standard_config_overrides(config)
+            self.opt = get_megatron_optimizer(config, [self.ddp], config_overrides=overrides)
+        self._set_lr(lr)
         self._parts = getattr(self.opt, "chained_optimizers", [self.opt])
 
     def zero_grad(self, lr: float) -> None:
@@ -319,16 +356,33 @@ class MegatronAdamW(_Optimizer):
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
 
-    def step(self) -> float:
+    def step(self, what: str = "step") -> float:
         """Reduce-scatter the gradients (averaged over DP), clip, update this rank's shard,
-        all-gather the params; returns the gradient norm before clipping."""
+        all-gather the params; returns the gradient norm before clipping. Non-finite
+        gradients on any rank raise on every rank before the update (Megatron's optimizer
+        checks only under a loss scaler: fp32 and bf16 steps would apply them)."""
         with cpu_shim.megatron_cuda_calls():
             self.ddp.finish_grad_sync()
             sum_tp_partial_grads(self.model, "main_grad")
+            self._check_finite(what)
             ok, norm, _ = self.opt.step()
         if not ok:
             raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")
         return float(norm)
+
+    def _check_finite(self, what: str) -> None:
+        """Every rank's gradient buffers (its own gradients, and its reduced shard) finite, or
+        FloatingPointError on every rank (one all-reduce of a flag over the trainer's ranks)."""
+        import torch.distributed as dist
+
+        buffers = list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
+        bad = torch.zeros((), device=self.device)
+        for b in buffers:
+            bad += (~torch.isfinite(b.grad_data)).any().float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad)
+        if bad.item():
+            check_finite_norm(float("nan"), what)
 
     def _storages(self) -> tuple[list, list, list]:
         """(param buffers, optimizer state + fp32 master shards, grad buffers)."""

@@ -54,7 +54,7 @@ from .judge import judge_deltas
 from .recovery import EngineRecovery
 from .rollout import group_seed, prompt_datasets, sampling_options
 from .sample import Sample, flatten, rollout_metrics
-from .scoring import Scorer, advantages, check_judged, reward_metrics
+from .scoring import Scorer, check_judged, reward_metrics, training_batch
 from .startup import Roles, ensure_models, prepare_controller, start_roles
 from .swaps import GpuSwaps
 from .timing import PhaseTimer, union_seconds
@@ -233,12 +233,12 @@ class GRPOLoop:
         canaries = await self._judge_window(judge_work)
         check_judged(samples, f"step {step}")
         judge_after = await self.judge.counts()
-        step_advantages = advantages(samples, cfg.n_samples_per_prompt)
+        batch = training_batch(samples, cfg, cfg.n_samples_per_prompt)
         async with self._weights_lock:  # an engine rebuilt meanwhile gets the new weights, not these
             await self.swaps.free_for_training(memory)
             with timer.phase("train"):
-                train_stats = await self.trainer.train_rl(samples, step_advantages, cfg.global_batch_size,
-                                                          self.reference, self.colocate)
+                train_stats = await self.trainer.train_rl(batch, cfg.global_batch_size, self.reference,
+                                                          self.colocate)
             await self._record_gpu_use("training", memory)
             if self.colocate:
                 memory["mem/trainer"] = await self.trainer.allocated_bytes()
@@ -393,7 +393,7 @@ class GRPOLoop:
                 async with self._weights_lock:
                     with timer.phase("train"):
                         train_stats = await self.trainer.train_rl(
-                            samples, advantages(samples, cfg.n_samples_per_prompt), cfg.global_batch_size,
+                            training_batch(samples, cfg, cfg.n_samples_per_prompt), cfg.global_batch_size,
                             self.reference, self.colocate)
                     with timer.phase("sync"):
                         synced = await self._sync_weights()

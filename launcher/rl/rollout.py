@@ -20,7 +20,8 @@ ALL_MEMORY = ["weights", "kv_cache"]
 def sampling_options(cfg, evaluation: bool = False) -> dict:
     """Sampling of a training rollout, or of an evaluation (``--eval-*``)."""
     if evaluation:
-        return {"temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p,
+        temperature = cfg.rollout_temperature if cfg.eval_temperature is None else cfg.eval_temperature
+        return {"temperature": temperature, "top_p": cfg.eval_top_p,
                 "max_new_tokens": cfg.eval_max_response_len or cfg.rollout_max_response_len}
     return {"temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p,
             "max_new_tokens": cfg.rollout_max_response_len}

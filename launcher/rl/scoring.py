@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Callable
+
+from engines.trainer.train_batch import TrainBatch
 
 from . import timeouts
 from .sample import Sample, describe, is_correct
@@ -51,6 +54,7 @@ class Scorer:
             except Exception as e:
                 raise RuntimeError(f"the reward ({self.reward_name()}) failed on {describe(sample)}: "
                                    f"{type(e).__name__}: {e}") from e
+        check_finite(sample.reward, f"the reward ({self.reward_name()})", sample)
 
     async def score_all(self, samples: list[Sample]) -> None:
         await asyncio.gather(*(self.score(s) for s in samples))
@@ -106,9 +110,25 @@ class Scorer:
         if len(raw) != len(samples) or len(normalized) != len(samples):
             raise ValueError(f"the post-process hook returned {len(raw)}/{len(normalized)} rewards for "
                              f"{len(samples)} samples")
+        hook = f"the post-process hook (--custom-reward-post-process-path {self.cfg.custom_reward_post_process_path})"
         for sample, reward, advantage in zip(samples, raw, normalized):
             sample.reward, sample.advantage = float(reward), float(advantage)
+            check_finite(sample.reward, hook, sample)
+            check_finite(sample.advantage, hook, sample, "advantage")
         return samples
+
+
+class NonFiniteReward(RuntimeError):
+    """A reward or advantage that is NaN or infinite: the job stops before training on it."""
+
+
+def check_finite(value: float, source: str, sample: Sample, what: str = "reward") -> None:
+    """Raises :class:`NonFiniteReward` naming ``source``, the sample and the value unless
+    ``value`` is a finite number: a NaN reward would turn every weight into NaN."""
+    if not math.isfinite(value):
+        raise NonFiniteReward(f"{source} gave {describe(sample)} the {what} {value}: rewards must be finite "
+                              "numbers. Stopping before this batch trains (the weights, and the engines', are "
+                              "unchanged); fix the reward function")
 
 
 def judge_failed(sample: Sample) -> bool:
@@ -123,10 +143,14 @@ def check_judged(samples: list[Sample], what: str) -> None:
                            "this batch. Check the judge engines' health (GET /genrm/health) and the job log")
 
 
-def advantages(samples: list[Sample], group_size: int) -> list[float]:
-    """The post-process hook's advantages when it gave every sample one; else each reward
-    minus its group's mean, divided by the group's std + 1e-6 (a group of equal rewards, or
-    of one sample, gets 0). Samples are in group order; groups must be complete."""
+def advantages(samples: list[Sample], group_size: int, normalize: bool = True, normalize_std: bool = True
+               ) -> list[float]:
+    """The post-process hook's advantages when it gave every sample one; else GRPO's, as the
+    original: each reward minus its group's mean, divided by the group's unbiased std + 1e-6
+    (a group of equal rewards, or of one sample, gets 0); without ``normalize_std`` only the
+    mean is taken off (``--disable-grpo-std-normalization``), without ``normalize`` the rewards
+    are the advantages (``--disable-rewards-normalization``). Samples are in group order;
+    groups must be complete."""
     import torch
 
     from engines.trainer.loss import group_advantages
@@ -134,7 +158,24 @@ def advantages(samples: list[Sample], group_size: int) -> list[float]:
     if all(s.advantage is not None for s in samples):
         return [s.advantage for s in samples]
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return group_advantages(rewards, group_size).tolist()
+    return group_advantages(rewards, group_size, normalize_std=normalize_std, normalize=normalize).tolist()
+
+
+def training_batch(samples: list[Sample], cfg, group_size: int) -> TrainBatch:
+    """The trainer's input for a scored batch: token ids, response masks and rollout log-probs
+    aligned on tokens 1..n, the advantages (:func:`advantages`), the rollout temperature (every
+    trainer log-prob is taken at it) and the loss aggregation (``--calculate-per-token-loss``:
+    ``token``; else the original's per-sample mean)."""
+    adv = advantages(samples, group_size, normalize=not cfg.disable_rewards_normalization,
+                     normalize_std=not cfg.disable_grpo_std_normalization)
+    for sample, a in zip(samples, adv):
+        check_finite(a, "the advantage computation", sample, "advantage")
+    return TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
+                      response_masks=[[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples],
+                      advantages=adv,
+                      rollout_logprobs=[[0.0] * (len(s.prompt_ids) - 1) + s.rollout_logprobs for s in samples],
+                      temperature=cfg.rollout_temperature,
+                      aggregation="token" if cfg.calculate_per_token_loss else "sample")
 
 
 def reward_metrics(samples: list[Sample], prefix: str = "reward") -> dict:

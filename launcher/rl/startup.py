@@ -67,7 +67,7 @@ def _spawn_trainers(cfg, plan: Plan, workers_by_bundle: dict) -> tuple[TrainerGr
     actor_procs = attach_claim(plan, actor_claim, workers_by_bundle, "trainer")
     trainer = TrainerGroup.spawn_policy(cfg, actor_procs, actor_claim.size, total_optimizer_steps(cfg),
                                         loss_options(cfg))
-    if not (cfg.use_kl_loss and cfg.kl_loss_coef > 0):
+    if not cfg.use_kl_loss:  # with a coefficient of 0 the KL is still computed and logged, as the original
         return trainer, None
     reference_claim = next((c for c in plan.claims if c.role == "reference"), actor_claim)
     if reference_claim is actor_claim:

@@ -8,12 +8,14 @@ rank comes back (that of its first TP rank).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+from engines.trainer.train_batch import StepStats, TrainBatch
 from relay import ActorMesh, ProcMesh
 
 from ..allocator import Plan
 from . import timeouts
-from .sample import Sample, chunks, shard_over_dp
+from .sample import shard_over_dp
 
 
 def attach_claim(plan: Plan, claim, workers_by_bundle: dict, name: str) -> ProcMesh:
@@ -67,7 +69,8 @@ class TrainerGroup:
         options = dict(**parallel_options(cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
                        lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters, total_iters=total_iters,
                        seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16,
-                       optimizer=cfg.optimizer_impl, cpu_threads=cpu_threads)
+                       optimizer=cfg.optimizer_impl, cpu_threads=cpu_threads,
+                       adam=(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps))
         if loss is not None:
             options["loss"] = loss
         mesh = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, **options)
@@ -75,14 +78,16 @@ class TrainerGroup:
 
     @classmethod
     def spawn_reference(cls, cfg, procs: ProcMesh, size: int) -> TrainerGroup:
-        """A frozen copy of the initial policy for reference log-probs. It never steps:
-        torch AdamW allocates no state until a step (Megatron's optimizer would allocate
-        grad buffers and master weights up front)."""
+        """A frozen copy of the initial policy for reference log-probs, in the policy's
+        precision (``--bf16``: bf16, as the original's reference). It never steps: torch AdamW
+        allocates no state until a step (Megatron's optimizer would allocate grad buffers and
+        master weights up front)."""
         from engines.trainer.actor import TrainerActor
 
         tp = cfg.tensor_model_parallel_size
         mesh = procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, **parallel_options(cfg), seed=cfg.seed,
-                           optimizer="torch")
+                           optimizer="torch", bf16=cfg.bf16, frozen=True,
+                           micro_batch_tokens=cfg.micro_batch_tokens)
         return cls(mesh, size // tp, tp)
 
     def initialized(self):
@@ -101,49 +106,42 @@ class TrainerGroup:
     async def offload(self) -> None:
         await self.mesh.offload.call().result(timeouts.MEMORY_MOVE)
 
-    async def train_rl(self, samples: list[Sample], advantages: list[float], global_batch_size: int,
-                       reference: TrainerGroup | None = None, colocate: bool = False) -> dict:
-        """Optimizer steps over ``global_batch_size`` chunks of the samples (whole groups),
-        each chunk sharded over the DP ranks; with a ``reference``, its log-probs of each
-        shard go into the loss (onloaded around the call when ``colocate``). With more than
-        one step, the policy's log-probs of every sample are computed before the first (PPO's
-        old policy for the later steps; the first step's own forward gives its). Returns each
-        numeric statistic averaged over the optimizer steps."""
-        seqs = [s.prompt_ids + s.response_ids for s in samples]
-        masks = [[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples]
-        rollout_logprobs = [[0.0] * (len(s.prompt_ids) - 1) + s.rollout_logprobs for s in samples]
-        steps = chunks(list(range(len(samples))), global_batch_size)
-        old_logprobs = await self._logprobs_of(seqs) if len(steps) > 1 else None
+    async def train_rl(self, batch: TrainBatch, global_batch_size: int, reference: TrainerGroup | None = None,
+                       colocate: bool = False) -> dict:
+        """Optimizer steps over ``global_batch_size`` runs of the batch's samples (whole
+        groups), each sharded over the DP ranks with the step's denominator
+        (:meth:`TrainBatch.shard`); with a ``reference``, its log-probs of each shard (at the
+        batch's temperature) go into the loss (onloaded around the call when ``colocate``).
+        With more than one step, the policy's log-probs of every sample are computed before
+        the first (PPO's old policy for the later steps; the first step's own forward gives
+        its). Returns each step's figures summed over DP (``StepStats.combine``), averaged
+        over the optimizer steps."""
+        steps = batch.optimizer_steps(global_batch_size)
+        old = await self._logprobs_of(batch.tokens, batch.temperature) if len(steps) > 1 else None
         per_step: list[dict] = []
-        for k, chunk in enumerate(steps):
-            shards = shard_over_dp(chunk, self.dp)
-            reference_logprobs = None
+        for k, step in enumerate(steps):
+            if k > 0:
+                start = k * global_batch_size
+                step.old_logprobs = old[start:start + len(step)]
+            shards = step.shard(self.dp)
             if reference is not None:
                 if colocate:
                     await reference.onload()
-                reference_logprobs = await reference.call_per_dp(
-                    "compute_logprobs", [([seqs[i] for i in shard],) for shard in shards])
+                ref = await reference.call_per_dp("compute_logprobs",
+                                                  [(shard.tokens, batch.temperature) for shard in shards])
                 if colocate:
                     await reference.offload()
-            args = []
-            for d, shard in enumerate(shards):
-                step_args = ([seqs[i] for i in shard], [masks[i] for i in shard], [advantages[i] for i in shard],
-                             [rollout_logprobs[i] for i in shard],
-                             reference_logprobs[d] if reference_logprobs is not None else None, 1.0,
-                             [old_logprobs[i] for i in shard] if old_logprobs is not None and k > 0 else None)
-                args.append(step_args)
-            per_step.append((await self.call_per_dp("train_step", args))[0])
-        averaged: dict = {}
-        for key in per_step[0]:
-            values = [s[key] for s in per_step if isinstance(s.get(key), (int, float))]
-            if values:
-                averaged[key] = sum(values) / len(values)
-        return averaged
+                shards = [dataclasses.replace(shard, ref_logprobs=r) for shard, r in zip(shards, ref)]
+            stats = await self.call_per_dp("train_step", [(shard,) for shard in shards])
+            per_step.append(StepStats.combine(stats).as_dict())
+        return {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
 
-    async def _logprobs_of(self, seqs: list) -> list:
-        """The policy's per-token log-probs of every sequence (sharded over the DP ranks)."""
+    async def _logprobs_of(self, seqs: list, temperature: float) -> list:
+        """The policy's per-token log-probs of every sequence at ``temperature`` (sharded over
+        the DP ranks)."""
         shards = shard_over_dp(list(range(len(seqs))), self.dp)
-        parts = await self.call_per_dp("compute_logprobs", [([seqs[i] for i in shard],) for shard in shards])
+        parts = await self.call_per_dp("compute_logprobs",
+                                       [([seqs[i] for i in shard], temperature) for shard in shards])
         out: list = [None] * len(seqs)
         for shard, part in zip(shards, parts):
             for i, lp in zip(shard, part):

@@ -260,6 +260,28 @@ def test_update_weights_switches_to_the_new_model(models):
     assert new.weight_version == 7
 
 
+def test_a_request_reports_the_weight_version_it_started_with(models):
+    """A weight update that lands while a request is decoding: the request reports the older
+    version (the oldest weights that generated it), so fully-async staleness is not
+    understated; the next request reports the new one."""
+    from safetensors.torch import load_file
+
+    async def main():
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
+        long = asyncio.ensure_future(eng.generate(prompts()[6], {**GREEDY, "max_new_tokens": 400}))
+        while (await eng.stats())["running"] == 0:  # admitted and decoding
+            await asyncio.sleep(0.001)
+        await eng.update_weights([load_file(f"{models['qwen3']}/model.safetensors")], version=3)
+        mid = await long
+        after = await eng.generate(prompts()[6], GREEDY)
+        await eng.close()
+        return mid, after
+
+    mid, after = run(main())
+    assert len(mid.token_ids) == 400
+    assert (mid.weight_version, after.weight_version) == (0, 3)
+
+
 def test_an_update_with_a_wrong_shaped_tensor_changes_nothing(models):
     """A bucket is checked whole before anything is copied: a refused tensor leaves every
     parameter as it was, the version too, and nothing counts as covered."""

@@ -319,3 +319,30 @@ def test_hostile_moe_flag_values_give_a_config_or_a_config_error(flag):
             load_config(None, {**BASE, **parse_overrides(["--moe-aux-loss-coeff", bad])})
         with pytest.raises(ConfigError, match="--lr must be a finite number"):
             load_config(None, {**BASE, "lr": float(bad)})
+
+
+def test_the_originals_training_math_flags_are_taken_with_their_meaning():
+    c = load_config(None, {**BASE}, )
+    # defaults: the original's per-sample aggregation, normalized advantages, Adam's defaults,
+    # evaluation at the rollout temperature
+    assert (c.calculate_per_token_loss, c.disable_rewards_normalization, c.disable_grpo_std_normalization) == (
+        False, False, False)
+    assert (c.adam_beta1, c.adam_beta2, c.adam_eps) == (0.9, 0.999, 1e-8)
+    assert c.eval_temperature == c.rollout_temperature == 1.0
+    c = load_config(None, ["--resource", json.dumps(BASE["resource"]), "--colocate", "--calculate-per-token-loss",
+                           "--adam-beta1", "0.8", "--adam-beta2", "0.98", "--adam-eps", "1e-6",
+                           "--disable-rewards-normalization", "--rollout-temperature", "0.7"])
+    assert c.calculate_per_token_loss and c.disable_rewards_normalization
+    assert (c.adam_beta1, c.adam_beta2, c.adam_eps) == (0.8, 0.98, 1e-6)
+    assert c.eval_temperature == 0.7  # follows the rollout's unless given
+    assert load_config(None, {**BASE, "rollout_temperature": 0.7, "eval_temperature": 0.0}).eval_temperature == 0.0
+
+
+def test_training_that_would_learn_nothing_or_miscount_steps_is_refused_at_start():
+    from launcher.job_checks import check_training_math
+
+    with pytest.raises(ConfigError, match="--rollout-temperature 0 .* every advantage is 0"):
+        check_training_math(cfg(rollout_temperature=0.0))
+    with pytest.raises(ConfigError, match="--global-batch-size 96 does not divide the 256 samples"):
+        check_training_math(cfg(rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=96))
+    check_training_math(cfg(rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=64))

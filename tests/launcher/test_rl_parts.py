@@ -49,10 +49,11 @@ class FakeClock:
 # ---------------------------------------------------------------------------- advantages
 
 
-def test_advantages_normalize_each_group_by_its_mean_and_std():
+def test_advantages_normalize_each_group_by_its_mean_and_unbiased_std():
     samples = [make_sample(r) for r in (1.0, 0.0, 1.0, 1.0)]
     adv = advantages(samples, group_size=2)
-    assert adv[0] == pytest.approx(1.0, abs=1e-5) and adv[1] == pytest.approx(-1.0, abs=1e-5)
+    # the original's torch.std is unbiased: std(1, 0) = 1/sqrt(2)
+    assert adv[0] == pytest.approx(0.5 ** 0.5, abs=1e-5) and adv[1] == pytest.approx(-(0.5 ** 0.5), abs=1e-5)
     assert adv[2:] == [0.0, 0.0]  # equal rewards: no signal, no division by zero
 
 

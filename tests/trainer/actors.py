@@ -123,7 +123,8 @@ class TPTrainer(Actor):
         with torch.no_grad():
             old = token_logprobs(self.model, ids, pos, mask, tgt)
         logp = token_logprobs(self.model, ids, pos, mask, tgt)
-        loss, stats = policy_loss(logp, old, torch.tensor(advantages), torch.ones_like(logp), LossConfig())
+        loss, stats = policy_loss(logp, old, torch.tensor(advantages), torch.ones_like(logp) / logp.numel(),
+                                   LossConfig())
         self.opt.zero_grad()
         loss.backward()  # replicated params (norms) get identical grads on every TP rank
         self.opt.step()
@@ -160,3 +161,20 @@ class GradTrainer(TrainerActor):
     def local_weights(self, contains: str) -> dict:
         """This rank's own parameters whose names contain ``contains`` (replicas: compare ranks)."""
         return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if contains in n}
+
+
+class GradProbe(TrainerActor):
+    """A GRPO trainer shard whose gradients the test reads after a step (torch AdamW path, no
+    clipping: ``p.grad`` then holds the DP-averaged gradient)."""
+
+    @endpoint
+    def set_micro_batch_tokens(self, tokens: int) -> None:
+        self.micro_batch_tokens = tokens
+
+    @endpoint
+    def hf_grads(self) -> dict:
+        """The last step's gradient under HF names (TP = 1), float64 CPU tensors."""
+        from engines.trainer.megatron_model import megatron_to_hf
+
+        grads = {n: p.grad.detach().double().cpu() for n, p in self.model.named_parameters() if p.grad is not None}
+        return megatron_to_hf(self.cfg, grads)

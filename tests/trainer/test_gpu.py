@@ -9,6 +9,7 @@ import torch
 
 from engines.model_builder import make_model
 from engines.trainer.actor import TrainerActor
+from engines.trainer.train_batch import TrainBatch
 from relay import setup_torch_distributed, this_host
 from tests.helpers import run
 
@@ -30,12 +31,12 @@ def test_train_offload_frees_memory_and_onload_resumes(tmp_path):
         await setup_torch_distributed(procs)
         t = procs.spawn("trainer", TrainerActor, path, lr=1e-5)
         await t.initialized(600)
-        s1 = await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        s1 = await t.train_step.call_one(TrainBatch(SEQS, MASKS, [1.0, -1.0] * 4)).result(600)
         mem = await t.gpu_memory.call_one()
         moved = await t.offload.call_one().result(600)
         after = await t.gpu_memory.call_one()
         await t.onload.call_one().result(600)
-        s2 = await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        s2 = await t.train_step.call_one(TrainBatch(SEQS, MASKS, [1.0, -1.0] * 4)).result(600)
         await t.shutdown.call().result(60)
         await procs.stop()
         return s1, s2, mem, after, moved
@@ -99,7 +100,7 @@ def test_cuda_ipc_export_into_engines_on_the_same_gpu(tmp_path):
         await asyncio.gather(local.initialized(600), others.initialized(600))
         remote, relay_ref = others.slice(gpus=0), others.slice(gpus=1)
         before = (await remote.generate.call_one(SEQS[0][:32], greedy).result(300))
-        await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        await t.train_step.call_one(TrainBatch(SEQS, MASKS, [1.0, -1.0] * 4)).result(600)
         await t.offload.call_one().result(600)
         for e in (local, others):
             await e.sleep.call(["weights", "kv_cache"]).result(300)
@@ -112,7 +113,7 @@ def test_cuda_ipc_export_into_engines_on_the_same_gpu(tmp_path):
         # again with the trainer resident (the loop's order when the GPU has room): the
         # parameter buffer itself is shared, no copy of it brought back from the host
         await t.onload.call_one().result(600)
-        await t.train_step.call_one(SEQS, MASKS, [-1.0, 1.0] * 4).result(600)
+        await t.train_step.call_one(TrainBatch(SEQS, MASKS, [-1.0, 1.0] * 4)).result(600)
         await t.push_weights.call_one([remote, local], 2, 64 << 20, 600.0, "auto").result(600)
         await t.push_weights.call_one([relay_ref], 2, 64 << 20, 600.0, "relay").result(600)
         outs += [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (remote, local, relay_ref)]
@@ -155,7 +156,7 @@ def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
         other = oprocs.spawn("other", EngineActor, path, "torch", **ekw)
         await asyncio.gather(t.initialized(600), ref.initialized(600), other.initialized(600))
         before = await other.generate.call_one(SEQS[0][:32], greedy).result(300)
-        await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        await t.train_step.call_one(TrainBatch(SEQS, MASKS, [1.0, -1.0] * 4)).result(600)
         for e in (ref, other):
             await e.sleep.call(["weights", "kv_cache"]).result(300)
             await e.wake.call(["weights"]).result(300)
@@ -166,7 +167,7 @@ def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
         outs = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (other, ref)]
         groups = [(await other.stats.call_one().result(60))["weight_update_groups"]]
         # a second push of new weights reuses the NCCL group
-        await t.train_step.call_one(SEQS, MASKS, [1.0, -1.0] * 4).result(600)
+        await t.train_step.call_one(TrainBatch(SEQS, MASKS, [1.0, -1.0] * 4)).result(600)
         await t.push_weights.call_one([other], 2, 1 << 20, 120.0, "auto").result(300)
         await t.push_weights.call_one([ref], 2, 1 << 20, 120.0, "relay").result(300)
         outs2 = [await e.generate.call_one(SEQS[0][:32], greedy).result(300) for e in (other, ref)]

@@ -17,10 +17,22 @@ from engines.checkpoint import checkpoint_tensors
 from engines.linear_attention import CHUNK
 from engines.model_builder import make_model
 from engines.trainer.hybrid_layers import NOT_TRAINED
+from engines.trainer.train_batch import TrainBatch
 from relay import this_host
 from tests.helpers import run
 from tests.trainer.actors import MegatronCheck
-from tests.trainer.test_moe import ADV, MASKS, SEQS, SHARDS, each_rank, engine_generate, merged, shard_args, start, stop
+from tests.trainer.test_moe import (
+    ADV,
+    MASKS,
+    SEQS,
+    SHARDS,
+    each_rank,
+    engine_generate,
+    merged,
+    shard_batch,
+    start,
+    stop,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -59,7 +71,7 @@ def test_hybrid_ep2_steps_like_ep1_and_the_export_drives_an_engine(hybrid):
         procs, t = await start(hybrid, 2, ep=ep, **opts)
         initial = merged((await t.export_hf.call(4096).result(120)).values()[0])
         before = (await t.compute_logprobs.call(SEQS[:2]).result(120)).values()[0]
-        stats = await each_rank(t, "train_step", [shard_args(s) for s in SHARDS])
+        stats = await each_rank(t, "train_step", [shard_batch(s) for s in SHARDS])
         grads = (await t.full_grads.call().result(120)).values()
         after = (await t.compute_logprobs.call(SEQS[:2]).result(120)).values()[0]
         engine = None
@@ -142,7 +154,7 @@ def test_hybrid_tp2_shards_the_heads_and_serves_tp1s_logprobs_and_export():
         refused = None
         if tp > 1:
             with pytest.raises(ActorError) as e:
-                await t.train_step.call(SEQS[:3], MASKS[:3], ADV[:3]).result(120)
+                await t.train_step.call(TrainBatch(SEQS[:3], MASKS[:3], ADV[:3])).result(120)
             refused = str(e.value)
         await stop(procs, t)
         return exported, logprobs, shapes, refused

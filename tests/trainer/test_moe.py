@@ -14,6 +14,7 @@ import torch
 from engines.checkpoint import checkpoint_tensors
 from engines.model_builder import make_model
 from engines.torch import TorchEngine
+from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host
 from tests.helpers import run
 from tests.trainer.actors import GradTrainer, MegatronCheck
@@ -54,6 +55,14 @@ def shard_args(shard):
     return ([SEQS[i] for i in shard], [MASKS[i] for i in shard], [ADV[i] for i in shard])
 
 
+def shard_batch(shard):
+    """One DP rank's own batch (its shard, trained as a whole step), the loss a mean over its
+    response tokens: these tests compare log-probs after an Adam step at lr 1e-2, which moves
+    every weight by ~lr whatever its gradient's size, so gradient entries at float-noise level
+    (more of them under the per-sample mean) would decide the comparison, not EP."""
+    return (TrainBatch(*shard_args(shard), aggregation="token"),)
+
+
 def test_moe_roundtrip_bit_exact_and_logits_match_transformers(tmp_path):
     paths = {
         "moe": make_model("qwen3_moe", "tiny", str(tmp_path / "moe"), seed=4),
@@ -85,7 +94,7 @@ def test_ep2_same_losses_and_gradients_as_ep1(moe):
 
     async def one(ep):
         procs, t = await start(moe, 2, ep=ep, **opts)
-        stats = await each_rank(t, "train_step", [shard_args(s) for s in SHARDS])
+        stats = await each_rank(t, "train_step", [shard_batch(s) for s in SHARDS])
         grads = (await t.full_grads.call().result(120)).values()
         after = await each_rank(t, "compute_logprobs", [([SEQS[i] for i in s],) for s in SHARDS])
         sft = await each_rank(t, "sft_step", [shard_args(s)[:2] for s in SHARDS])
@@ -141,7 +150,7 @@ def test_grpo_step_moves_moe_logprobs_and_export_equals_checkpoint(moe):
         procs, t = await start(moe, lr=1e-2)
         exported = merged(await t.export_hf.call_one(4096))
         before = await t.compute_logprobs.call_one(SEQS[:2])
-        stats = await t.train_step.call_one(SEQS[:2], MASKS[:2], ADV[:2]).result(120)
+        stats = await t.train_step.call_one(TrainBatch(SEQS[:2], MASKS[:2], ADV[:2])).result(120)
         after = await t.compute_logprobs.call_one(SEQS[:2])
         await stop(procs, t)
         return exported, before, stats, after
@@ -163,7 +172,7 @@ def test_ep2_distributed_optimizer_export_and_resume(moe, tmp_path):
     checkpoint (one file per EP rank) resumes, through an offload/onload cycle, to the same
     next step."""
     ckpt = str(tmp_path / "ckpt")
-    args = [shard_args(s) for s in SHARDS]
+    args = [shard_batch(s) for s in SHARDS]
 
     async def one(ep):
         procs, t = await start(moe, 2, ep=ep, lr=1e-2, micro_batch_tokens=40)
@@ -233,7 +242,7 @@ def test_ep2_push_weights_relay_and_broadcast_reach_moe_engines(moe):
         eprocs = this_host().spawn_procs(per_host={"gpus": 2})
         engines = eprocs.spawn("rollout", EngineActor, moe, "torch", kv_cache_tokens=1024, weights_mode="discard")
         await engines.initialized(240)
-        await each_rank(t, "train_step", [shard_args(s) for s in SHARDS])  # weights now differ from the checkpoint
+        await each_rank(t, "train_step", [shard_batch(s) for s in SHARDS])  # weights now differ from the checkpoint
         await engines.sleep.call(["weights", "kv_cache"]).result(60)
         await engines.wake.call(["weights"]).result(60)
         e0, e1 = engines.slice(gpus=0), engines.slice(gpus=1)
@@ -267,7 +276,7 @@ def test_tp2_moe_logprobs_and_export_equal_tp1(moe):
             exported = merged((await t.export_hf.call(4096).result(120)).values()[0])
             if tp == 2:  # Megatron trains MoE under TP only with sequence parallelism (not built here)
                 with pytest.raises(ActorError, match="--expert-model-parallel-size instead"):
-                    await t.train_step.call(SEQS[:2], MASKS[:2], ADV[:2]).result(120)
+                    await t.train_step.call(TrainBatch(SEQS[:2], MASKS[:2], ADV[:2])).result(120)
             await stop(procs, t)
             out.append((lp, exported))
         return out
@@ -289,7 +298,7 @@ def test_aux_loss_coefficient_adds_the_load_balancing_gradient(moe):
         out = []
         for coeff in (0.0, 0.5):
             procs, t = await start(moe, moe_aux_loss_coeff=coeff, **opts)
-            stats = await t.train_step.call_one(SEQS[:3], MASKS[:3], ADV[:3]).result(120)
+            stats = await t.train_step.call_one(TrainBatch(SEQS[:3], MASKS[:3], ADV[:3])).result(120)
             grads = (await t.full_grads.call().result(120)).values()[0]
             await stop(procs, t)
             out.append((stats, grads))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engines.model_builder import make_model
+from engines.trainer.train_batch import TrainBatch
 from relay import setup_torch_distributed, this_host
 from tests.helpers import run
 from tests.trainer.actors import TPTrainer
@@ -66,7 +67,7 @@ def test_tp2_qk_norm_gradients_are_the_whole_models(tmp_path, opt):
             await setup_torch_distributed(procs)
             t = procs.spawn("trainer", GradTrainer, path, tp=tp, lr=1e-2, clip_grad=0.0, optimizer=opt)
             await t.initialized(240)
-            await t.train_step.call(seqs, masks, adv).result(120)
+            await t.train_step.call(TrainBatch(seqs, masks, adv)).result(120)
             grads = (await t.full_grads.call().result(120)).values() if opt == "torch" else None
             weights = (await t.local_weights.call("layernorm").result(120)).values()
             await t.shutdown.call().result(60)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from engines.model_builder import make_model
 from engines.torch import TorchEngine
 from engines.trainer.actor import TrainerActor
-from relay import setup_torch_distributed, this_host
+from engines.trainer.train_batch import TrainBatch
+from relay import ActorError, setup_torch_distributed, this_host
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -43,7 +45,7 @@ async def each_rank(t, method: str, per_rank: list) -> list:
 
 def dp2_batches():
     """Two DP ranks, different data on each (so the gradients really are averaged)."""
-    return [(SEQS[:2], MASKS[:2], ADV[:2]), (SEQS[2:], MASKS[2:], ADV[2:])]
+    return [(TrainBatch(SEQS[:2], MASKS[:2], ADV[:2]),), (TrainBatch(SEQS[2:], MASKS[2:], ADV[2:]),)]
 
 
 async def stop(procs, t):
@@ -54,17 +56,17 @@ async def stop(procs, t):
 def test_offload_onload_is_exact(policy):
     async def main():
         procs, a = await start(policy)
-        await a.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        await a.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         moved = await a.offload.call_one()
         with pytest.raises(Exception, match="offloaded"):
-            await a.train_step.call_one(SEQS, MASKS, ADV).result(120)
+            await a.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         await a.onload.call_one()
-        s_a = await a.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        s_a = await a.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         lp_a = await a.compute_logprobs.call_one(SEQS)
         await stop(procs, a)
         procs, b = await start(policy)
-        await b.train_step.call_one(SEQS, MASKS, ADV).result(120)
-        s_b = await b.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        await b.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
+        s_b = await b.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         lp_b = await b.compute_logprobs.call_one(SEQS)
         await stop(procs, b)
         return moved, s_a, s_b, lp_a, lp_b
@@ -80,13 +82,13 @@ def test_checkpoint_resume_reproduces_the_next_loss(policy, tmp_path):
 
     async def main():
         procs, a = await start(policy)
-        await a.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        await a.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         await a.save_checkpoint.call_one(ckpt)
-        next_a = await a.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        next_a = await a.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         await stop(procs, a)
         procs, b = await start(policy)
         step = await b.load_checkpoint.call_one(ckpt)
-        next_b = await b.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        next_b = await b.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         await stop(procs, b)
         return step, next_a, next_b
 
@@ -97,7 +99,7 @@ def test_checkpoint_resume_reproduces_the_next_loss(policy, tmp_path):
 def test_exported_weights_make_the_engine_match_the_trainer(policy):
     async def main():
         procs, t = await start(policy)
-        await t.train_step.call_one(SEQS, MASKS, ADV).result(120)  # weights now differ from the checkpoint
+        await t.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)  # weights now differ from the checkpoint
         buckets = await t.export_hf.call_one(4096)  # small buckets: several of them
         eng = TorchEngine(policy, kv_cache_tokens=2048, weights_mode="discard")
         await eng.sleep(["weights"])
@@ -138,7 +140,7 @@ def test_micro_batching_matches_one_pass(policy):
         out = []
         for budget in (8192, 40):  # one pass / micro-batches of at most 40 padded tokens
             procs, t = await start(policy, micro_batch_tokens=budget)
-            st = await t.train_step.call_one(seqs, masks, adv).result(120)
+            st = await t.train_step.call_one(TrainBatch(seqs, masks, adv)).result(120)
             sft = await t.sft_step.call_one(seqs, masks).result(120)
             lp = await t.compute_logprobs.call_one(seqs)
             out.append((st, sft, lp))
@@ -260,7 +262,7 @@ def test_tp2_training_matches_tp1(policy, opt):
             procs, t = await start(policy, gpus=gpus, tp=tp, optimizer=kind)
             kinds = (await t.optimizer_info.call().result(60)).values()
             before = (await t.compute_logprobs.call(SEQS).result(60)).values()[0]
-            stats = [(await t.train_step.call(SEQS, MASKS, ADV).result(120)).values() for _ in range(2)]
+            stats = [(await t.train_step.call(TrainBatch(SEQS, MASKS, ADV)).result(120)).values() for _ in range(2)]
             lp = (await t.compute_logprobs.call(SEQS).result(60)).values()
             await stop(procs, t)
             out.append((kinds, stats, before, lp))
@@ -298,7 +300,9 @@ def test_ppo_ratio_is_against_the_policy_before_the_rollouts_first_step(policy, 
         t = procs.spawn("trainer", TrainerActor, policy, lr=1e-2, loss={"eps_clip": 0.2})
         await t.initialized(240)
         try:
-            return await TrainerGroup(t, 1, 1).train_rl(_samples(), ADV, global_batch)
+            batch = TrainBatch([s.prompt_ids + s.response_ids for s in _samples()], MASKS, ADV,
+                               rollout_logprobs=[[0.0] * 5 + s.rollout_logprobs for s in _samples()])
+            return await TrainerGroup(t, 1, 1).train_rl(batch, global_batch)
         finally:
             await stop(procs, t)
 
@@ -318,3 +322,67 @@ def test_a_cpu_rank_runs_one_intra_op_thread_unless_asked_or_told(monkeypatch):
     assert (_cpu_threads(None), _cpu_threads(2)) == (1, 2)
     monkeypatch.setenv("RELAY_TRAINER_CPU_THREADS", "3")
     assert (_cpu_threads(None), _cpu_threads(2)) == (3, 3)
+
+
+@pytest.mark.parametrize("optimizer,gpus", [("torch", 1), ("megatron", 2)])
+def test_a_non_finite_gradient_raises_on_every_rank_before_any_weight_changes(policy, optimizer, gpus):
+    """A NaN reaching the loss (here one rollout log-prob under TIS, on one DP rank's shard)
+    stops the step on every rank with FloatingPointError; the weights are unchanged and the
+    next clean step trains (both optimizer paths: Megatron's checks only under a loss scaler)."""
+    import asyncio
+
+    rollout = [[0.0] * 5 + [-1.0] * 12 for _ in SEQS]
+    rollout[1][8] = math.nan
+
+    async def main():
+        procs, t = await start(policy, gpus=gpus, optimizer=optimizer, loss={"use_tis": True})
+        try:
+            before = (await t.compute_logprobs.call(SEQS).result(60)).values()
+            shards = TrainBatch(SEQS, MASKS, ADV, rollout_logprobs=rollout).shard(gpus)
+            errors = await asyncio.gather(*(t.slice(gpus=r).train_step.call_one(s).result(120)
+                                            for r, s in enumerate(shards)), return_exceptions=True)
+            after = (await t.compute_logprobs.call(SEQS).result(60)).values()
+            clean = TrainBatch(SEQS, MASKS, ADV, rollout_logprobs=[[0.0] * 5 + [-1.0] * 12 for _ in SEQS]).shard(gpus)
+            stats = await asyncio.gather(*(t.slice(gpus=r).train_step.call_one(s).result(120)
+                                           for r, s in enumerate(clean)))
+            return errors, before, after, stats
+        finally:
+            await stop(procs, t)
+
+    errors, before, after, stats = run(main(), 280)
+    assert all(isinstance(e, ActorError) and "FloatingPointError" in str(e) and "no weight changed" in str(e)
+               for e in errors), errors
+    assert after == before
+    assert all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in stats)
+
+
+@pytest.mark.parametrize("optimizer,gpus", [("torch", 1), ("megatron", 2)])
+def test_weight_decay_spares_norms_and_biases_on_both_optimizer_paths(policy, optimizer, gpus):
+    """Megatron's rule (and the original's): 1-D weights and biases get no weight decay. With
+    zero advantages the gradient is 0, so one step only decays: matrices shrink by lr x wd,
+    norms stay."""
+    lr, wd = 1e-2, 0.5
+    zero = TrainBatch(SEQS, MASKS, [0.0] * len(SEQS))
+
+    async def main():
+        procs, t = await start(policy, gpus=gpus, optimizer=optimizer, weight_decay=wd)
+        try:
+            before = merged_export((await t.export_hf.call(1 << 30).result(120)).values()[0])
+            await each_rank(t, "train_step", [(s,) for s in zero.shard(gpus)])
+            after = merged_export((await t.export_hf.call(1 << 30).result(120)).values()[0])
+            return before, after
+        finally:
+            await stop(procs, t)
+
+    before, after = run(main(), 280)
+    norms = [n for n in before if before[n].ndim == 1]
+    matrices = [n for n in before if before[n].ndim == 2]
+    assert norms and matrices
+    assert all(torch.equal(after[n], before[n]) for n in norms), [n for n in norms if not torch.equal(after[n],
+                                                                                                    before[n])]
+    for n in matrices:
+        assert torch.allclose(after[n], before[n] * (1 - lr * wd), rtol=1e-5, atol=1e-7), n
+
+
+def merged_export(buckets: list) -> dict:
+    return {n: t for bucket in buckets for n, t in bucket.items()}

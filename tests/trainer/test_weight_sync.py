@@ -15,6 +15,7 @@ from engines.actor import EngineActor
 from engines.model_builder import make_model
 from engines.torch import TorchEngine
 from engines.trainer.actor import TrainerActor
+from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host
 from tests.helpers import run
 
@@ -244,7 +245,7 @@ def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(p
         eprocs = this_host().spawn_procs(per_host={"gpus": 2})
         engines = eprocs.spawn("rollout", EngineActor, policy, "torch", kv_cache_tokens=1024, weights_mode="discard")
         await asyncio.gather(t.initialized(240), engines.initialized(240))
-        await t.train_step.call_one(SEQS, MASKS, ADV).result(120)  # weights now differ from the checkpoint
+        await t.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)  # weights now differ from the checkpoint
         await t.offload.call_one().result(60)  # colocated order: the trainer pushes while offloaded
         await engines.sleep.call(["weights", "kv_cache"]).result(60)
         await engines.wake.call(["weights"]).result(60)
@@ -260,7 +261,7 @@ def test_push_weights_relay_and_broadcast_group_make_engines_match_the_trainer(p
         seq = SEQS[0][:6] + outs[0].token_ids
         trainer_lp = (await t.compute_logprobs.call_one([seq]).result(60))[0][5:]
         # a second push (new weights) reuses the group: no second set-up
-        await t.train_step.call_one(SEQS, MASKS, ADV).result(120)
+        await t.train_step.call_one(TrainBatch(SEQS, MASKS, ADV)).result(120)
         await t.push_weights.call_one([e1], 2, 4096, 60.0, "distributed").result(120)
         groups.append((await e1.stats.call_one().result(60))["weight_update_groups"])
         again = await e1.generate.call_one(SEQS[0][:6], GREEDY).result(60)
