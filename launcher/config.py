@@ -13,7 +13,6 @@ import difflib
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ from .config_rules import (
     check_resource,
     check_sampling,
     coerce_value,
+    expand_env,
     notice_no_effect,
     resolve_genrm_instances,
 )
@@ -272,6 +272,14 @@ class JobConfig:
     )
     input_key: str = _opt("prompt", help="the prompt's key in --prompt-data / --eval-prompt-data rows")
     label_key: str = _opt("label", help="the reference answer's key in the data rows")
+    metadata_key: str = _opt("metadata", help="the key of a data row's metadata object (its entries: sample.metadata)")
+    rollout_shuffle: bool = _opt(False, help="prompts in a seeded random order each epoch (default: file order, as the "
+                                 "original)")
+    rollout_seed: int | None = _opt(None, help="seed of the prompt order and of rollout sampling (default: --seed)")
+    use_dynamic_batch_size: bool = _opt(False, help="micro-batches of up to --max-tokens-per-gpu tokens")
+    max_tokens_per_gpu: int | None = _opt(None, help="with --use-dynamic-batch-size: sets --micro-batch-tokens",
+                                          minimum=1)
+    eval_reward_key: str | None = _opt(None, help="the reward dict's key for evaluation (default: --reward-key)")
     hf_checkpoint: str | None = _opt(None, help="policy checkpoint directory (HF format)")
     save_interval: int | None = _opt(None, help="save a checkpoint every N steps", minimum=1)
     keep_checkpoints: int = _opt(
@@ -306,6 +314,11 @@ class JobConfig:
     seed: int = _opt(1234, help="random seed")
 
     # ------------------------------------------------------------------ derived values
+
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of the prompt order and of rollout sampling: ``--rollout-seed``, else ``--seed``."""
+        return self.seed if self.rollout_seed is None else self.rollout_seed
 
     @property
     def fault_tolerant(self) -> bool:
@@ -355,23 +368,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
 # ------------------------------------------------------------------ GenRM normalization
 
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def _expand(value: Any) -> Any:
-    if isinstance(value, str):
-        return _VAR.sub(
-            lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), value
-        )
-    if isinstance(value, list):
-        return [_expand(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _expand(v) for k, v in value.items()}
-    return value
-
-
 def _closest(name: str) -> str:
-    match = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.5)
+    match = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.8)
     return f"; did you mean '{match[0]}' (--{match[0].replace('_', '-')})?" if match else ""
 
 
@@ -397,6 +395,10 @@ def build_config(values: dict[str, Any]) -> JobConfig:
         cfg.eval_temperature = cfg.rollout_temperature
     if not 0 < cfg.sglang_mem_fraction_static < 1:
         raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got {cfg.sglang_mem_fraction_static}")
+    if cfg.use_dynamic_batch_size:  # the original's names for a token budget per micro-batch
+        if cfg.max_tokens_per_gpu is None:
+            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per micro-batch)")
+        cfg.micro_batch_tokens = cfg.max_tokens_per_gpu
     if cfg.global_batch_size is None:  # the original: one optimizer step per rollout
         cfg.global_batch_size = cfg.rollout_batch_size * cfg.n_samples_per_prompt
     if cfg.global_batch_size % cfg.n_samples_per_prompt:
@@ -480,7 +482,7 @@ def load_config(path: str | None, overrides: list[str] | dict | None = None) -> 
                 raise ConfigError(f"{path}: invalid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-        values.update(_expand(data))
+        values.update(expand_env(data))
     if isinstance(overrides, dict):
         values.update(overrides)
     elif overrides:

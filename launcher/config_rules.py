@@ -9,6 +9,8 @@ import difflib
 import json
 import logging
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
@@ -29,7 +31,7 @@ NO_EFFECT_ROLES = {
 RESERVED_INSTANCE = DEFAULT_ROUTE  # the instance of the legacy single-judge flags
 
 #: The original's flags under another name here.
-FLAG_ALIASES = {"num_gpus_per_node": "gpus_per_node"}
+FLAG_ALIASES = {"num_gpus_per_node": "gpus_per_node", "apply_chat_template_kwargs": "chat_template_kwargs"}
 #: The original's flags that change nothing here: accepted (a value when ``takes_value``,
 #: else an optional true/false), with a notice once per process saying why.
 NO_EFFECT_FLAGS: dict[str, tuple[bool, str]] = {
@@ -48,6 +50,9 @@ NO_EFFECT_FLAGS: dict[str, tuple[bool, str]] = {
 }
 #: The original's flags for features not built here: refused, saying what to use instead.
 REFUSED_FLAGS = {
+    "custom_generate_function_path": "--custom-generate-function-path (a custom rollout: slime's async generate "
+    "contract) is not built here yet; multi-turn or tool-using rollouts cannot be plugged in. Score the samples with "
+    "--custom-rm-path",
     "reward_runtime": "--reward-runtime (the original's diffusion-reward scorer, not the LLM judge) is not built "
     "here; score with --rm-type or --custom-rm-path",
     "reward_endpoint": "--reward-endpoint (the original's remote diffusion-reward scorer) is not built here; a "
@@ -343,3 +348,19 @@ def check_expert_parallel(cfg: JobConfig) -> None:
         raise ConfigError(
             f"--expert-model-parallel-size {ep} must divide the {experts} experts of {cfg.hf_checkpoint}"
         )
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: Any) -> Any:
+    """``${VAR}`` / ``${VAR:-default}`` in a YAML config's strings, from the environment."""
+    if isinstance(value, str):
+        return _VAR.sub(
+            lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), value
+        )
+    if isinstance(value, list):
+        return [expand_env(v) for v in value]
+    if isinstance(value, dict):
+        return {k: expand_env(v) for k, v in value.items()}
+    return value

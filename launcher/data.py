@@ -1,12 +1,15 @@
 """Prompt data: JSONL in the dapo-math-17k / aime-2024 schema.
 
-Each line is an object with ``prompt`` (text, or chat messages ``[{role, content}, ...]``)
-and ``label`` (the reference answer); every other key is kept as metadata. For ``relay
-sft`` a line also has ``response`` (the target text).
+Each line is an object with ``prompt`` (text, or chat messages ``[{role, content}, ...]``),
+``label`` (the reference answer) and, as the original reads it, ``metadata`` (an object:
+its entries are the sample's ``metadata``, e.g. ``question`` for the judge, or what an
+agentic reward reads); every other key is kept as metadata too. For ``relay sft`` a line
+also has ``response`` (the target text).
 
-The order is deterministic: epoch ``e`` visits the rows in a permutation seeded by
-``(seed, e)``, and step ``s`` takes the next ``batch`` rows of that endless sequence, so a
-resumed run sees exactly the prompts the original run would have.
+The order is deterministic: epoch ``e`` visits the rows in file order or (training with
+``--rollout-shuffle``, and ``relay sft``) in a permutation seeded by ``(seed, e)``, and step
+``s`` takes the next ``batch`` rows of that endless sequence, so a resumed run sees exactly
+the prompts the original run would have.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ class Row:
 
 
 def load_rows(path: str, what: str = "--prompt-data", need_response: bool = False, input_key: str = "prompt",
-              label_key: str = "label", label_for: str | None = None) -> list[Row]:
+              label_key: str = "label", label_for: str | None = None, metadata_key: str = "metadata") -> list[Row]:
     """The rows of a JSONL file (UTF-8): each an object with the prompt under ``input_key``
     (text or chat messages), the reference answer under ``label_key`` (required when
     ``label_for`` names what compares against it, e.g. "--rm-type dapo"; otherwise a missing
-    or null one reads as ""), a ``response`` (for SFT), and anything else as metadata. Raises
-    DataError saying which line is wrong."""
+    or null one reads as ""), a ``response`` (for SFT), the row's metadata object under
+    ``metadata_key`` (its entries, beside any other key of the row, are the row's metadata).
+    Raises DataError saying which line is wrong."""
     rows: list[Row] = []
     try:
         f = open(path, "rb")
@@ -73,10 +77,20 @@ def load_rows(path: str, what: str = "--prompt-data", need_response: bool = Fals
                 hint = "" if label_key != "label" else " (another key: --label-key KEY)"
                 raise DataError(f"{what}: {path}:{n} has no {label_key!r}: {label_for} compares each answer with this "
                                 f"reference answer{hint}")
-            rows.append(Row(len(rows), prompt, "" if label is None else str(label), response, obj))
+            meta = obj.pop(metadata_key, None)
+            if meta is not None and not isinstance(meta, dict):
+                raise DataError(f"{what}: {path}:{n}: {metadata_key!r} must be an object (the row's metadata, as "
+                                f"--metadata-key names it), not {type(meta).__name__}")
+            rows.append(Row(len(rows), prompt, "" if label is None else str(label), response, {**obj, **(meta or {})}))
     if not rows:
         raise DataError(f"{what}: {path!r} has no rows")
     return rows
+
+
+def row_keys(cfg) -> dict:
+    """The config's data-row keys, as :func:`load_rows` takes them (``--input-key``,
+    ``--label-key``, ``--metadata-key``)."""
+    return dict(input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key)
 
 
 def question_text(prompt: str | list) -> str:
@@ -101,16 +115,18 @@ def prompt_ids(
 class PromptOrder:
     """The endless, seeded sequence of rows (see the module docstring)."""
 
-    def __init__(self, rows: list[Row], seed: int):
+    def __init__(self, rows: list[Row], seed: int, shuffle: bool = True):
         self.rows = rows
         self.seed = seed
+        self.shuffle = shuffle  # False: every epoch in file order (the original without --rollout-shuffle)
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
         p = self._perms.get(epoch)
         if p is None:
             p = list(range(len(self.rows)))
-            random.Random(f"{self.seed}:{epoch}").shuffle(p)
+            if self.shuffle:
+                random.Random(f"{self.seed}:{epoch}").shuffle(p)
             self._perms = {epoch: p}
         return p
 

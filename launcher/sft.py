@@ -19,7 +19,7 @@ import os
 from .agent import WorkerInfo
 from .allocator import Plan
 from .config import JobConfig
-from .data import PromptOrder, Row, load_rows, prompt_ids
+from .data import PromptOrder, Row, load_rows, prompt_ids, row_keys
 from .metrics import MetricsLog
 from .rl.checkpoints import write_hf_checkpoint
 from .rl.timing import PhaseTimer
@@ -34,11 +34,11 @@ class SFTJob:
             raise ValueError("relay sft needs data: set --prompt-data (JSONL rows with 'prompt' and 'response')")
         self.cfg, self.plan, self.out = cfg, plan, out
         self.by_bundle = {w.bundle: w for w in workers}
-        self.rows = load_rows(cfg.prompt_data, need_response=True, input_key=cfg.input_key, label_key=cfg.label_key)
+        self.rows = load_rows(cfg.prompt_data, need_response=True, **row_keys(cfg))
         self.eval_rows = None
         if cfg.eval_prompt_data:
             self.eval_rows = load_rows(cfg.eval_prompt_data, "--eval-prompt-data", need_response=True,
-                                       input_key=cfg.input_key, label_key=cfg.label_key)
+                                       **row_keys(cfg))
         self.steps = cfg.sft_steps or max(1, len(self.rows) // cfg.global_batch_size)
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.save_to = os.path.abspath(cfg.save_hf or os.path.join(self.run_dir, "hf"))

@@ -122,18 +122,20 @@ def template_markers(template: str | None) -> re.Pattern:
 
 def guard_answer(answer: str, markers: re.Pattern, from_tail: bool = False) -> str:
     """Only the final answer region of ``answer`` (what the extraction gave), so that the
-    policy's text is not read as the judge's instructions: its first non-empty line (the
-    last one with ``from_tail``: the extraction fell back to the response's tail), a display
-    math block opened there included; cut before the first of ``markers``
-    (:func:`template_markers`: "Judgement:", the template's field labels, chat-template
-    control tokens); at most 500 characters. The leading whitespace is kept as extracted, so an ordinary
-    one-line answer reaches the judge exactly as the original sends it."""
+    policy's text is not read as the judge's instructions: its first non-empty line, a
+    display math block opened there included. With ``from_tail`` (no "Answer:": the
+    extraction fell back to the response's tail) the line holding the tail's last balanced
+    ``\\boxed{}`` (the chatter after it cut), else the tail's last non-empty line. Cut before
+    the first of ``markers`` (:func:`template_markers`: "Judgement:", the template's field
+    labels, chat-template control tokens); at most 500 characters. The leading whitespace is
+    kept as extracted, so an ordinary one-line answer reaches the judge exactly as the
+    original sends it."""
     lead = answer[: len(answer) - len(answer.lstrip())]
     lines = [line for line in answer.strip().split("\n") if line.strip()]
     if not lines:
         return answer
     if from_tail:
-        region = lines[-1]
+        region = _boxed_line(lines) or lines[-1]
     else:
         region, closer = lines[0], {"$$": "$$", "\\[": "\\]"}.get(lines[0].strip())
         if closer is not None:  # "$$" / "\[" alone on the line: the block up to its closer
@@ -142,6 +144,24 @@ def guard_answer(answer: str, markers: re.Pattern, from_tail: bool = False) -> s
     marker = markers.search(region)
     kept = region[: len(region) if marker is None else marker.start()][:MAX_ANSWER_CHARS].rstrip()
     return answer if kept == answer.strip() else lead + kept
+
+
+def _boxed_line(lines: list[str]) -> str | None:
+    """The line holding the last balanced ``\\boxed{...}`` of ``lines``, up to the end of that
+    box and the math or punctuation closing it (``$``, ``.``, ``)``...): what follows on the
+    line is chatter. A box spread over lines is not taken (None)."""
+    for line in reversed(lines):
+        start = line.rfind("\\boxed{")
+        if start < 0:
+            continue
+        inner = last_boxed(line[start:])
+        if inner is None:
+            return None
+        end = start + len("\\boxed{") + len(inner) + 1
+        while end < len(line) and line[end] in "$.)]}!,; ":
+            end += 1
+        return line[:end].rstrip()
+    return None
 
 
 def judged_answer(response: str, variant: str = "documented", template: str | None = None,

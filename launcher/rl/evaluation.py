@@ -24,7 +24,7 @@ async def evaluate(loop, step: int) -> dict:
     started = loop.timer.clock()
     sampling = sampling_options(cfg, evaluation=True)
     groups = await asyncio.gather(*(
-        loop._group(row, k, sampling, group_seed(cfg.seed, -1, row.index), i,
+        loop._group(row, k, sampling, group_seed(cfg.sampling_seed, -1, row.index), i,
                     score=not loop.defer, dataset="eval")
         for i, row in enumerate(loop.eval_rows)))
     samples = flatten(groups)

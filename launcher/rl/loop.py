@@ -42,7 +42,7 @@ import os
 from ..agent import WorkerInfo
 from ..allocator import Plan
 from ..config import JobConfig
-from ..data import PromptOrder, Row, load_rows
+from ..data import PromptOrder, Row, load_rows, row_keys
 from ..metrics import MetricsLog
 from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
@@ -86,10 +86,10 @@ class GRPOLoop:
         # the built-in rewards compare with the reference; a --custom-rm-path function may go without
         compares = cfg.rm_type in ("dapo", "dapo-genrm") and not cfg.custom_rm_path
         label_for = f"--rm-type {cfg.rm_type}" if compares else None
-        self.rows = load_rows(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key, label_for=label_for)
-        self.order = PromptOrder(self.rows, cfg.seed)
-        self.eval_rows = (load_rows(cfg.eval_prompt_data, "--eval-prompt-data", input_key=cfg.input_key,
-                                    label_key=cfg.label_key, label_for=label_for) if cfg.eval_prompt_data else None)
+        self.rows = load_rows(cfg.prompt_data, **row_keys(cfg), label_for=label_for)
+        self.order = PromptOrder(self.rows, cfg.sampling_seed, cfg.rollout_shuffle)
+        self.eval_rows = (load_rows(cfg.eval_prompt_data, "--eval-prompt-data", **row_keys(cfg), label_for=label_for)
+                          if cfg.eval_prompt_data else None)
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.checkpoints = Checkpoints(self.run_dir)
         self.timer = PhaseTimer(span_names=("reward",))
@@ -289,7 +289,7 @@ class GRPOLoop:
         cfg = self.cfg
         rows = self.order.batch(step, cfg.rollout_batch_size)
         groups = await asyncio.gather(*(
-            self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.seed, step, k),
+            self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.sampling_seed, step, k),
                         step * cfg.rollout_batch_size + k, score_inline)
             for k, row in enumerate(rows)))
         return await self.scorer.post_process_batch(flatten(groups), cfg.n_samples_per_prompt, skip=not score_inline)
@@ -427,8 +427,8 @@ class GRPOLoop:
         record of the step that trains on it (``_reward_spans``)."""
         cfg = self.cfg
         row = self.order.batch(k, 1)[0]
-        samples = await self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.seed, k, 0),
-                                    k, score=False)
+        samples = await self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg),
+                                    group_seed(cfg.sampling_seed, k, 0), k, score=False)
         started = self.timer.clock()
         await self.scorer.score_all(samples)
         self._reward_spans[k] = (started, self.timer.clock())

@@ -101,10 +101,11 @@ class Sample:
     @classmethod
     def generated(cls, row: Row, dataset: str, group_index: int, prompt_ids: list[int], result) -> Sample:
         """The sample of an engine's ``GenerateResult`` for ``row``; ``metadata`` is the
-        row's metadata plus its ``label`` and ``question`` (the judge prompt reads them)."""
+        row's metadata (the original's ``sample.metadata``), with ``question`` (the prompt's
+        text) and ``label`` added where the row has none (the judge prompt reads them)."""
         return cls(
             index=row.index, dataset=dataset, group_index=group_index, prompt=row.prompt, label=row.label,
-            metadata={**row.metadata, "label": row.label, "question": question_text(row.prompt)},
+            metadata={"question": question_text(row.prompt), "label": row.label, **row.metadata},
             prompt_ids=prompt_ids, response_ids=list(result.token_ids), response=result.text,
             rollout_logprobs=list(result.logprobs), finish_reason=result.finish_reason,
             weight_version=result.weight_version, status=Status.from_finish_reason(result.finish_reason),

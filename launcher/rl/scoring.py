@@ -43,14 +43,17 @@ class Scorer:
 
     async def score(self, sample: Sample) -> None:
         """Sets ``reward_info`` (what the reward returned) and ``reward`` (its
-        ``--reward-key`` value); an error names the reward function and the sample."""
+        ``--reward-key`` value; ``--eval-reward-key``'s for an eval sample when given); an
+        error names the reward function and the sample."""
         from reward.rewards import reward_value
 
         with self.timer.span("reward"):
             try:
                 result = await self.reward_fn(sample)
                 sample.reward_info = result
-                sample.reward = reward_value(result, self.cfg.reward_key)
+                key = self.cfg.eval_reward_key if sample.dataset == "eval" and self.cfg.eval_reward_key else \
+                    self.cfg.reward_key
+                sample.reward = reward_value(result, key)
             except Exception as e:
                 raise RuntimeError(f"the reward ({self.reward_name()}) failed on {describe(sample)}: "
                                    f"{type(e).__name__}: {e}") from e

@@ -346,3 +346,36 @@ def test_training_that_would_learn_nothing_or_miscount_steps_is_refused_at_start
     with pytest.raises(ConfigError, match="--global-batch-size 96 does not divide the 256 samples"):
         check_training_math(cfg(rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=96))
     check_training_math(cfg(rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=64))
+
+
+def test_the_originals_launch_script_flags_take_their_meaning():
+    c = cfg()
+    assert (c.rollout_shuffle, c.rollout_seed, c.sampling_seed) == (False, None, c.seed)  # file order, as the original
+    c = cfg(rollout_shuffle=True, rollout_seed=42)
+    assert c.rollout_shuffle and c.sampling_seed == 42
+    c = load_config(None, ["--resource", json.dumps(BASE["resource"]), "--colocate", "--use-dynamic-batch-size",
+                           "--max-tokens-per-gpu", "4608", "--apply-chat-template-kwargs", '{"enable_thinking": false}',
+                           "--eval-reward-key", "acc", "--metadata-key", "extra_info"])
+    assert c.micro_batch_tokens == 4608 and c.chat_template_kwargs == {"enable_thinking": False}
+    assert c.eval_reward_key == "acc" and c.metadata_key == "extra_info"
+    with pytest.raises(ConfigError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu"):
+        cfg(use_dynamic_batch_size=True)
+    with pytest.raises(ConfigError, match="--custom-generate-function-path .* is not built here yet"):
+        parse_overrides(["--custom-generate-function-path", "my.rollout.generate"])
+
+
+def test_did_you_mean_only_for_a_real_likeness():
+    with pytest.raises(ConfigError) as e:
+        parse_overrides(["--use-wandb"])
+    assert "did you mean" not in str(e.value)  # was: "did you mean --use-tis"
+    with pytest.raises(ConfigError, match="did you mean 'rollout_shuffle'"):
+        parse_overrides(["--rollout-shufle"])
+
+
+def test_prompts_come_in_file_order_unless_shuffled_and_the_seed_picks_the_order():
+    from launcher.data import PromptOrder, Row
+
+    rows = [Row(i, f"q{i}", str(i)) for i in range(10)]
+    assert [r.index for r in PromptOrder(rows, 1, shuffle=False).batch(1, 4)] == [4, 5, 6, 7]
+    a, b = (PromptOrder(rows, seed, shuffle=True).batch(0, 10) for seed in (1, 2))
+    assert sorted(r.index for r in a) == list(range(10)) and [r.index for r in a] != [r.index for r in b]

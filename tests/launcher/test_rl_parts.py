@@ -75,7 +75,7 @@ def test_advantages_from_a_post_process_hook_are_used_as_given():
 def test_a_sample_reads_as_attributes_and_as_the_dict_reward_code_expects():
     s = make_sample()
     assert s.prompt == s["prompt"] == "What is 2+2?" and s["label"] == "4" and s.get("response") == "Answer: 4"
-    assert s["metadata"] == {"source": "x", "label": "4", "question": "What is 2+2?"}
+    assert s["metadata"] == {"source": "x", "label": "4", "question": "What is 2+2?"}  # the row's, and the judge's keys
     assert s["prompt_ids"] == [1, 2] and s["response_ids"] == [7, 8, 9] and s["rollout_logprobs"] == [-0.1, -0.2, -0.3]
     assert "reward_info" not in s and s.get("reward_info") is None and "reward" not in s  # unset until scored
     with pytest.raises(KeyError):
@@ -92,6 +92,37 @@ def test_a_sample_reads_as_attributes_and_as_the_dict_reward_code_expects():
     s.reward = 0.5
     assert s.get_reward_value(SimpleNamespace(reward_key="score")) == 0.5
     assert "tokens" not in dict(s)  # derived names are not keys
+
+
+def test_a_rows_metadata_object_is_the_samples_metadata_as_the_original_reads_it(tmp_path):
+    """The original (slime's Dataset): ``sample.metadata`` is the row's ``metadata`` object
+    (``--metadata-key``); the judge's ``question`` and ``label`` come from it when it has
+    them, else from the prompt and the label."""
+    import json
+
+    from launcher.data import DataError, load_rows
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "Solve: x + 1 = 3. Think step by step.", "label": "2", "source": "aime",
+             "metadata": {"question": "x + 1 = 3", "trajectory_steps": [{"module": "planner"}]}},
+            {"prompt": "What is 2+2?", "label": "4"},
+            {"prompt": "p", "label": "1", "extra_info": {"question": "q", "label": "L"}}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    a, b, _ = load_rows(str(path))
+    sa = Sample.generated(a, "train", 0, [1], SimpleNamespace(token_ids=[2], text="2", logprobs=[-0.1],
+                                                                 finish_reason="stop", weight_version=0))
+    assert sa.metadata == {"question": "x + 1 = 3", "label": "2", "source": "aime",
+                           "trajectory_steps": [{"module": "planner"}]}
+    assert "metadata" not in sa.metadata
+    sb = Sample.generated(b, "train", 0, [1], SimpleNamespace(token_ids=[2], text="4", logprobs=[-0.1],
+                                                                 finish_reason="stop", weight_version=0))
+    assert sb.metadata == {"question": "What is 2+2?", "label": "4"}
+    # another key, as verl's data carries it
+    c = load_rows(str(path), metadata_key="extra_info")[2]
+    assert c.metadata == {"question": "q", "label": "L"}
+    path.write_text(json.dumps({"prompt": "p", "label": "1", "metadata": "not an object"}))
+    with pytest.raises(DataError, match="rows.jsonl:1: 'metadata' must be an object"):
+        load_rows(str(path))
 
 
 def test_status_follows_the_engines_finish_reason():
@@ -154,6 +185,29 @@ def test_scorer_sets_reward_records_spans_and_names_a_failing_reward():
         asyncio.run(scorer.score(make_sample(index=9)))
     timer.end_step()
     assert timer.metrics()["time/reward"] == pytest.approx(4.0)
+
+
+def test_a_nan_reward_or_a_rewards_eval_key_is_taken_as_the_original_takes_it():
+    """A NaN (or infinite) reward stops scoring naming the reward, the sample and the value;
+    ``--eval-reward-key`` picks an eval sample's reward from the reward's dict."""
+    import math
+
+    from launcher.rl.scoring import NonFiniteReward
+
+    cfg = load_config(None, {"custom_rm_path": "mine.reward", "reward_key": "score", "eval_reward_key": "acc"})
+
+    async def reward(sample):
+        return {"score": math.nan if sample.index == 5 else 0.5, "acc": 1.0}
+
+    scorer = Scorer(cfg, reward, None, PhaseTimer(FakeClock()))
+    train, held_out = make_sample(), make_sample()
+    held_out.dataset = "eval"
+    asyncio.run(scorer.score(train))
+    asyncio.run(scorer.score(held_out))
+    assert (train.reward, held_out.reward) == (0.5, 1.0)
+    with pytest.raises(NonFiniteReward, match=r"the reward \(--custom-rm-path mine.reward\) gave the sample of row 5 "
+                                              r".* the reward nan: rewards must be finite"):
+        asyncio.run(scorer.score(make_sample(index=5)))
 
 
 def test_post_process_hook_sees_the_batchs_group_size_and_sets_advantages():
