@@ -164,6 +164,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("RELAY_GENRM_ADDR", "genrm_addr", "", _str, _L,
              "the judge service's relay address, for reward code (set by the launcher)"),
     Variable("RELAY_GENRM_ACTOR", "genrm_actor", "genrm", _str, _L, "the judge service's actor name"),
+    Variable("RELAY_GENRM_URL", "genrm_url", "", _str, _L,
+             "the judge's HTTP gateway (`http://127.0.0.1:PORT/genrm`), for reward code (set by the launcher)"),
     Variable("RELAY_GENRM_TOKEN", "genrm_token", "", _str, _L, "the bearer token `relay judge` requires by default"),
     Variable("RELAY_USER_PATH", "user_path", "", _str, _L,
              "the directory user code (`module.func` flags) imports from (set by the launcher)"),
@@ -221,6 +223,7 @@ class Settings:
     sglang_launch: str = "sglang.launch_server"
     genrm_addr: str = ""
     genrm_actor: str = "genrm"
+    genrm_url: str = ""
     genrm_token: str = field(default="", repr=False)
     user_path: str = ""
     exit_code_file: str = ""

@@ -13,7 +13,9 @@ all the service's attempts (3, with backoff; not retried again here),
 :class:`~reward.errors.JudgeUnavailable` after bounded retries of transport failures.
 Cancelling a call (its task) cancels the request in the service and in its engine. Outside
 a job, pass ``address`` and give the process the judge's secret (``RELAY_JOB_SECRET``, or
-``RELAY_JOB_SECRET_FILE`` naming the file ``relay judge`` printed).
+``RELAY_JOB_SECRET_FILE`` naming the file ``relay judge`` printed). The original's
+``get_genrm_client(service_url="http://.../genrm")`` gives the HTTP client
+(reward/http_client.py), with the same calls.
 
 The first call proves the secret with relay's authenticated handshake
 (``ProcMesh.authenticate``): a wrong or missing secret raises
@@ -30,8 +32,9 @@ and never raise: the health shape of ``GET /genrm/health`` or ``{"status": "unhe
 instances' ``model_path``, ``num_gpus``, ``num_engines`` and counters) or ``{}``. They block
 their thread, so from a coroutine on the client's event loop use ``await
 client.health_check_async()`` / ``await client.get_metrics_async()`` (the same answers);
-called on that loop's thread, the synchronous ones cannot wait and say so in ``error`` (or
-return ``{}``).
+called on that loop's thread, the synchronous ones ask the job's HTTP gateway
+(``RELAY_GENRM_URL``, set by the launcher) with one blocking request, as the original's
+HTTP client does; without it they cannot wait and say so in ``error`` (or return ``{}``).
 """
 
 from __future__ import annotations
@@ -222,7 +225,13 @@ class GenRMClient:
             return {}
 
     def health_check(self) -> dict:
-        """Synchronous :meth:`health_check_async` (the original's call); never raises."""
+        """Synchronous :meth:`health_check_async` (the original's call); never raises. On the
+        client's own event-loop thread (which cannot wait for itself): through the job's
+        HTTP gateway."""
+        if self._on_loop_thread() and relay.settings().genrm_url:
+            from .http_client import HTTPGenRMClient
+
+            return HTTPGenRMClient(relay.settings().genrm_url).health_check()
         try:
             return self._blocking(self.health_check_async())
         except Exception as e:  # noqa: BLE001
@@ -230,10 +239,18 @@ class GenRMClient:
 
     def get_metrics(self) -> dict:
         """Synchronous :meth:`get_metrics_async` (the original's call); never raises."""
+        if self._on_loop_thread() and relay.settings().genrm_url:
+            from .http_client import HTTPGenRMClient
+
+            return HTTPGenRMClient(relay.settings().genrm_url).get_metrics()
         try:
             return self._blocking(self.get_metrics_async())
         except Exception:  # noqa: BLE001
             return {}
+
+    def _on_loop_thread(self) -> bool:
+        rt = self._procs._rt
+        return rt.loop.is_running() and rt.in_loop_thread()
 
     def _blocking(self, coro):
         """Run ``coro`` on the event loop of the client's relay runtime and wait for it."""
@@ -259,18 +276,36 @@ class GenRMClient:
 _clients: dict = {}
 
 
-def get_genrm_client(address: str | None = None, actor: str | None = None) -> GenRMClient:
-    """The client of this process and event loop (created on first use)."""
+def get_genrm_client(address: str | None = None, actor: str | None = None, *, service_url: str | None = None,
+                     timeout: float | None = None):
+    """The client of this process and event loop (created on first use). ``address``: the
+    judge service's relay address (default ``RELAY_GENRM_ADDR``, set inside a job). An HTTP
+    URL (``service_url=``, the original's name, or an ``http(s)://`` address) gives the
+    HTTP client (reward/http_client.py) with the same calls. ``timeout``: a call's default
+    (1800 s)."""
+    url = service_url or (address if address and address.startswith(("http://", "https://")) else None)
+    if url is not None:
+        from .http_client import HTTPGenRMClient
+
+        key = (os.getpid(), url, timeout)
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = HTTPGenRMClient(url, timeout or CALL_TIMEOUT)
+        return client
     address = address or relay.settings().genrm_addr
     if not address:
-        raise RuntimeError(f"no judge address: pass address=... or run inside a job (which sets {ENV_ADDR})")
+        raise RuntimeError(f"no judge address: pass address=... (or service_url='http://...') or run inside a job "
+                           f"(which sets {ENV_ADDR})")
+    if not address.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"judge address {address!r}: a relay address is tcp://HOST:PORT or ipc://PATH; for the "
+                         "HTTP gateway pass service_url='http://HOST:PORT/genrm'")
     actor = actor or relay.settings().genrm_actor
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         loop = None
-    key = (os.getpid(), id(loop), address, actor)
+    key = (os.getpid(), id(loop), address, actor, timeout)
     client = _clients.get(key)
     if client is None:
-        client = _clients[key] = GenRMClient(address, actor)
+        client = _clients[key] = GenRMClient(address, actor, timeout or CALL_TIMEOUT)
     return client

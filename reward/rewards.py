@@ -116,12 +116,13 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
 
 
 def judge_reward(cfg, judge: Callable[[list], Awaitable[str]] | None = None, judge_address: str | None = None,
-                 route_key: str | None = None) -> RewardFn:
+                 route_key: str | None = None, sampling_params: dict | None = None) -> RewardFn:
     """``--rm-type dapo-genrm``'s reward of one sample (reward/dapo_genrm.py), with the
     config's prompt, answer guard, parsing and variant, asking the judge ``judge`` (else the
     judge client at ``judge_address``, for the instance ``route_key``: None is the default
-    one) and reporting each verdict's parse to the service. The self-check
-    (reward/integrity.py) asks every instance through this same path."""
+    one; ``sampling_params`` over the instance's) and reporting each verdict's parse to the
+    service. The self-check (reward/integrity.py) asks every instance through this same
+    path, greedily."""
 
     async def genrm(sample: dict):
         j, report = judge, None
@@ -129,7 +130,7 @@ def judge_reward(cfg, judge: Callable[[list], Awaitable[str]] | None = None, jud
             from .client import get_genrm_client
 
             client = get_genrm_client(judge_address)
-            j = functools.partial(client.generate, route_key=route_key)
+            j = functools.partial(client.generate, sampling_params=sampling_params, route_key=route_key)
             report = functools.partial(client.report_parse, route_key)
         return await dapo_genrm.score(
             sample, j, parse=cfg.genrm_parse, report=report, template=getattr(cfg, "genrm_prompt_template", None),

@@ -2,9 +2,12 @@
 themselves are in reward/integrity.py):
 
 - before the first step, every judge instance scores the known pairs and the injection
-  canaries through the training reward's own path; a judge that gets one wrong stops the job
-  (:class:`JudgeSelfCheckFailed` lists them) unless ``--genrm-skip-self-check`` (then the
-  job warns that its judge is unchecked);
+  canaries through the training reward's own path, greedily (temperature 0: the check
+  measures the judge, not its sampling); a judge that says 1 to a canary, or gets fewer
+  than :data:`reward.integrity.SELF_CHECK_MIN_SHARE` of the known pairs right, stops the
+  job (:class:`JudgeSelfCheckFailed` lists the misses; a judge that passes with misses is
+  warned about, with them) unless ``--genrm-skip-self-check`` (then the job warns that its
+  judge is unchecked);
 - every ``--genrm-canary-interval`` steps the canaries are scored again (``judge/canary_*``);
 - every step, the drift audit compares a sampled share of judge verdicts with the rule
   grader's (``audit/*``), writes the disagreements to ``RUN_DIR/judge_audit.jsonl`` and
@@ -60,10 +63,11 @@ class JudgeIntegrity:
                                           integrity.answer_reader(variant, template, cfg.genrm_answer_guard))
         self.alarmed = False
 
-    def _reward(self, instance: str):
+    def _reward(self, instance: str, sampling_params: dict | None = None):
         from reward.rewards import judge_reward
 
-        return judge_reward(self.cfg, judge_address=self.judge.address, route_key=instance)
+        return judge_reward(self.cfg, judge_address=self.judge.address, route_key=instance,
+                            sampling_params=sampling_params)
 
     def _write(self, name: str, rows: list[dict]) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
@@ -91,22 +95,26 @@ class JudgeIntegrity:
             checks = integrity.known_pairs(self.rows, cfg.genrm_reward_variant)
         checks += self.canaries
         record: dict = {"kind": "judge_check", "step": step}
-        failures = []
         before, counts = await self._engine_requests(), await self.judge.counts()
+        misses, failed = [], False
         for instance in cfg.genrm:
-            results = await integrity.run_checks(checks, self._reward(instance))
+            results = await integrity.run_checks(checks, self._reward(instance, {"temperature": 0.0}))
             self._write(SELF_CHECK_FILE, [{"step": step, "instance": instance, **r} for r in results])
             wrong = [r for r in results if not r["ok"]]
-            failures += [(instance, r) for r in wrong]
+            misses += [(instance, r) for r in wrong]
+            failed = failed or not integrity.self_check_passes(results)
             record[f"judge/self_check_passed/{instance}"] = len(results) - len(wrong)
             record[f"judge/self_check_total/{instance}"] = len(results)
-        record.update(self._canary_metrics([r for _, r in failures], len(self.canaries) * len(cfg.genrm)))
+        record.update(self._canary_metrics([r for _, r in misses], len(self.canaries) * len(cfg.genrm)))
         record["judge/self_check_engine_requests"] = [b - a for a, b in zip(before, await self._engine_requests())]
         record["judge/requests"] = (await self.judge.counts())["requests"] - counts["requests"]
-        if failures:
-            raise JudgeSelfCheckFailed(self._failure_message(failures, len(checks)))
+        if failed:
+            raise JudgeSelfCheckFailed(self._failure_message(misses, len(checks)))
         print(f"judge self-check passed: {len(checks)} cases x {len(cfg.genrm)} instance(s) "
               f"({len(self.canaries)} injection canaries)", file=self.out, flush=True)
+        if misses:
+            print("relay: WARNING: " + self._failure_message(misses, len(checks), passed=True), file=self.out,
+                  flush=True)
         return record
 
     async def _engine_requests(self) -> list[int]:
@@ -116,16 +124,23 @@ class JudgeIntegrity:
 
         return [s.get("requests_finished", 0) for s in await call_engines(self.judge.engines, "stats")]
 
-    def _failure_message(self, failures: list, total: int) -> str:
-        lines = [f"the judge failed its self-check before the first step ({len(failures)} of {total} cases wrong "
-                 f"over {len(self.cfg.genrm)} instance(s)); training on its rewards would optimize its mistakes:"]
+    def _failure_message(self, failures: list, total: int, passed: bool = False) -> str:
+        rule = (f"(it passes with no canary said 1 and at least {integrity.SELF_CHECK_MIN_SHARE:.0%} of the known "
+                "pairs right, asked greedily)")
+        if passed:
+            lines = [f"the judge passed its self-check with {len(failures)} of {total} cases wrong {rule}:"]
+        else:
+            lines = [f"the judge failed its self-check before the first step ({len(failures)} of {total} cases wrong "
+                     f"over {len(self.cfg.genrm)} instance(s)) {rule}; training on its rewards would optimize its "
+                     "mistakes:"]
         for instance, r in failures[:12]:
             why = f", {r['format_error']}" if r["format_error"] else ""
             lines.append(f"  [{instance}] {r['kind']}: label {r['label']!r}, response {r['response'][:80]!r} -> "
                          f"verdict {r['verdict']} (expected {r['expected']}{why}), judge said "
                          f"{r['judge_response'][:80]!r}")
         lines.append(f"All results: {os.path.join(self.run_dir, SELF_CHECK_FILE)}. Check --genrm-prompt-template, "
-                     "--genrm-parse and the judge checkpoint; --genrm-skip-self-check trains anyway (not advised)")
+                     "--genrm-parse and the judge checkpoint" +
+                     ("" if passed else "; --genrm-skip-self-check trains anyway (not advised)"))
         return "\n".join(lines)
 
     @staticmethod

@@ -71,6 +71,7 @@ class Judge:
                 "127.0.0.1", self.cfg.genrm_gateway_port, None, self.cfg.gateway_limits()).result(timeouts.CONTROL)
         except ActorError as e:  # e.g. the port is taken: say which option to change
             raise RuntimeError(f"{e.exception} (--genrm-gateway-port; 0 picks a free one)") from None
+        os.environ["RELAY_GENRM_URL"] = f"http://127.0.0.1:{port}/genrm"  # for reward code, as the address
         print(f"judge gateway: http://127.0.0.1:{port}/genrm/health", file=out, flush=True)
 
     async def set_admission(self, is_open: bool) -> None:

@@ -205,6 +205,32 @@ _CLIENT = textwrap.dedent("""
         }
 
     out.update(asyncio.run(in_loop()))
+
+    async def as_the_original_calls_it():  # from reward code, with the job's gateway URL exported
+        import os
+
+        from reward.client import get_genrm_client
+
+        os.environ["RELAY_GENRM_URL"] = sys.argv[2]
+        zmq_client = GenRMClient(sys.argv[1])
+        http = get_genrm_client(service_url=sys.argv[2], timeout=60)
+        got = {"zmq_health_on_loop": zmq_client.health_check(), "http_type": type(http).__name__,
+               "http_timeout": http.timeout, "positional_type": type(get_genrm_client(sys.argv[2])).__name__,
+               "http_health_on_loop": http.health_check(), "http_metrics": http.get_metrics(),
+               "http_generate": await http.generate([{"role": "user", "content": "Is 2+2=4?"}],
+                                                    {"max_new_tokens": 2, "temperature": 0})}
+        try:
+            await http.generate([{"role": "user"}])
+        except ValueError as e:
+            got["http_bad_request"] = str(e)
+        try:
+            get_genrm_client("127.0.0.1:8000")
+        except ValueError as e:
+            got["bad_address"] = str(e)
+        await http.close()
+        return got
+
+    out.update(asyncio.run(as_the_original_calls_it()))
     print(json.dumps(out))
 """)
 
@@ -216,7 +242,7 @@ def test_client_health_check_and_get_metrics_never_raise(judge_model):
             addr = judge._view.members[0].proc.addr
             p = await asyncio.to_thread(
                 subprocess.run,
-                [sys.executable, "-c", _CLIENT, addr],
+                [sys.executable, "-c", _CLIENT, addr, f"{url}/genrm"],
                 env=dict(_with_secret(), PYTHONPATH=ROOT),
                 capture_output=True,
                 text=True,
@@ -237,6 +263,14 @@ def test_client_health_check_and_get_metrics_never_raise(judge_model):
     assert got["dead_health"]["status"] == "unhealthy" and got["dead_health"]["error"]
     assert got["dead_metrics"] == {}
     assert got["health_on_loop"]["status"] == "unhealthy" and "health_check_async" in got["health_on_loop"]["error"]
+    # with the job's gateway URL (RELAY_GENRM_URL, exported by the launcher) it tells the truth
+    assert got["zmq_health_on_loop"] == {"status": "healthy", "service": "genrm"}
+    # the original's get_genrm_client(service_url=..., timeout=...): an HTTP client, same calls
+    assert got["http_type"] == got["positional_type"] == "HTTPGenRMClient" and got["http_timeout"] == 60
+    assert got["http_health_on_loop"] == {"status": "healthy", "service": "genrm"}
+    assert got["http_metrics"]["model_path"] == judge_model and isinstance(got["http_generate"], str)
+    assert "HTTP 422" in got["http_bad_request"] or "HTTP 400" in got["http_bad_request"]
+    assert "service_url='http://HOST:PORT/genrm'" in got["bad_address"]
 
 
 def test_native_payload_bounds():

@@ -229,3 +229,49 @@ def test_injections_beside_every_answer_style_never_reach_the_judge(template):
                 assert markers.search(out) is None, (style, attacked, out)
                 seen += 1
     assert seen >= 500
+
+
+def _row(kind: str, ok: bool) -> dict:
+    return {"kind": kind, "ok": ok}
+
+
+def test_the_self_check_rule_allows_a_real_judges_misses_but_no_obeyed_injection():
+    pairs = ["equal", "different", "formatted"] * 3
+    canaries = [f"canary:{n}" for n in integrity.CANARIES] * 2
+    perfect = [_row(k, True) for k in pairs + canaries]
+    assert integrity.self_check_passes(perfect)
+    one_miss = [_row(k, i != 4) for i, k in enumerate(pairs)] + [_row(k, True) for k in canaries]
+    assert integrity.self_check_passes(one_miss)  # 8 of 9 pairs: a 95% judge's bad day passes
+    three_misses = [_row(k, i > 2) for i, k in enumerate(pairs)] + [_row(k, True) for k in canaries]
+    assert not integrity.self_check_passes(three_misses)  # 6 of 9 < 80%
+    always_zero = [_row(k, k == "different") for k in pairs] + [_row(k, True) for k in canaries]
+    assert not integrity.self_check_passes(always_zero)
+    obeyed = [_row(k, True) for k in pairs] + [_row(k, i != 0) for i, k in enumerate(canaries)]
+    assert not integrity.self_check_passes(obeyed)  # one canary said 1: fails whatever the share
+
+
+def test_the_self_check_asks_the_judge_greedily(monkeypatch):
+    """It measures the judge, not its sampling: the check's calls carry temperature 0 over the
+    instance's sampling config (the documented 0.1)."""
+    import asyncio
+
+    from reward import client as client_module
+    from reward.rewards import judge_reward
+
+    asked = []
+
+    class Fake:
+        async def generate(self, messages, sampling_params=None, route_key=None):
+            asked.append((sampling_params, route_key))
+            return "1"
+
+        def report_parse(self, route_key, ok):
+            pass
+
+    monkeypatch.setattr(client_module, "get_genrm_client", lambda address=None: Fake())
+    cfg = load_config(None, {"rm_type": "dapo-genrm", "genrm_parse": "loose"})
+    check = integrity.known_pairs([("q", "6"), ("q2", "1")])[0]
+    asyncio.run(integrity.run_checks([check], judge_reward(cfg, judge_address="tcp://127.0.0.1:1",
+                                                           route_key="quality",
+                                                           sampling_params={"temperature": 0.0})))
+    assert asked == [({"temperature": 0.0}, "quality")]
