@@ -91,6 +91,11 @@ def _integer(name: str, value, allowed: str) -> int:
     return value
 
 
+#: SGLang's constrained-decoding keys, and their longest accepted value
+CONSTRAINTS = ("regex", "json_schema", "ebnf")
+MAX_CONSTRAINT_CHARS = 64 * 1024
+
+
 @relay.register(name="engines.SamplingParams")
 @dataclass
 class SamplingParams:
@@ -112,6 +117,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
+    # SGLang's constrained decoding (at most one): passed to SGLang engines; the built-in
+    # engine refuses a request that sets one (it cannot constrain its output)
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     @functools.cached_property  # read for every row of every step; the fields are not changed after validation
     def penalized(self) -> bool:
@@ -196,6 +206,14 @@ class SamplingParams:
         n = _integer("n", self.n, f"an integer in [1, {MAX_N}]")
         if not 1 <= n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {short_repr(n)}")
+        constraints = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        for name in constraints:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not 0 < len(value) <= MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"{name} must be a non-empty string of at most {MAX_CONSTRAINT_CHARS} characters, "
+                                 f"got {short_repr(value)}")
+        if len(constraints) > 1:
+            raise ValueError(f"at most one of regex, json_schema, ebnf; got {', '.join(constraints)}")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:

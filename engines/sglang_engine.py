@@ -31,6 +31,7 @@ import time
 
 from . import sglang_weights
 from .interface import (
+    CONSTRAINTS,
     TAGS,
     Engine,
     EngineFailed,
@@ -194,6 +195,9 @@ class SGLangEngine(Engine):
             params["stop_token_ids"] = list(request_sampling.stop_token_ids)
         if request_sampling.seed is not None:
             params["sampling_seed"] = request_sampling.seed
+        for key in CONSTRAINTS:  # SGLang's constrained decoding, as given
+            if getattr(request_sampling, key) is not None:
+                params[key] = getattr(request_sampling, key)
         self._rid += 1
         body = {
             "rid": f"{self.name}-{self._rid}",

@@ -68,20 +68,15 @@ def validate_request(body) -> tuple[list | str, dict | None, str | None]:
     (:class:`~reward.errors.BadMessages` for malformed messages)."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object with 'messages' (or a native 'text' or 'input_ids')")
-    if "messages" not in body and any(k in body for k in NATIVE_FIELDS):
-        unknown = set(body) - {*NATIVE_FIELDS, "sampling_params", "route_key"}
-        if unknown:
-            raise ValueError(
-                f"unknown fields {short_repr(sorted(unknown), 80)}; a native payload allows: text or input_ids, "
-                "sampling_params, route_key"
-            )
+    if body.get("stream") not in (None, False):
+        raise ValueError("stream=true is not supported: the judge answers with one JSON body")
+    # other top-level fields are ignored, as the original ignores them; a chat and a native
+    # prompt together are ambiguous
+    native = [k for k in NATIVE_FIELDS if k in body]
+    if "messages" in body and native:
+        raise ValueError(f"give 'messages' or a native {' / '.join(native)}, not both")
+    if "messages" not in body and native:
         return check_native(body.get("text"), body.get("input_ids"), body.get("sampling_params"), body.get("route_key"))
-    unknown = set(body) - {"messages", "sampling_params", "route_key"}
-    if unknown:
-        raise ValueError(
-            f"unknown fields {short_repr(sorted(unknown), 80)}; allowed: messages, sampling_params, route_key "
-            "(or a native payload: text or input_ids, sampling_params, route_key)"
-        )
     return check_request(body.get("messages"), body.get("sampling_params"), body.get("route_key"))
 
 

@@ -26,6 +26,7 @@ import torch
 import relay
 
 from ..interface import (
+    CONSTRAINTS,
     Engine,
     EngineFailed,
     EngineStepError,
@@ -148,6 +149,10 @@ class TorchEngine(Engine):
 
     async def generate(self, prompt, sampling=None, chat_template_kwargs=None) -> GenerateResult:
         request_sampling = checked_sampling(sampling)
+        constrained = [k for k in CONSTRAINTS if getattr(request_sampling, k) is not None]
+        if constrained:
+            raise ValueError(f"{constrained[0]} (constrained decoding) runs on SGLang engines only (--engine sglang): "
+                             "the built-in engine cannot constrain its output")
         ids = encode_prompt(self.tokenizer, self.cfg.vocab_size, prompt, chat_template_kwargs)
         need = len(ids) + request_sampling.max_new_tokens
         capacity = self.blocks.num_blocks * self.block_size

@@ -313,14 +313,17 @@ def test_sglang_sampling_keys_are_passed_through_unchanged_and_n_is_fanned_out()
             await eng.generate([1, 2, 3], {"max_new_tokens": 4, "n": 2})
         many = await generate_n(eng, [1, 2, 3], {"max_new_tokens": 4, "n": 3, "seed": 5})
         last = (await server_info(eng))["last_sampling_params"]
+        await eng.generate([1, 2, 3], {"max_new_tokens": 4, "regex": "[01]"})  # constrained decoding: passed on
+        constrained = (await server_info(eng))["last_sampling_params"]
         async with eng._session.post(
             f"{eng.url}/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "bogus": 1}}
         ) as r:
             refused = (r.status, await r.text())
         await eng.close()
-        return sent, defaults, many, last, refused
+        return sent, defaults, many, last, refused, constrained
 
-    sent, defaults, many, last, refused = run(main())
+    sent, defaults, many, last, refused, constrained = run(main())
+    assert constrained["regex"] == "[01]" and "json_schema" not in constrained and "regex" not in defaults
     assert refused[0] == 400 and "bogus" in refused[1]
     assert {k: sent[k] for k in keys} == keys and sent["temperature"] == 0.7 and "n" not in sent
     assert defaults["skip_special_tokens"] is True and defaults["no_stop_trim"] is False

@@ -82,3 +82,12 @@ def test_the_example_scripts_plan_with_the_originals_argument_arrays(script):
     assert "layout: " in p.stdout
     assert "--log-passrate has no effect here: evaluation always logs eval/accuracy and eval/pass@k" in p.stderr
     assert p.stderr.count("--log-passrate has no effect") == 1
+
+
+@pytest.mark.parametrize("name", ["run-qwen3-4B-8xgpu-colocated.sh", "run-qwen3-4B-8xgpu-async.sh"])
+def test_the_documentations_quick_start_paths_plan(name):
+    """Its Quick Start runs `bash examples/generate_reward_model/run-*.sh`: those paths work."""
+    p = _plan(f"bash examples/generate_reward_model/{name}")
+    direct = _plan(f"bash examples/{name}")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "layout: " in p.stdout and p.stdout == direct.stdout

@@ -93,7 +93,7 @@ def test_parts_roles_and_native_payloads_reach_the_engine_as_the_chat_would(judg
     assert got["audio"][0] == 422 and "only text is supported" in got["audio"][1]["error"]  # malformed, as before
     assert got["oov"][0] == 400 and "not in the judge's vocabulary" in got["oov"][1]["error"]
     assert got["huge"][0] == 400 and "input_ids[0]" in got["huge"][1]["error"]
-    assert got["both"][0] == 400 and "unknown fields ['text']" in got["both"][1]["error"]
+    assert got["both"][0] == 400 and "give 'messages' or a native text, not both" in got["both"][1]["error"]
 
 
 def test_sglang_sampling_keys_are_passed_on_untouched_by_the_gateway():
@@ -111,12 +111,18 @@ def test_sglang_sampling_keys_are_served_by_the_live_judge(judge_model):
             async with aiohttp.ClientSession() as s:
                 chat = await _post(s, f"{url}/genrm/generate", {"messages": MSG, "sampling_params": SGLANG_SAMPLING})
                 native = await _post(s, f"{url}/genrm/generate", {"text": "x", "sampling_params": SGLANG_SAMPLING})
-            return chat, native
+                regex = await _post(s, f"{url}/genrm/generate", {"messages": MSG, "sampling_params": {"regex": "[01]"}})
+                both = await _post(s, f"{url}/genrm/generate",
+                                   {"messages": MSG, "sampling_params": {"regex": "[01]", "ebnf": "root ::= '1'"}})
+            return chat, native, regex, both
         finally:
             await judge_procs.stop()
             await procs.stop()
 
-    chat, native = run(main(), 240)
+    chat, native, regex, both = run(main(), 240)
+    # SGLang's constrained decoding: accepted by the gateway, refused by this built-in engine saying why
+    assert regex[0] == 400 and "regex (constrained decoding) runs on SGLang engines only" in regex[1]["error"], regex
+    assert both[0] == 400 and "at most one of regex, json_schema, ebnf" in both[1]["error"]
     assert chat[0] == 200 and isinstance(chat[1]["response"], str), chat
     assert native[0] == 200 and isinstance(native[1]["response"], str), native
 

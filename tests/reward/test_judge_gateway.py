@@ -666,3 +666,13 @@ def test_fuzzed_http_requests_never_get_a_5xx_and_the_gateway_stays_healthy(judg
         else:
             assert isinstance(payload.get("error"), str) and payload["error"], (status, payload, body)
     assert health["status"] == "healthy"
+
+
+def test_unknown_top_level_fields_are_ignored_as_the_original_ignores_them_but_not_streaming():
+    messages, sp, rk = validate_request({"messages": MSG, "model": "judge", "request_id": "r1", "stream": False})
+    assert messages == MSG and sp is None and rk is None
+    assert validate_request({"text": "hi", "user": "me"})[0] == "hi"
+    with pytest.raises(ValueError, match="stream=true is not supported"):
+        validate_request({"messages": MSG, "stream": True})
+    with pytest.raises(ValueError, match="give 'messages' or a native input_ids, not both"):
+        validate_request({"messages": MSG, "input_ids": [1]})
