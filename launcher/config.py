@@ -30,6 +30,7 @@ from .config_rules import (
     expand_env,
     notice_no_effect,
     resolve_genrm_instances,
+    two_values,
 )
 
 log = logging.getLogger("relay.config")
@@ -246,9 +247,9 @@ class JobConfig:
     # ---- data and model
     prompt_data: str | None = _opt(None, help="training prompts (JSONL)")
     eval_prompt_data: str | None = _opt(
-        None, help="evaluation prompts (JSONL); the original's two-value form --eval-prompt-data NAME FILE works too"
-    )
+        None, help="evaluation prompts (JSONL); the original's --eval-prompt-data NAME FILE [NAME FILE ...] works too")
     eval_prompt_name: str = _opt("eval", help="the evaluation set's name (the original's --eval-prompt-data NAME FILE)")
+    eval_prompt_sets: dict = _opt({}, help="JSON {name: file}: more evaluation sets (metrics eval/<name>/...)")
     eval_interval: int | None = _opt(
         None,
         help="evaluate every N steps (0 or unset: no periodic evaluation; with --eval-prompt-data the job still "
@@ -316,6 +317,13 @@ class JobConfig:
     # ------------------------------------------------------------------ derived values
 
     @property
+    def eval_sets(self) -> list[tuple[str, str]]:
+        """Every evaluation set as (name, file): ``--eval-prompt-data`` (under
+        ``--eval-prompt-name``) first, then ``--eval-prompt-sets``."""
+        first = [(self.eval_prompt_name, self.eval_prompt_data)] if self.eval_prompt_data else []
+        return first + [(name, str(path)) for name, path in self.eval_prompt_sets.items()]
+
+    @property
     def sampling_seed(self) -> int:
         """The seed of the prompt order and of rollout sampling: ``--rollout-seed``, else ``--seed``."""
         return self.seed if self.rollout_seed is None else self.rollout_seed
@@ -353,13 +361,8 @@ class JobConfig:
 
     def gateway_limits(self) -> dict:
         """The judge gateway's HTTP limits (:class:`reward.httpd.HttpLimits` fields)."""
-        return {
-            "header_timeout": self.genrm_gateway_header_timeout,
-            "body_timeout": self.genrm_gateway_body_timeout,
-            "idle_timeout": self.genrm_gateway_idle_timeout,
-            "max_connections": self.genrm_gateway_max_connections,
-            "max_body": self.genrm_gateway_max_body,
-        }
+        return {k: getattr(self, f"genrm_gateway_{k}")
+                for k in ("header_timeout", "body_timeout", "idle_timeout", "max_connections", "max_body")}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
@@ -434,9 +437,15 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
         name = FLAG_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
         if name in REFUSED_FLAGS:
             raise ConfigError(REFUSED_FLAGS[name])
-        if name == "eval_prompt_data" and not eq and _two_values(argv, i):
+        if name == "eval_prompt_data" and not eq and two_values(argv, i):
             out["eval_prompt_name"], out[name] = argv[i + 1], argv[i + 2]  # the original's NAME FILE form
             i += 3
+            more = {}
+            while two_values(argv, i - 1):  # NAME FILE NAME FILE ...: the sets after the first
+                more[argv[i]] = argv[i + 1]
+                i += 2
+            if more:
+                out["eval_prompt_sets"] = more
             continue
         if name not in FIELDS and name not in NO_EFFECT_FLAGS:
             raise ConfigError(f"unknown flag --{key}{_closest(name)}")
@@ -455,11 +464,6 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
             out[name] = argv[i + 1]
             i += 2
     return out
-
-
-def _two_values(argv: list[str], i: int) -> bool:
-    """``argv[i]`` is followed by two values (not flags): the original's ``--eval-prompt-data NAME FILE``."""
-    return i + 2 < len(argv) and not argv[i + 1].startswith("--") and not argv[i + 2].startswith("--")
 
 
 def load_config(path: str | None, overrides: list[str] | dict | None = None) -> JobConfig:

@@ -364,3 +364,8 @@ def expand_env(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: expand_env(v) for k, v in value.items()}
     return value
+
+
+def two_values(argv: list[str], i: int) -> bool:
+    """``argv[i]`` is followed by two values (not flags): the original's ``--eval-prompt-data NAME FILE``."""
+    return i + 2 < len(argv) and not argv[i + 1].startswith("--") and not argv[i + 2].startswith("--")

@@ -99,6 +99,10 @@ def _figures(train: list[dict], evals: list[dict], checks: list[dict] = ()) -> l
         (evals, "eval/accuracy", "held-out accuracy (reward)", {"linewidth": 2.5, "zorder": 3}),
         (evals, "eval/exact_accuracy", "held-out exact match (no judge)", {"linestyle": "--", "zorder": 4}),
     ]
+    named = sorted({k.split("/")[1] for r in evals for k in r if k.count("/") == 2 and k.endswith("/accuracy")})
+    if len(named) > 1:  # several eval sets: one line each (the first's is also the held-out line above)
+        accuracy += [(evals, f"eval/{name}/accuracy", f"held-out {name} accuracy (reward)", {"linestyle": "-."})
+                     for name in named]
     if any(r.get("eval/k", 1) > 1 for r in evals):
         accuracy.append(
             (

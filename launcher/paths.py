@@ -34,9 +34,11 @@ def job_inputs(cfg: JobConfig, mode: str) -> list[Input]:
         out.append(["--hf-checkpoint", cfg.hf_checkpoint, "model"])
     if mode != "sft":
         out += judge_models(cfg)
-    for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
-        if path:
-            out.append([flag, path, "data"])
+    if cfg.prompt_data:
+        out.append(["--prompt-data", cfg.prompt_data, "data"])
+    for name, path in cfg.eval_sets:
+        out.append(["--eval-prompt-data" if name == cfg.eval_prompt_name else f"--eval-prompt-sets[{name!r}]", path,
+                    "data"])
     return out
 
 

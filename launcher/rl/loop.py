@@ -48,7 +48,7 @@ from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
 from .checkpoints import Checkpoints, StoppedWithCheckpoint, write_hf_checkpoint
 from .engine_pool import Engine, call_engines, live, of_role, write_event_log
-from .evaluation import evaluate
+from .evaluation import eval_lines, evaluate
 from .integrity import JudgeIntegrity
 from .judge import judge_deltas
 from .recovery import EngineRecovery
@@ -88,8 +88,10 @@ class GRPOLoop:
         label_for = f"--rm-type {cfg.rm_type}" if compares else None
         self.rows = load_rows(cfg.prompt_data, **row_keys(cfg), label_for=label_for)
         self.order = PromptOrder(self.rows, cfg.sampling_seed, cfg.rollout_shuffle)
-        self.eval_rows = (load_rows(cfg.eval_prompt_data, "--eval-prompt-data", **row_keys(cfg), label_for=label_for)
-                          if cfg.eval_prompt_data else None)
+        self.eval_sets = [(name, load_rows(path, "--eval-prompt-data" if k == 0 else f"--eval-prompt-data {name}",
+                                           **row_keys(cfg), label_for=label_for))
+                          for k, (name, path) in enumerate(cfg.eval_sets)]  # (name, rows) per evaluation set
+        self.eval_names = [name for name, _ in self.eval_sets]
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.checkpoints = Checkpoints(self.run_dir)
         self.timer = PhaseTimer(span_names=("reward",))
@@ -117,7 +119,7 @@ class GRPOLoop:
     async def _prepare(self) -> tuple:
         await ensure_models(self.cfg)
         return await asyncio.to_thread(prepare_controller, self.cfg,
-                                       prompt_datasets(self.cfg, self.rows, self.eval_rows))
+                                       prompt_datasets(self.cfg, self.rows, self.eval_sets))
 
     # ------------------------------------------------------------------ start and close
 
@@ -131,7 +133,7 @@ class GRPOLoop:
         tokenizer, prompt_ids = await self._prepared
         await start_roles(self.roles, cfg, self.plan, self.workers_by_bundle, self.colocate, self.defer,
                           self._restore, tokenizer, self.out)
-        await self.roles.rollout.check_context(prompt_ids, prompt_datasets(cfg, self.rows, self.eval_rows))
+        await self.roles.rollout.check_context(prompt_ids, prompt_datasets(cfg, self.rows, self.eval_sets))
         self.trainer, self.reference = self.roles.trainer, self.roles.reference
         self.rollout, self.judge = self.roles.rollout, self.roles.judge
         self.scorer = Scorer(cfg, self.roles.reward_fn, self.roles.post_process, self.timer)
@@ -197,11 +199,10 @@ class GRPOLoop:
                                                     lambda work: self._judge_window(work, resume_rollout=True))
             if check is not None:
                 log.write(check)
-            if self.eval_rows and not cfg.skip_eval_before_train and self.start_step == 0:
+            if self.eval_sets and not cfg.skip_eval_before_train and self.start_step == 0:
                 record = await evaluate(self, 0)
                 log.write(record)
-                print(f"{cfg.eval_prompt_name} before training: accuracy {record['eval/accuracy']:.3f} "
-                      f"(exact {record['eval/exact_accuracy']:.3f})", file=self.out, flush=True)
+                print("\n".join(eval_lines(record, self.eval_names, "before training")), file=self.out, flush=True)
             if cfg.fully_async:
                 last = await self.run_fully_async(log)
             else:
@@ -275,12 +276,10 @@ class GRPOLoop:
         if self._stop_requested and not last:
             raise StoppedWithCheckpoint(self.checkpoints.path(step), step + 1)
         periodic_eval = bool(cfg.eval_interval) and (step + 1) % cfg.eval_interval == 0
-        if self.eval_rows and (periodic_eval or last):
+        if self.eval_sets and (periodic_eval or last):
             ev = await evaluate(self, step + 1)
             log.write(ev)
-            print(f"{cfg.eval_prompt_name} after step {step + 1}: accuracy {ev['eval/accuracy']:.3f} "
-                  f"(exact {ev['eval/exact_accuracy']:.3f}, pass@{ev['eval/k']} {ev['eval/pass@k']:.3f})",
-                  file=self.out, flush=True)
+            print("\n".join(eval_lines(ev, self.eval_names, f"after step {step + 1}")), file=self.out, flush=True)
 
     # ------------------------------------------------------------------ the step's parts
 

@@ -34,11 +34,12 @@ def group_seed(seed: int, step: int, key: int) -> int:
     return random.Random(f"{seed}:{step}:{key}").randrange(1 << 30) * 64
 
 
-def prompt_datasets(cfg, rows: list[Row], eval_rows: list[Row] | None) -> list[tuple[str, list[Row], int]]:
-    """(what, rows, response tokens) of the job's prompts: training and evaluation."""
+def prompt_datasets(cfg, rows: list[Row], eval_sets: list[tuple[str, list[Row]]]) -> list[tuple[str, list[Row], int]]:
+    """(what, rows, response tokens) of the job's prompts: training and every evaluation set
+    (``(name, rows)``)."""
     out = [(f"--prompt-data {cfg.prompt_data}", rows, cfg.rollout_max_response_len)]
-    if eval_rows:
-        out.append((f"--eval-prompt-data {cfg.eval_prompt_data}", eval_rows,
+    for k, ((name, eval_rows), (_, path)) in enumerate(zip(eval_sets, cfg.eval_sets)):
+        out.append((f"--eval-prompt-data {path}" if k == 0 else f"--eval-prompt-data {name} {path}", eval_rows,
                     cfg.eval_max_response_len or cfg.rollout_max_response_len))
     return out
 

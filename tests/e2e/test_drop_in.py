@@ -41,3 +41,19 @@ def test_reward_code_reading_the_rows_metadata_trains(data, tmp_path):
                 "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", cwd=str(tmp_path))
     (rec,) = records(run_dir)
     assert rec["samples"] == 32 and 0 < rec["reward/mean"] < 1 and rec["train/grad_norm"] > 0
+
+
+def test_several_named_eval_sets_each_get_metrics_and_a_console_line(data, tmp_path):
+    from tests.e2e.test_training_math import eval_subset
+
+    a, b = eval_subset(data, str(tmp_path / "a.jsonl"), 6), eval_subset(data, str(tmp_path / "b.jsonl"), 10)
+    run_dir = str(tmp_path / "run")
+    p = relay_train(data, run_dir, "--eval-prompt-data", "aime", a, "math500", b, "--genrm-skip-self-check", "true")
+    before, after = records(run_dir, "eval")
+    for rec in (before, after):
+        assert rec["eval/aime/samples"] == 6 and rec["eval/math500/samples"] == 10
+        assert rec["eval/accuracy"] == rec["eval/aime/accuracy"]  # the first set's figures, unprefixed
+        assert 0 <= rec["eval/math500/exact_accuracy"] <= 1
+    for line in ("aime before training: accuracy", "math500 before training: accuracy", "aime after step 1: accuracy",
+                 "math500 after step 1: accuracy"):
+        assert line in p.stdout, p.stdout[-2000:]

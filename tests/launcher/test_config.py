@@ -379,3 +379,10 @@ def test_prompts_come_in_file_order_unless_shuffled_and_the_seed_picks_the_order
     assert [r.index for r in PromptOrder(rows, 1, shuffle=False).batch(1, 4)] == [4, 5, 6, 7]
     a, b = (PromptOrder(rows, seed, shuffle=True).batch(0, 10) for seed in (1, 2))
     assert sorted(r.index for r in a) == list(range(10)) and [r.index for r in a] != [r.index for r in b]
+
+
+def test_several_named_eval_sets_in_the_originals_form():
+    c = load_config(None, ["--eval-prompt-data", "aime", "a.jsonl", "math500", "b.jsonl", "--lr", "1e-5"])
+    assert c.eval_sets == [("aime", "a.jsonl"), ("math500", "b.jsonl")] and c.lr == 1e-5
+    assert load_config(None, ["--eval-prompt-data", "a.jsonl"]).eval_sets == [("eval", "a.jsonl")]
+    assert load_config(None, {"eval_prompt_sets": {"gsm": "g.jsonl"}}).eval_sets == [("gsm", "g.jsonl")]
