@@ -91,3 +91,11 @@ def test_the_documentations_quick_start_paths_plan(name):
     direct = _plan(f"bash examples/{name}")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "layout: " in p.stdout and p.stdout == direct.stdout
+
+
+def test_the_shipped_async_config_plans_as_the_documented_async_script():
+    config = subprocess.run([RELAY, "plan", "--config", "qwen3-4b-8gpu-async"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    script = _plan("bash examples/run-qwen3-4B-8xgpu-async.sh")
+    assert config.returncode == 0 and script.returncode == 0, config.stderr + script.stderr
+    assert config.stdout == script.stdout and "layout: fully-async" in config.stdout
