@@ -266,8 +266,8 @@ class JobConfig:
     eval_top_p: float = _opt(1.0, help="evaluation nucleus sampling", minimum=0.0)
     skip_eval_before_train: bool = _opt(False, help="do not evaluate before the first step")
     apply_chat_template: bool = _opt(
-        True, help="prompts go through the tokenizer's chat template (text prompts become one user turn)"
-    )
+        False, help="prompts go through the tokenizer's chat template (text prompts become one user turn); default: "
+        "off, as the original (a chat prompt's last user turn, as text)")
     chat_template_kwargs: dict = _opt(
         {}, help='JSON passed to the policy\'s chat template, e.g. {"enable_thinking": false}'
     )
