@@ -153,6 +153,9 @@ class JobConfig:
         help="judge gateway: request body bytes at most (a larger declared length gets 413 at once)",
         minimum=1024,
     )
+    genrm_gateway_unhealthy_503: bool = _opt(
+        False, help="GET /genrm/health answers 503 when an instance cannot serve (default: 200 and the body saying "
+        "so, as the original)")
     genrm_parse: str = _opt(
         "strict",
         help="dapo-genrm verdict parsing: strict (only an exact '1' scores) or loose",

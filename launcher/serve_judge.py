@@ -246,7 +246,8 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     judge, judge_procs = await start_judge_service(specs, 600)
     engines.service = judge
     try:
-        port = await judge.serve_http.call_one(host, port, token, cfg.gateway_limits()).result(60)
+        port = await judge.serve_http.call_one(host, port, token, cfg.gateway_limits(),
+                                               503 if cfg.genrm_gateway_unhealthy_503 else 200).result(60)
     except relay.ActorError as e:
         print(f"relay judge: {e.exception}", file=sys.stderr)
         await engines.stop()

@@ -302,11 +302,14 @@ class JudgeService(Actor):
 
     @endpoint(concurrent=True)
     async def serve_http(
-        self, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, limits: dict | None = None
+        self, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, limits: dict | None = None,
+        unhealthy_status: int = 200,
     ) -> int:
         """Serve the HTTP gateway (:mod:`reward.gateway`) from this process; returns the port
         it listens on (``port=0``: any free port). ``limits``: :class:`reward.httpd.HttpLimits`
-        fields (timeouts, connection cap, body size). Once per service."""
+        fields (timeouts, connection cap, body size); ``unhealthy_status``: ``GET
+        /genrm/health``'s status when an instance cannot serve (200 with the body saying so, as
+        the original; 503 for a watchdog that reads the status). Once per service."""
         from .gateway import serve, within_fd_limit
         from .httpd import HttpLimits
 
@@ -314,7 +317,7 @@ class JudgeService(Actor):
             raise RuntimeError("the judge's HTTP gateway is already served")
         http_limits = HttpLimits(**(limits or {}))
         try:
-            self._http, bound = await serve(self, host, port, token, within_fd_limit(http_limits))
+            self._http, bound = await serve(self, host, port, token, within_fd_limit(http_limits), unhealthy_status)
         except OSError as e:
             # a port taken or reserved: another port; a name that does not resolve, an address
             # not on this machine: another host

@@ -68,7 +68,8 @@ class Judge:
         os.environ["RELAY_GENRM_ADDR"] = self.address  # for user reward code (see the module docstring)
         try:
             port = await self.service.serve_http.call_one(
-                "127.0.0.1", self.cfg.genrm_gateway_port, None, self.cfg.gateway_limits()).result(timeouts.CONTROL)
+                "127.0.0.1", self.cfg.genrm_gateway_port, None, self.cfg.gateway_limits(),
+                503 if self.cfg.genrm_gateway_unhealthy_503 else 200).result(timeouts.CONTROL)
         except ActorError as e:  # e.g. the port is taken: say which option to change
             raise RuntimeError(f"{e.exception} (--genrm-gateway-port; 0 picks a free one)") from None
         os.environ["RELAY_GENRM_URL"] = f"http://127.0.0.1:{port}/genrm"  # for reward code, as the address

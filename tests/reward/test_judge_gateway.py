@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MSG = [{"role": "user", "content": "Is 2+2=4? Answer 1 or 0."}]
 
 
-async def start(judge_model, instances=("__default__",), token=None):
+async def start(judge_model, instances=("__default__",), token=None, unhealthy_status=200):
     procs = this_host().spawn_procs(per_host={"gpus": len(instances)}, name="judges")
     engines = procs.spawn(
         "judge-engine", EngineActor, judge_model, "torch", kv_cache_tokens=2048, weights_mode="backup"
@@ -45,7 +45,7 @@ async def start(judge_model, instances=("__default__",), token=None):
         for i, name in enumerate(instances)
     }
     judge, judge_procs = await start_judge_service(spec, 120)  # serving HTTP from its own process
-    port = await judge.serve_http.call_one("127.0.0.1", free_port(), token).result(30)
+    port = await judge.serve_http.call_one("127.0.0.1", free_port(), token, None, unhealthy_status).result(30)
     return procs, engines, judge, judge_procs, f"http://127.0.0.1:{port}"
 
 
@@ -389,14 +389,16 @@ def test_callers_that_leave_have_their_engine_work_aborted(judge_model):
     assert after_zmq["kv_blocks_free"] == after_zmq["kv_blocks_total"]
 
 
-def test_with_no_working_engine_generate_and_health_answer_503(judge_model, faults):
+@pytest.mark.parametrize("unhealthy_status", [200, 503])
+def test_with_no_working_engine_generate_answers_503_and_health_says_why(judge_model, faults, unhealthy_status):
     """A judge whose only engine process was killed: /genrm/generate answers 503 at once
-    (not a 400, not a wait), and /genrm/health answers 503 saying why (a watchdog restarts
-    it); asleep is still 200 (tested above)."""
+    (not a 400, not a wait), and /genrm/health says why: with status 200 and the body, as the
+    original, or 503 (--genrm-gateway-unhealthy-503: a watchdog that reads the status restarts
+    it); asleep is 200 either way (tested above)."""
     import signal
 
     async def main():
-        procs, engines, judge, judge_procs, url = await start(judge_model)
+        procs, engines, judge, judge_procs, url = await start(judge_model, unhealthy_status=unhealthy_status)
         try:
             os.kill(procs.procs[0].pid, signal.SIGKILL)
             async with aiohttp.ClientSession() as s:
@@ -421,7 +423,8 @@ def test_with_no_working_engine_generate_and_health_answer_503(judge_model, faul
     gen, again, health = run(main(), 120)
     assert gen[0] == 503 and gen[2] == "5" and "its process is gone" in gen[1]["error"], gen
     assert again[0] == 503 and again[1] < 1.0
-    assert health[0] == 503 and health[1]["status"] == "unhealthy" and "its process is gone" in health[1]["error"]
+    assert health[0] == unhealthy_status and health[1]["status"] == "unhealthy"
+    assert "its process is gone" in health[1]["error"]
 
 
 @settings(max_examples=300, deadline=None)
