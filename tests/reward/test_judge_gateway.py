@@ -177,7 +177,7 @@ BAD_BODIES = [
     (json.dumps({"messages": MSG, "sampling_params": {"top_p": 7}}).encode(), 400),
     (json.dumps({"messages": MSG, "route_key": 3}).encode(), 400),
     (json.dumps({"messages": MSG, "route_key": "nope"}).encode(), 400),
-    (json.dumps({"messages": MSG, "extra": 1}).encode(), 400),
+    (json.dumps({"messages": MSG, "extra": 1, "stream": True}).encode(), 400),  # other fields ignored; not streaming
     (b"{" * 5000, 400),
     (b'{"messages": [{"role": "user", "content": "' + b"x" * (2 << 20) + b'"}]}', 413),
 ]
