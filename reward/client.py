@@ -228,10 +228,9 @@ class GenRMClient:
         """Synchronous :meth:`health_check_async` (the original's call); never raises. On the
         client's own event-loop thread (which cannot wait for itself): through the job's
         HTTP gateway."""
-        if self._on_loop_thread() and relay.settings().genrm_url:
-            from .http_client import HTTPGenRMClient
-
-            return HTTPGenRMClient(relay.settings().genrm_url).health_check()
+        gateway = self._gateway_on_loop_thread()
+        if gateway is not None:
+            return gateway.health_check()
         try:
             return self._blocking(self.health_check_async())
         except Exception as e:  # noqa: BLE001
@@ -239,18 +238,23 @@ class GenRMClient:
 
     def get_metrics(self) -> dict:
         """Synchronous :meth:`get_metrics_async` (the original's call); never raises."""
-        if self._on_loop_thread() and relay.settings().genrm_url:
-            from .http_client import HTTPGenRMClient
-
-            return HTTPGenRMClient(relay.settings().genrm_url).get_metrics()
+        gateway = self._gateway_on_loop_thread()
+        if gateway is not None:
+            return gateway.get_metrics()
         try:
             return self._blocking(self.get_metrics_async())
         except Exception:  # noqa: BLE001
             return {}
 
-    def _on_loop_thread(self) -> bool:
+    def _gateway_on_loop_thread(self):
+        """The job's HTTP gateway client (``RELAY_GENRM_URL``) when called on the client's own
+        event-loop thread, which cannot wait for a relay answer; else None."""
         rt = self._procs._rt
-        return rt.loop.is_running() and rt.in_loop_thread()
+        if not (rt.loop.is_running() and rt.in_loop_thread() and relay.settings().genrm_url):
+            return None
+        from .http_client import HTTPGenRMClient
+
+        return HTTPGenRMClient(relay.settings().genrm_url)
 
     def _blocking(self, coro):
         """Run ``coro`` on the event loop of the client's relay runtime and wait for it."""

@@ -38,6 +38,7 @@ class HTTPGenRMClient:
         self.retries = retries
         self.token = token if token is not None else relay.settings().genrm_token
         self._session = None  # aiohttp's, made on the loop of the first call
+        self._session_loop = None
 
     def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -84,8 +85,8 @@ class HTTPGenRMClient:
         import aiohttp
 
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._session._loop is not loop:
-            self._session = aiohttp.ClientSession()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session, self._session_loop = aiohttp.ClientSession(), loop
         return self._session
 
     def _get(self, route: str) -> dict:

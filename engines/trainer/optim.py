@@ -372,13 +372,14 @@ class MegatronAdamW(_Optimizer):
 
     def _check_finite(self, what: str) -> None:
         """Every rank's gradient buffers (its own gradients, and its reduced shard) finite, or
-        FloatingPointError on every rank (one all-reduce of a flag over the trainer's ranks)."""
+        FloatingPointError on every rank: one sum per buffer (NaN or inf anywhere makes it
+        non-finite; no buffer-sized temporary) and one all-reduce of a flag over the trainer's ranks."""
         import torch.distributed as dist
 
         buffers = list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
         bad = torch.zeros((), device=self.device)
         for b in buffers:
-            bad += (~torch.isfinite(b.grad_data)).any().float()
+            bad += (~torch.isfinite(b.grad_data.sum(dtype=torch.float64))).float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad)
         if bad.item():
