@@ -30,6 +30,7 @@ from .config_rules import (
     expand_env,
     notice_no_effect,
     resolve_genrm_instances,
+    settle_defaults,
     two_values,
 )
 
@@ -113,6 +114,9 @@ class JobConfig:
     # ---- rewards
     rm_type: str | None = _opt(None, help="reward type", choices=(None, "dapo", "dapo-genrm", "dummy"))
     reward_key: str | None = _opt(None, help="key of the reward dict to train on")
+    custom_generate_function_path: str | None = _opt(
+        None, help="module.func: an async rollout (args, sample, sampling_params) -> sample, slime's contract "
+        "(multi-turn, tools; generating through args.sglang_router_ip:port)", user_code=True)
     custom_rm_path: str | None = _opt(
         None,
         help="module.func of a custom reward (args, sample) -> float | dict; imported from the working directory first",
@@ -395,23 +399,7 @@ def build_config(values: dict[str, Any]) -> JobConfig:
         clean[name] = coerce_value(FIELDS[name], value)
     cfg = JobConfig(**clean)
     check_resource(cfg.resource)
-    if cfg.eps_clip_high is None:
-        cfg.eps_clip_high = cfg.eps_clip
-    if cfg.eval_temperature is None:  # the original evaluates at the rollout temperature unless told otherwise
-        cfg.eval_temperature = cfg.rollout_temperature
-    if not 0 < cfg.sglang_mem_fraction_static < 1:
-        raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got {cfg.sglang_mem_fraction_static}")
-    if cfg.use_dynamic_batch_size:  # the original's names for a token budget per micro-batch
-        if cfg.max_tokens_per_gpu is None:
-            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per micro-batch)")
-        cfg.micro_batch_tokens = cfg.max_tokens_per_gpu
-    if cfg.global_batch_size is None:  # the original: one optimizer step per rollout
-        cfg.global_batch_size = cfg.rollout_batch_size * cfg.n_samples_per_prompt
-    if cfg.global_batch_size % cfg.n_samples_per_prompt:
-        raise ConfigError(
-            f"--global-batch-size ({cfg.global_batch_size}) must be a multiple of --n-samples-per-prompt "
-            f"({cfg.n_samples_per_prompt}): GRPO groups are never split across optimizer steps"
-        )
+    settle_defaults(cfg)
     if cfg.genrm_prompt_template is not None:
         from reward.dapo_genrm import check_template
 

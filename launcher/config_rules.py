@@ -50,9 +50,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[bool, str]] = {
 }
 #: The original's flags for features not built here: refused, saying what to use instead.
 REFUSED_FLAGS = {
-    "custom_generate_function_path": "--custom-generate-function-path (a custom rollout: slime's async generate "
-    "contract) is not built here yet; multi-turn or tool-using rollouts cannot be plugged in. Score the samples with "
-    "--custom-rm-path",
     "reward_runtime": "--reward-runtime (the original's diffusion-reward scorer, not the LLM judge) is not built "
     "here; score with --rm-type or --custom-rm-path",
     "reward_endpoint": "--reward-endpoint (the original's remote diffusion-reward scorer) is not built here; a "
@@ -369,3 +366,25 @@ def expand_env(value: Any) -> Any:
 def two_values(argv: list[str], i: int) -> bool:
     """``argv[i]`` is followed by two values (not flags): the original's ``--eval-prompt-data NAME FILE``."""
     return i + 2 < len(argv) and not argv[i + 1].startswith("--") and not argv[i + 2].startswith("--")
+
+
+def settle_defaults(cfg) -> None:
+    """The defaults that depend on other flags, as the original derives them; ConfigError
+    where they contradict."""
+    if cfg.eps_clip_high is None:
+        cfg.eps_clip_high = cfg.eps_clip
+    if cfg.eval_temperature is None:  # the original evaluates at the rollout temperature unless told otherwise
+        cfg.eval_temperature = cfg.rollout_temperature
+    if not 0 < cfg.sglang_mem_fraction_static < 1:
+        raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got {cfg.sglang_mem_fraction_static}")
+    if cfg.use_dynamic_batch_size:  # the original's names for a token budget per micro-batch
+        if cfg.max_tokens_per_gpu is None:
+            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per micro-batch)")
+        cfg.micro_batch_tokens = cfg.max_tokens_per_gpu
+    if cfg.global_batch_size is None:  # the original: one optimizer step per rollout
+        cfg.global_batch_size = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    if cfg.global_batch_size % cfg.n_samples_per_prompt:
+        raise ConfigError(
+            f"--global-batch-size ({cfg.global_batch_size}) must be a multiple of --n-samples-per-prompt "
+            f"({cfg.n_samples_per_prompt}): GRPO groups are never split across optimizer steps"
+        )

@@ -173,6 +173,8 @@ class GRPOLoop:
                                   of_role(engines, "genrm"), wait, self.out)
         except Exception as e:  # noqa: BLE001 (best effort)
             print(f"relay: engine event logs not written: {e}", file=self.out, flush=True)
+        if self.roles.rollout is not None and self.roles.rollout.custom is not None:
+            await self.roles.rollout.custom.close()
         if self.roles.judge is not None:
             await self.roles.judge.stop()
         if graceful:

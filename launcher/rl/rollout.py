@@ -75,6 +75,7 @@ class RolloutPool:
         self.cfg = cfg
         self.engines = engines
         self.tokenizer = tokenizer
+        self.custom = None  # a launcher.rl.custom_rollout.CustomRollout, with --custom-generate-function-path
         # keyed by the prompt itself, never by row index: train and eval rows share indices
         self._prompt_ids: dict[tuple[str, str], list[int]] = {}
 
@@ -114,19 +115,28 @@ class RolloutPool:
     async def generate_group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int,
                              dataset: str = "train") -> list[Sample]:
         """``size`` samples of ``row``'s prompt, sample j with seed ``seed + j``, on the
-        least-loaded engine. With fault tolerance, a group whose engine died is generated
-        again (same seeds) on another engine, or on the dead one's successor when none is
-        left (waiting at most ``timeouts.ENGINE_REBUILD``)."""
+        least-loaded engine (through the ``--custom-generate-function-path`` function when
+        there is one: :mod:`launcher.rl.custom_rollout`)."""
+        if self.custom is not None:
+            return await self.custom.group(self, row, size, sampling, seed, group_index, dataset)
         ids = self.prompt_ids(row)
+        results = await self.on_one_engine([(ids, {**sampling, "seed": seed + j}) for j in range(size)])
+        return [Sample.generated(row, dataset, group_index, ids, result) for result in results]
+
+    async def on_one_engine(self, requests: list[tuple]) -> list:
+        """GenerateResults of ``requests`` (``(prompt, sampling)`` each), all on the
+        least-loaded engine. With fault tolerance, requests whose engine died are run again
+        (same seeds) on another engine, or on the dead one's successor when none is left
+        (waiting at most ``timeouts.ENGINE_REBUILD``)."""
         while True:
             engine = await self._least_loaded()
-            engine.outstanding += size
+            engine.outstanding += len(requests)
             try:
-                calls = [engine.mesh.generate.call_one(ids, {**sampling, "seed": seed + j}).result(timeouts.GENERATE)
-                         for j in range(size)]
+                calls = [engine.mesh.generate.call_one(prompt, sampling).result(timeouts.GENERATE)
+                         for prompt, sampling in requests]
                 results = await asyncio.gather(*calls, return_exceptions=True)
             finally:
-                engine.outstanding -= size
+                engine.outstanding -= len(requests)
             gone = next((r for r in results if isinstance(r, GONE)), None)
             if gone is not None and engine.fault_tolerant:
                 engine.mark_down(f"its process is gone ({gone})")
@@ -134,7 +144,7 @@ class RolloutPool:
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-            return [Sample.generated(row, dataset, group_index, ids, result) for result in results]
+            return results
 
     async def _least_loaded(self) -> Engine:
         serving = live(self.engines)

@@ -3,8 +3,10 @@
 Reward code (``--custom-rm-path`` functions, the post-process hook, the built-in rewards)
 receives :class:`Sample` objects with the original system's attributes (``prompt``,
 ``response``, ``label``, ``metadata`` with ``question`` and ``label``, ``reward``,
-``status``, ``tokens``, ``response_length``, ``rollout_log_probs``, ``Sample.Status``,
-``get_reward_value(args)``). They read as attributes (``sample.response``) and, as
+``status``, ``tokens``, ``response_length``, ``rollout_log_probs``, ``loss_mask``,
+``Sample.Status``, ``get_reward_value(args)``); a ``--custom-generate-function-path``
+function sets ``tokens``, ``response_length``, ``response``, ``loss_mask``,
+``rollout_log_probs`` and ``status`` as slime's contract does (:meth:`Sample.settle` checks them). They read as attributes (``sample.response``) and, as
 the samples of earlier versions were plain dicts, also by key: ``sample["response"]``,
 ``sample.get("metadata") or {}``, ``"reward_info" in sample``, ``dict(sample)``, and
 ``sample["reward_info"] = ...`` from a post-process hook. A key that is not a field is
@@ -56,7 +58,11 @@ class Sample:
     one per response token), how generation ended (``finish_reason`` as the engine said it,
     ``status``) and the policy's ``weight_version``. Set by scoring: ``reward`` (the number
     the trainer uses), ``reward_info`` (what the reward function returned), and
-    ``advantage`` when a post-process hook gives normalized rewards."""
+    ``advantage`` when a post-process hook gives normalized rewards.
+
+    A custom rollout (``--custom-generate-function-path``) may also set ``loss_mask`` (one 0/1
+    per response token: 0 for what the policy did not write, such as a tool's output; None:
+    all 1) and leave ``rollout_logprobs`` None (then no TIS, no ``mismatch_kl``)."""
 
     index: int
     dataset: str
@@ -67,7 +73,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     response: str
-    rollout_logprobs: list[float]
+    rollout_logprobs: list[float] | None
     finish_reason: str
     weight_version: int
     status: Status = Status.COMPLETED
@@ -75,6 +81,9 @@ class Sample:
     reward_info: Any = None
     advantage: float | None = None
     extra: dict = field(default_factory=dict)
+    loss_mask: list[int] | None = None
+    #: ``tokens`` / ``response_length`` as a custom rollout set them, until :meth:`settle`
+    _pending: dict = field(default_factory=dict, repr=False, compare=False)
 
     #: ``Sample.Status.TRUNCATED`` etc., as the original nests it
     Status = Status
@@ -84,15 +93,55 @@ class Sample:
     @property
     def tokens(self) -> list[int]:
         """The prompt's token ids, then the response's."""
-        return self.prompt_ids + self.response_ids
+        return self._pending.get("tokens", self.prompt_ids + self.response_ids)
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        self._pending["tokens"] = list(value)
 
     @property
     def response_length(self) -> int:
-        return len(self.response_ids)
+        """The last ``response_length`` of ``tokens`` are the response."""
+        return self._pending.get("response_length", len(self.response_ids))
+
+    @response_length.setter
+    def response_length(self, value: int) -> None:
+        self._pending["response_length"] = value
 
     @property
-    def rollout_log_probs(self) -> list[float]:
+    def rollout_log_probs(self) -> list[float] | None:
         return self.rollout_logprobs
+
+    @rollout_log_probs.setter
+    def rollout_log_probs(self, value: list[float] | None) -> None:
+        self.rollout_logprobs = None if value is None else list(value)
+
+    def settle(self, where: str) -> Sample:
+        """Split ``tokens`` at ``response_length`` (as a custom rollout set them) into the prompt
+        and response ids, and check the response's mask and log-probs against it; a ValueError
+        names ``where`` (the function) and what to change."""
+        tokens, n = self.tokens, self.response_length
+        self._pending.clear()
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ValueError(f"{where}: sample.tokens must be a list of token ids (prompt, then response)")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < len(tokens):
+            raise ValueError(f"{where}: sample.response_length must be an integer in [0, {len(tokens)}) (the last "
+                             f"response_length of sample.tokens's {len(tokens)} are the response), got {n!r}")
+        self.prompt_ids, self.response_ids = tokens[: len(tokens) - n], tokens[len(tokens) - n :]
+        for name, values in (("loss_mask", self.loss_mask), ("rollout_log_probs", self.rollout_logprobs)):
+            if values is not None and len(values) != n:
+                raise ValueError(f"{where}: sample.{name} has {len(values)} entries for {n} response tokens: give "
+                                 "one per response token (or None)")
+        if self.loss_mask is not None:
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError(f"{where}: sample.loss_mask must hold 0 or 1 per response token")
+            self.loss_mask = [int(m) for m in self.loss_mask]
+        if self.status is Status.PENDING:  # a function that never set it: it generated to the end
+            self.status = Status.COMPLETED
+        if not isinstance(self.status, Status) or self.status is Status.FAILED:
+            raise ValueError(f"{where}: sample.status must be Sample.Status.COMPLETED, TRUNCATED or ABORTED when it "
+                             f"returns, got {self.status!r}")
+        return self
 
     def get_reward_value(self, args=None) -> float | None:
         """The number the trainer uses (``reward`` is already the ``--reward-key`` value)."""
@@ -147,7 +196,7 @@ class Sample:
 
 
 #: the fields that read as keys (all but ``extra``, whose entries are keys themselves)
-_FIELD_KEYS = tuple(f.name for f in dataclasses.fields(Sample) if f.name != "extra")
+_FIELD_KEYS = tuple(f.name for f in dataclasses.fields(Sample) if f.name not in ("extra", "_pending"))
 
 
 # ---------------------------------------------------------------------------- bookkeeping

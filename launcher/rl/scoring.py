@@ -173,10 +173,17 @@ def training_batch(samples: list[Sample], cfg, group_size: int) -> TrainBatch:
                      normalize_std=not cfg.disable_grpo_std_normalization)
     for sample, a in zip(samples, adv):
         check_finite(a, "the advantage computation", sample, "advantage")
+    missing = [s for s in samples if s.rollout_logprobs is None]  # a custom rollout may give none
+    if missing and cfg.use_tis:
+        raise ValueError(f"--use-tis needs the rollout's log-probs, and {describe(missing[0])} has none: set "
+                         "sample.rollout_log_probs in the --custom-generate-function-path function (from "
+                         "meta_info.output_token_logprobs of a request with \"return_logprob\": true), or drop --use-tis")
     return TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
-                      response_masks=[[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples],
+                      response_masks=[[0] * (len(s.prompt_ids) - 1) + (s.loss_mask or [1] * len(s.response_ids))
+                                      for s in samples],
                       advantages=adv,
-                      rollout_logprobs=[[0.0] * (len(s.prompt_ids) - 1) + s.rollout_logprobs for s in samples],
+                      rollout_logprobs=None if missing else [[0.0] * (len(s.prompt_ids) - 1) + s.rollout_logprobs
+                                                             for s in samples],
                       temperature=cfg.rollout_temperature,
                       aggregation="token" if cfg.calculate_per_token_loss else "sample")
 

@@ -119,5 +119,10 @@ async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, co
     roles.reward_fn = make_reward_fn(cfg, judge_address=roles.judge.address)
     roles.post_process = load_post_process(cfg)
     roles.rollout = RolloutPool(cfg, of_role(roles.engines, "rollout"), tokenizer)
+    if cfg.custom_generate_function_path:  # slime's custom rollout, generating over HTTP
+        from .custom_rollout import CustomRollout
+
+        roles.rollout.custom = CustomRollout(cfg, roles.rollout)
+        await roles.rollout.custom.start()
     if defer:
         await roles.judge.set_admission(False)

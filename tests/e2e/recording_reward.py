@@ -4,6 +4,9 @@
 policy was really given (its token ids, decoded) — one JSON line per sample to the file named
 by ``RELAY_TEST_RECORD``; scores 1 when the final answer equals the label.
 ``bad_route``: asks the judge for a GenRM instance that does not exist.
+``agentic``: the documentation's agentic reward
+(examples/generate_reward_model/agentic_routing.py), recording each sample's trajectory,
+loss mask, log-probs and lengths to ``RELAY_TEST_RECORD``.
 """
 
 from __future__ import annotations
@@ -37,3 +40,17 @@ async def bad_route(args, sample: dict) -> float:
 
     await get_genrm_client().generate([{"role": "user", "content": "hi"}], route_key="no-such-judge")
     return 0.0
+
+
+async def agentic(args, sample, **kwargs) -> dict:
+    from examples.generate_reward_model.agentic_routing import agentic_reward_func
+
+    out = await agentic_reward_func(args, sample, **kwargs)
+    with open(os.environ["RELAY_TEST_RECORD"], "a") as f:
+        f.write(json.dumps({"modules": [s["module"] for s in sample.metadata["trajectory_steps"]],
+                            "steps": sample.metadata["trajectory_steps"], "mask": sample.loss_mask,
+                            "logprobs": sample.rollout_log_probs, "tokens": len(sample.tokens),
+                            "prompt_tokens": len(sample.prompt_ids), "response_length": sample.response_length,
+                            "response": sample.response, "status": sample.status.value,
+                            "version": sample.weight_version, "score": out["score"]}) + "\n")
+    return out

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400, func_only=True)]
 RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types
 
 
-def relay_train(data: dict, run_dir: str, *extra: str, cwd: str | None = None, check: bool = True):
+def relay_train(data: dict, run_dir: str, *extra: str, cwd: str | None = None, check: bool = True,
+                env: dict | None = None):
     cmd = [RELAY, "train", "--config", "tiny-cpu-split", "--prompt-data", data["train"], "--run-dir", run_dir,
            "--num-rollout", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8",
            "--global-batch-size", "32", "--rollout-max-response-len", "4", "--genrm-gateway-port", "0",
@@ -31,7 +32,7 @@ def relay_train(data: dict, run_dir: str, *extra: str, cwd: str | None = None, c
            "--genrm-parse", "loose", "--genrm-sampling-config", '{"temperature": 0.0, "max_response_len": 8}',
            "--lr", "1e-3", *extra]
     p = subprocess.run(cmd, cwd=cwd or os.path.dirname(run_dir), capture_output=True, text=True, timeout=380,
-                       env=dict(os.environ, RELAY_CACHE=data["cache"]))
+                       env=dict(os.environ, RELAY_CACHE=data["cache"], **(env or {})))
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p

@@ -360,8 +360,8 @@ def test_the_originals_launch_script_flags_take_their_meaning():
     assert c.eval_reward_key == "acc" and c.metadata_key == "extra_info"
     with pytest.raises(ConfigError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu"):
         cfg(use_dynamic_batch_size=True)
-    with pytest.raises(ConfigError, match="--custom-generate-function-path .* is not built here yet"):
-        parse_overrides(["--custom-generate-function-path", "my.rollout.generate"])
+    assert parse_overrides(["--custom-generate-function-path", "my.rollout.generate"]) == {
+        "custom_generate_function_path": "my.rollout.generate"}
 
 
 def test_did_you_mean_only_for_a_real_likeness():

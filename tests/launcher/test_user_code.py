@@ -276,7 +276,8 @@ def test_check_job_needs_a_judge_for_dapo_genrm_and_a_reward_to_train():
 
 @pytest.mark.unit
 def test_every_module_path_flag_is_checked():
-    assert set(user_code_flags()) == {"custom_rm_path", "custom_reward_post_process_path"}
+    assert set(user_code_flags()) == {"custom_rm_path", "custom_reward_post_process_path",
+                                      "custom_generate_function_path"}
     for name in user_code_flags():
         c = load_config(
             None,
