@@ -81,7 +81,9 @@ def server_fields(
     """The ServerArgs of one engine (field -> value, in the order given on the command line):
 
     - ``tp_size`` = the engine's GPUs (``gpu_ids``) / ``pp_size``; ``dp_size``, ``pp_size``,
-      ``ep_size`` from the engine config (default 1); ``base_gpu_id`` = its first GPU (node
+      ``ep_size`` from the engine config (default 1); ``dp_size`` > 1 is data-parallel attention
+      inside the engine (``enable_dp_attention`` unless the config says otherwise; it must
+      divide ``tp_size``); ``base_gpu_id`` = its first GPU (node
       numbering; the server sees the node's GPUs), ``gpu_id_step`` 1;
     - ``mem_fraction_static`` (the plan's share; an engine-config value overrides it);
     - ``enable_memory_saver`` when the engine releases memory (``offload``: colocated with
@@ -113,6 +115,12 @@ def server_fields(
     pp = config.get("pp_size", 1)
     if len(gpus) % pp:
         raise ValueError(f"an engine of {len(gpus)} GPUs cannot run pp_size {pp}: it must divide the GPU count")
+    dp = config.get("dp_size", 1)
+    if dp > 1:  # data-parallel attention inside the one tensor-parallel engine (the 397B judge: TP = DP = EP = 8)
+        if (len(gpus) // pp) % dp:
+            raise ValueError(f"dp_size {dp} (data-parallel attention) must divide the engine's tensor-parallel size "
+                             f"{len(gpus) // pp} (its GPUs / pp_size)")
+        config.setdefault("enable_dp_attention", True)
     fields = {
         "model_path": model_path,
         "host": "127.0.0.1",

@@ -15,7 +15,10 @@ done
 ROLLOUT_ARGS=("${args[@]}" --rm-type dummy --defer-reward-to-post-process
    --custom-reward-post-process-path examples.generate_reward_model.post_process_genrm_swap.custom_reward_post_process)
 
+# The judge's dp_size 8 is SGLang's data-parallel attention inside one engine of 8 GPUs (TP = DP =
+# EP = 8, as the original runs it): --engine sglang (the built-in engine refuses dp_size > 1).
 GENRM_ARGS=(
+   --engine sglang
    --genrm-model-path ${MODEL_DIR}/Qwen3.5-397B-A17B-FP8/
    --genrm-num-gpus-per-engine 8
    --genrm-engine-config '{"max_context_len": 10240, "dp_size": 8, "ep_size": 8, "mem_fraction_static": 0.85}'

@@ -6,7 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/run-common.sh
 
+# The judge's dp_size 8 is SGLang's data-parallel attention inside one engine of 8 GPUs (TP = DP =
+# EP = 8, as the original runs it): --engine sglang (the built-in engine refuses dp_size > 1).
 GENRM_ARGS=(
+   --engine sglang
    --genrm-model-path ${MODEL_DIR}/Qwen3.5-397B-A17B-FP8/
    --genrm-num-gpus-per-engine 8
    --genrm-engine-config '{"max_context_len": 10240, "dp_size": 8, "ep_size": 8, "mem_fraction_static": 0.85}'

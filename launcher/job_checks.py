@@ -83,25 +83,25 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
 
 
 def check_builtin_engine_config(cfg: JobConfig) -> None:
-    """What the built-in engine does with a judge's ``engine_config``: ``dp_size`` replicas
-    of ``num_gpus_per_engine / dp_size`` GPUs each (which must divide); ``ep_size`` groups of
-    each replica's GPUs share out a MoE model's experts (where it divides them; otherwise, and
-    for a dense model, it is not used: a warning says so); ``pp_size`` (SGLang's) is not used
-    by it: a warning says so."""
+    """What the built-in engine does with a judge's ``engine_config``: ``ep_size`` groups of
+    each engine's GPUs share out a MoE model's experts (where it divides them; otherwise, and
+    for a dense model, it is not used: a warning says so); ``dp_size`` (SGLang's data-parallel
+    attention inside one tensor-parallel engine) is refused, naming ``--engine sglang``;
+    ``pp_size`` (SGLang's) is not used: a warning says so."""
     for name, inst in cfg.genrm.items():
         where = f"GenRM instance {name!r} (engine_config)"
         dp, pp, ep = (inst.engine_config.get(k, 1) for k in ("dp_size", "pp_size", "ep_size"))
         for key, value in (("dp_size", dp), ("pp_size", pp), ("ep_size", ep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if dp > 1:
+            raise ConfigError(
+                f"{where}: dp_size {dp} is SGLang's data-parallel attention inside one tensor-parallel engine of "
+                f"{inst.num_gpus_per_engine} GPUs; the built-in engine does not run it. Use --engine sglang, or drop "
+                "dp_size (for more judge engines, give each fewer GPUs: --genrm-num-gpus-per-engine)")
         if pp > 1:
             log.warning("%s: pp_size %s is for --engine sglang; the built-in engine runs each engine "
                         "tensor-parallel over its GPUs", where, pp)
-        if inst.num_gpus_per_engine % dp:
-            raise ConfigError(f"{where}: dp_size {dp} does not divide the engine's {inst.num_gpus_per_engine} GPUs "
-                              "(--genrm-num-gpus-per-engine): each replica takes num_gpus_per_engine / dp_size")
-        if (inst.num_gpus_per_engine // dp) % ep:  # e.g. the original's 397B judge: TP = DP = EP = 8 in SGLang
-            log.warning("%s: ep_size %s does not divide each replica's %s GPUs (num_gpus_per_engine / dp_size): the "
-                        "built-in engine runs its replicas without expert parallelism (SGLang keeps dp_size and "
-                        "ep_size inside one engine of num_gpus_per_engine GPUs: --engine sglang)", where, ep,
-                        inst.num_gpus_per_engine // dp)
+        if inst.num_gpus_per_engine % ep:
+            log.warning("%s: ep_size %s does not divide the engine's %s GPUs: the built-in engine runs it without "
+                        "expert parallelism", where, ep, inst.num_gpus_per_engine)

@@ -144,21 +144,14 @@ class JudgeEngines:
 
 def judge_engine_gpus(cfg: JobConfig, name: str) -> list[list[int]]:
     """The GPU ids of each engine of judge ``name``: instances at prefix sums of their
-    ``num_gpus``, engines of ``num_gpus_per_engine`` GPUs each; with the built-in engine and
-    ``engine_config.dp_size`` d, each engine's GPUs split into d replicas (engines of their
-    own, routed to by load)."""
+    ``num_gpus``, engines of ``num_gpus_per_engine`` GPUs each."""
     first = 0
     for other, inst in cfg.genrm.items():
         if other == name:
             break
         first += inst.num_gpus
-    inst = cfg.genrm[name]
-    per = inst.num_gpus_per_engine
-    dp = inst.engine_config.get("dp_size", 1) if cfg.engine == "torch" else 1
-    out = []
-    for start in range(first, first + inst.num_gpus - per + 1, per):
-        out += [list(range(start + k * per // dp, start + (k + 1) * per // dp)) for k in range(dp)]
-    return out
+    per = cfg.genrm[name].num_gpus_per_engine
+    return [list(range(start, start + per)) for start in range(first, first + cfg.genrm[name].num_gpus - per + 1, per)]
 
 
 def judge_engine_options(cfg: JobConfig, name: str, index: int) -> dict:
@@ -234,8 +227,8 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     for name, inst in cfg.genrm.items():
         slices = judge_engine_gpus(cfg, name)
         started = await asyncio.gather(*(engines.start(name, i) for i in range(len(slices))))
-        dp = len(slices) // (inst.num_gpus // inst.num_gpus_per_engine)
-        tp = len(slices[0]) if cfg.engine == "torch" else inst.num_gpus_per_engine
+        dp = inst.engine_config.get("dp_size", 1)  # SGLang's, inside each engine (refused by the built-in one)
+        tp = inst.num_gpus_per_engine
         specs[name] = {
             "model_path": ensure_model(inst.model_path),
             "num_gpus": inst.num_gpus,

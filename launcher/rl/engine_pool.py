@@ -89,8 +89,9 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
     for claim in plan.claims:
         if claim.role not in roles:
             continue
-        slices = replicas(cfg, claim, plan.engines_of(claim))
-        dp = len(slices) // max(1, len(plan.engines_of(claim)))
+        slices = plan.engines_of(claim)
+        # SGLang's data-parallel attention inside each engine (the built-in engine refuses dp_size > 1)
+        dp = cfg.genrm[claim.instance].engine_config.get("dp_size", 1) if claim.role == "genrm" else 1
         for i, bundles in enumerate(slices):
             engine = Engine(claim.role, claim.instance, None, i, bundles[0].index, cfg.fault_tolerant)
             engine.place = {"node": bundles[0].node, "gpus": [b.gpu for b in bundles],
@@ -103,16 +104,6 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
             engine.mesh = spawn_engine(cfg, claim, engine, procs_of(bundles[:1]), colocate)
             pending.append(engine.mesh.initialized(timeouts.MODEL_LOAD))
     return engines, pending
-
-
-def replicas(cfg, claim, slices: list[list]) -> list[list]:
-    """The GPU slices engines run on: the plan's, or with a judge's ``engine_config.dp_size``
-    d (built-in engine), each engine's slice split into d replicas (which the judge service
-    routes to by load, as any engines of an instance)."""
-    if claim.role != "genrm" or cfg.engine != "torch":
-        return slices
-    dp = cfg.genrm[claim.instance].engine_config.get("dp_size", 1)
-    return [bundles[k * len(bundles) // dp : (k + 1) * len(bundles) // dp] for bundles in slices for k in range(dp)]
 
 
 async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocate: bool,

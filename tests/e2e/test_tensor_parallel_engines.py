@@ -53,11 +53,11 @@ def test_colocate_split_with_tensor_parallel_rollout_and_judge_engines(data, tmp
     assert sorted({e["engine"] for e in evs}) == ["genrm0", "rollout0"]
 
 
-def test_a_judge_engine_with_dp_size_2_is_two_replicas_that_share_the_load(data, tmp_path):
+def test_two_judge_engines_share_the_load(data, tmp_path):
     run_dir = str(tmp_path / "run")
-    out = run_train("tiny-cpu-split", data, run_dir, "--num-rollout", "1", "--genrm-num-gpus-per-engine", "2",
-                    "--genrm-engine-config", '{"dp_size": 2}', timeout=380)
-    assert "started 2 rollout engine(s), 2 judge engine(s)" in out  # one engine of 2 GPUs: 2 replicas of 1
+    out = run_train("tiny-cpu-split", data, run_dir, "--num-rollout", "1", "--genrm-num-gpus-per-engine", "1",
+                    timeout=380)
+    assert "started 2 rollout engine(s), 2 judge engine(s)" in out
     (check,) = records(run_dir, "judge_check")
     engine_requests = check["judge/self_check_engine_requests"]
     assert len(engine_requests) == 2 and all(n > 0 for n in engine_requests), engine_requests

@@ -44,6 +44,7 @@ def test_launch_arguments_are_mapped_from_our_config(capfd):
     info, eng = run(main())
     a = info["args"]
     assert a["model_path"] == "/models/judge" and a["tp_size"] == 2 and a["dp_size"] == 2 and a["ep_size"] == 2
+    assert a["enable_dp_attention"]  # dp_size inside the one engine of 2 GPUs, as the original's judges run
     assert a["mem_fraction_static"] == 0.3 and a["context_length"] == 8192 and a["base_gpu_id"] == 4
     assert a["enable_memory_saver"] and a["enable_weights_cpu_backup"]
     assert a["cuda_graph_backend_prefill"] == "disabled"  # slime: the breakable prefill graph breaks under the saver

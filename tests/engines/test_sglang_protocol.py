@@ -96,6 +96,7 @@ def test_the_launcher_computes_the_originals_arguments_for_the_397b_judge_config
             "tp_size": 8, "dp_size": 8, "ep_size": 8, "pp_size": 1, "base_gpu_id": 0, "gpu_id_step": 1,
             "mem_fraction_static": 0.85, "context_length": 8192, "enable_memory_saver": True,
             "enable_weights_cpu_backup": True, "device": "cuda"}
+        assert judge["enable_dp_attention"] and "enable_dp_attention" not in rollout
         assert {k: rollout[k] for k in ("tp_size", "dp_size", "mem_fraction_static", "enable_memory_saver",
                                         "enable_weights_cpu_backup")} == {
             "tp_size": 8, "dp_size": 1, "mem_fraction_static": cfg.sglang_mem_fraction_static,
