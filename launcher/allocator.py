@@ -69,6 +69,7 @@ class Plan:
     pools: dict[str, Pool]
     claims: list[Claim]
     warnings: list[str] = field(default_factory=list)
+    memory: list[str] = field(default_factory=list)  # the engines' memory fit (launcher/memory_fit.py)
 
     def bundles_of(self, claim: Claim) -> list[Bundle]:
         return self.pools[claim.pool].bundles[claim.start : claim.stop]
@@ -135,6 +136,12 @@ def make_plan(cfg: JobConfig, train_only: bool = False) -> Plan:
             )
         plan = _dedicated(cfg)
     _check_physical(plan)
+    from .memory_fit import check_memory_fit
+
+    try:
+        plan.memory = check_memory_fit(cfg, plan)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     return plan
 
 
@@ -387,6 +394,7 @@ def render_plan(plan: Plan) -> str:
                 f"{claim.gpus_per_engine if claim.role != 'actor' else claim.size} GPU"
                 + (" (tensor parallel: a rank per GPU)" if claim.role != "actor" and claim.gpus_per_engine > 1 else "")
             )
+    lines += plan.memory
     for w in plan.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

@@ -69,6 +69,8 @@ class JobConfig:
         "cuda", help="cuda, or cpu (virtual GPU bundles; every layout runs on a laptop)", choices=("cuda", "cpu")
     )
     gpus_per_node: int = _opt(8, help="GPU bundles per node (on cpu: virtual bundles)", minimum=1)
+    gpu_memory_gb: float | None = _opt(None, help="GiB of one GPU, for the plan's memory fit (default: this machine's "
+                                       "GPU 0; without one the fit is not checked)", minimum=1)
     nnodes: int | None = _opt(
         None, help="number of nodes (default: torchrun's, or the fewest that fit --resource)", minimum=1
     )

@@ -95,7 +95,7 @@ def test_the_documentations_quick_start_paths_plan(name):
 
 def test_the_shipped_async_config_plans_as_the_documented_async_script():
     config = subprocess.run([RELAY, "plan", "--config", "qwen3-4b-8gpu-async"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=120, env=dict(os.environ, MODEL_DIR="exps", DATA_DIR="exps"))
     script = _plan("bash examples/run-qwen3-4B-8xgpu-async.sh")
     assert config.returncode == 0 and script.returncode == 0, config.stderr + script.stderr
     assert config.stdout == script.stdout and "layout: fully-async" in config.stdout
