@@ -53,6 +53,9 @@ def _train(args: argparse.Namespace) -> int:
     from launcher.job import main as job_main
     from launcher.supervisor import GENERATION_ENV, supervise
 
+    if args.dry_run:
+        return _dry_run(args)
+
     argv = (
         (["--config", args.config] if args.config else [])
         + (["--hold", str(args.hold)] if args.hold else [])
@@ -68,6 +71,25 @@ def _train(args: argparse.Namespace) -> int:
         if cfg is not None and cfg.fault_tolerant:
             return supervise(argv, cfg.run_dir, cfg.max_global_restart, resume=cfg.resume)
     return job_main(argv, prog="relay train", single_node=True)
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    from launcher.allocator import PlanError
+    from launcher.config import ConfigError, load_config
+    from launcher.dry_run import dry_run
+    from launcher.job_checks import check_job
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_job(cfg)
+        print("\n".join(dry_run(cfg)))
+    except PlanError as e:
+        print(f"relay train --dry-run: invalid layout:\n{e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"relay train --dry-run: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -337,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")
+    tr.add_argument("--dry-run", action="store_true", help="check everything a start checks (config, layout and "
+                    "memory fit, data files, user code, models) and start nothing")
     tr.set_defaults(func=_train, takes_overrides=True)
     st = _config_command(
         sub,

@@ -93,6 +93,19 @@ def row_keys(cfg) -> dict:
     return dict(input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key)
 
 
+def job_datasets(cfg) -> tuple[list[Row], list[tuple[str, list[Row]]]]:
+    """The training rows and each evaluation set as ``(name, rows)``, read as the job reads
+    them: the built-in rewards that compare with the reference need every row's label.
+    Raises DataError."""
+    compares = cfg.rm_type in ("dapo", "dapo-genrm") and not cfg.custom_rm_path
+    label_for = f"--rm-type {cfg.rm_type}" if compares else None
+    rows = load_rows(cfg.prompt_data, **row_keys(cfg), label_for=label_for)
+    evals = [(name, load_rows(path, "--eval-prompt-data" if k == 0 else f"--eval-prompt-data {name}",
+                              **row_keys(cfg), label_for=label_for))
+             for k, (name, path) in enumerate(cfg.eval_sets)]
+    return rows, evals
+
+
 def question_text(prompt: str | list) -> str:
     """The last user turn of a chat prompt, or the text prompt itself."""
     if isinstance(prompt, str):

@@ -109,7 +109,7 @@ class SFTJob:
                     if step + 1 < self.steps:
                         ahead = self._encode_ahead(order.batch(step + 1, cfg.global_batch_size))
                     stats = await self.trainer.call_per_dp("sft_step", shards)
-                rec = {"kind": "sft", "step": step, "train/loss": sum(s["loss"] for s in stats) / len(stats),
+                rec = {"kind": "sft", "step": step + 1, "train/loss": sum(s["loss"] for s in stats) / len(stats),
                        "train/grad_norm": stats[0]["grad_norm"], "train/lr": stats[0]["lr"], **timer.metrics()}
                 last = step == self.steps - 1
                 if self.eval_rows and (last or (cfg.eval_interval and (step + 1) % cfg.eval_interval == 0)):

@@ -1,6 +1,7 @@
-"""Checkpoints of the RL loop under ``RUN_DIR/checkpoints/step_NNNNNN``: the trainer's
-shards, then ``state.json`` (next step, weight version), written last, so a checkpoint
-without it is incomplete and ignored by ``--resume``."""
+"""Checkpoints of the RL loop under ``RUN_DIR/checkpoints/step_NNNNNN`` (NNNNNN: the steps
+done, from 1): the trainer's shards, then ``state.json`` (``next_step``: the steps done, which
+is the 0-based index of the next; the weight version), written last, so a checkpoint without
+it is incomplete and ignored by ``--resume``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class StoppedWithCheckpoint(Exception):
     checkpoint; ``--resume`` continues at ``next_step``."""
 
     def __init__(self, path: str, next_step: int):
-        super().__init__(f"stopped on request after writing {path}; --resume continues at step {next_step}")
+        super().__init__(f"stopped on request after writing {path}; --resume continues with step {next_step + 1}")
         self.path = path
         self.next_step = next_step
 
@@ -49,17 +50,17 @@ class Checkpoints:
             json.dump({"next_step": next_step, "weight_version": weight_version}, f)
         os.replace(tmp, os.path.join(path, STATE_FILE))
 
-    async def save(self, trainer, step: int, weight_version: int, colocate: bool, keep: int) -> str:
+    async def save(self, trainer, done: int, weight_version: int, colocate: bool, keep: int) -> str:
         """Every trainer rank writes its shard (onloaded for it when ``colocate``), then
         ``state.json``; with ``keep`` > 0 only the newest ``keep`` complete checkpoints stay.
         Returns the checkpoint's path."""
-        path = self.path(step)
+        path = self.path(done)
         if colocate:
             await trainer.onload()
         await trainer.save_checkpoint(path)
         if colocate:
             await trainer.offload()
-        self.mark_complete(path, step + 1, weight_version)
+        self.mark_complete(path, done, weight_version)
         if keep:
             self.prune(keep)
         return path
@@ -69,12 +70,13 @@ class Checkpoints:
         ``{"next_step", "weight_version"}``, or None (said on ``out``) when there is none."""
         path = self.latest()
         if path is None:
-            print(f"--resume: no complete checkpoint under {self.root}; starting from step 0", file=out, flush=True)
+            print(f"--resume: no complete checkpoint under {self.root}; starting with step 1", file=out, flush=True)
             return None
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
         await trainer.load_checkpoint(path)
-        print(f"resumed from {path}: next step {state['next_step']}, weight version {state['weight_version']}",
+        print(f"resumed from {path} (after step {state['next_step']}): continuing with step "
+              f"{state['next_step'] + 1}, weight version {state['weight_version']}",
               file=out, flush=True)
         return state
 

@@ -42,7 +42,7 @@ import os
 from ..agent import WorkerInfo
 from ..allocator import Plan
 from ..config import JobConfig
-from ..data import PromptOrder, Row, load_rows, row_keys
+from ..data import PromptOrder, Row, job_datasets
 from ..metrics import MetricsLog
 from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
@@ -83,14 +83,8 @@ class GRPOLoop:
         self.mode = plan.mode
         self.colocate = plan.mode.startswith("colocate")
         self.defer = plan.mode == "colocate-defer"
-        # the built-in rewards compare with the reference; a --custom-rm-path function may go without
-        compares = cfg.rm_type in ("dapo", "dapo-genrm") and not cfg.custom_rm_path
-        label_for = f"--rm-type {cfg.rm_type}" if compares else None
-        self.rows = load_rows(cfg.prompt_data, **row_keys(cfg), label_for=label_for)
+        self.rows, self.eval_sets = job_datasets(cfg)  # eval sets: (name, rows) each
         self.order = PromptOrder(self.rows, cfg.sampling_seed, cfg.rollout_shuffle)
-        self.eval_sets = [(name, load_rows(path, "--eval-prompt-data" if k == 0 else f"--eval-prompt-data {name}",
-                                           **row_keys(cfg), label_for=label_for))
-                          for k, (name, path) in enumerate(cfg.eval_sets)]  # (name, rows) per evaluation set
         self.eval_names = [name for name, _ in self.eval_sets]
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.checkpoints = Checkpoints(self.run_dir)
@@ -234,7 +228,7 @@ class GRPOLoop:
             return await self.integrity.canaries_due(step)
 
         canaries = await self._judge_window(judge_work)
-        check_judged(samples, f"step {step}")
+        check_judged(samples, f"step {step + 1}")
         judge_after = await self.judge.counts()
         batch = training_batch(samples, cfg, cfg.n_samples_per_prompt)
         async with self._weights_lock:  # an engine rebuilt meanwhile gets the new weights, not these
@@ -270,13 +264,13 @@ class GRPOLoop:
         last = step + 1 == cfg.num_rollout
         periodic_save = bool(cfg.save_interval) and (step + 1) % cfg.save_interval == 0
         if periodic_save or self._stop_requested:
-            await self.checkpoints.save(self.trainer, step, self.version, self.colocate, cfg.keep_checkpoints)
+            await self.checkpoints.save(self.trainer, step + 1, self.version, self.colocate, cfg.keep_checkpoints)
         if cfg.save_hf and (periodic_save or self._stop_requested or last):
             path = await write_hf_checkpoint(self.trainer, cfg.hf_checkpoint,
-                                             os.path.join(os.path.abspath(cfg.save_hf), f"step_{step:06d}"))
-            print(f"wrote the HF checkpoint of step {step} to {path}", file=self.out, flush=True)
+                                             os.path.join(os.path.abspath(cfg.save_hf), f"step_{step + 1:06d}"))
+            print(f"wrote the HF checkpoint of step {step + 1} to {path}", file=self.out, flush=True)
         if self._stop_requested and not last:
-            raise StoppedWithCheckpoint(self.checkpoints.path(step), step + 1)
+            raise StoppedWithCheckpoint(self.checkpoints.path(step + 1), step + 1)
         periodic_eval = bool(cfg.eval_interval) and (step + 1) % cfg.eval_interval == 0
         if self.eval_sets and (periodic_eval or last):
             ev = await evaluate(self, step + 1)
@@ -362,11 +356,12 @@ class GRPOLoop:
                 judge_after: dict) -> dict:
         """The step's metrics: reward, rollout, judge, train and ``time/*`` (which ends the
         timer's step)."""
-        record: dict = {"kind": "train", "step": step, "weight_version": self.version, "samples": len(samples)}
+        # steps are numbered from 1 in records, plots, the console and checkpoint names: step = steps done
+        record: dict = {"kind": "train", "step": step + 1, "weight_version": self.version, "samples": len(samples)}
         record.update(reward_metrics(samples))
         record.update(rollout_metrics(samples, self.timer.seconds("rollout")))
         record.update(judge_deltas(judge_before, judge_after))
-        record.update(self.integrity.audit_step(step, samples))
+        record.update(self.integrity.audit_step(step + 1, samples))
         record.update({f"train/{k}": v for k, v in train_stats.items()})
         record.update(self.timer.metrics())
         return record

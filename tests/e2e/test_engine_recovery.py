@@ -81,7 +81,7 @@ def test_a_killed_engine_worker_is_rebuilt_and_the_run_matches_an_uninterrupted_
     assert f"relay: bundle {bundle} on node 0 ({role} engines) died: was killed by signal SIGKILL" in out, out
     assert f"relay: bundle {bundle}: 1 engine(s) back in" in out, out
     got = records(run_dir)
-    assert [r["step"] for r in got] == list(range(STEPS))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for r in got:
         # every trained sample's reward is a verdict the judge wrote
         assert r["reward/judged"] == r["samples"] == 32, r
@@ -130,7 +130,7 @@ def test_a_tensor_parallel_engine_is_rebuilt_whole_when_one_of_its_ranks_dies(da
     assert "relay: bundle 2 on node 0 (rollout engines) died: was killed by signal SIGKILL" in out, out
     assert "(with bundles [1]: the same engine)" in out and "relay: bundle 2: 1 engine(s) back in" in out, out
     got = records(run_dir)
-    assert [r["step"] for r in got] == list(range(STEPS))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all(r["reward/judged"] == r["samples"] == 32 for r in got)
     (recovery,) = records(run_dir, "recovery")
     assert recovery["engines/rebuilt"] == 1 and recovery["engines/down"] == [], recovery

@@ -125,7 +125,7 @@ def test_the_self_check_passes_a_trained_judge_and_no_canary_flips_it(data, gull
     assert all(r["ok"] for r in rows)
     # every canary was judged (a verdict of 0, not an unreadable reply) by the trained judge
     assert all(r["verdict"] == 0 for r in rows if r["kind"].startswith("canary:"))
-    assert records(run_dir)[0]["step"] == 0  # then training went on
+    assert records(run_dir)[0]["step"] == 1  # then training went on
 
 
 def test_in_defer_swap_the_judge_wakes_for_the_check_and_the_rollout_gets_its_weights_back(data, tmp_path):
@@ -187,16 +187,16 @@ def test_an_always_one_judge_trips_the_drift_alarm_within_three_steps(data, tmp_
     assert "WARNING: the judge was NOT checked before training (genrm_skip_self_check / --genrm-skip-self-check)" \
         in p.stdout
     recs = records(run_dir)
-    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert [r["step"] for r in recs] == [1, 2, 3]
     assert all(r["reward/accuracy"] == 1.0 for r in recs)  # the broken judge accepts everything
     assert any(r["audit/alarm"] for r in recs), [{k: v for k, v in r.items() if k.startswith("audit/")} for r in recs]
     first = next(r["step"] for r in recs if r["audit/alarm"])
     assert f"judge drift at step {first}" in p.stdout
-    assert recs[first]["audit/judge_accuracy"] == 1.0 and recs[first]["audit/rule_accuracy"] < 0.5
+    assert recs[first - 1]["audit/judge_accuracy"] == 1.0 and recs[first]["audit/rule_accuracy"] < 0.5
     with open(os.path.join(run_dir, "judge_audit.jsonl")) as f:
         examples = [json.loads(line) for line in f]
     assert examples and all(e["judge"] == 1 and e["rule"] == 0 and e["answer"] != e["label"] for e in examples)
-    # the canaries, scored again at step 1 (every 2 steps), all flip with this judge
+    # the canaries, scored again at step 2 (every 2 steps), all flip with this judge
     assert recs[1]["judge/canaries_flipped"] == recs[1]["judge/canaries"] == 16
     assert "the judge said 1 to 16 of 16 injection canaries" in p.stdout
     # relay plot draws the judge's figures side by side

@@ -47,7 +47,7 @@ def test_a_qwen35_hybrid_judge_scores_grpo_in_split_and_defer_swap(config, tmp_p
         assert json.load(f)["model_type"] == "qwen3_5_moe"
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         recs = [r for r in map(json.loads, f) if r.get("kind") == "train"]
-    assert [r["step"] for r in recs] == [0, 1]
+    assert [r["step"] for r in recs] == [1, 2]
     assert all(r["reward/judged"] == r["samples"] > 0 for r in recs)
     with open(os.path.join(run_dir, "engine_events.jsonl")) as f:
         events = [json.loads(line) for line in f]
@@ -79,9 +79,9 @@ def train(config: str, tmp_path, models=MOE, *extra: str) -> tuple[list[dict], d
 
 def check(recs: list[dict], types: dict, expected=None) -> None:
     assert types == (expected or {"tiny-moe-policy": "qwen3_moe", "tiny-vl-moe-judge": "qwen3_vl_moe"})
-    assert [r["step"] for r in recs] == [0, 1]
+    assert [r["step"] for r in recs] == [1, 2]
     for r in recs:
-        assert r["sync/engine_versions"] == [r["step"] + 1] * len(r["sync/engine_versions"])
+        assert r["sync/engine_versions"] == [r["step"]] * len(r["sync/engine_versions"])
         assert r["reward/judged"] == r["samples"] > 0  # every reward is a verdict of the MoE judge
         assert r["mem/engine_bytes_training"] == 0
     # the random judge's verdicts carry no advantage; the routers' load-balancing loss still
@@ -119,7 +119,7 @@ def test_hybrid_policy_and_judge(config, tmp_path):
     recs, types = train(config, tmp_path, HYBRID, *(["--save-interval", "1", "--save-hf", hf_dir] if split else []))
     check(recs, types, {name: "qwen3_5_moe" for name in HYBRID})
     if split:
-        check_saved_hybrid(os.path.join(hf_dir, "step_000001"), tmp_path, recs[-1])
+        check_saved_hybrid(os.path.join(hf_dir, "step_000002"), tmp_path, recs[-1])
 
 
 def check_saved_hybrid(path: str, tmp_path, last: dict) -> None:

@@ -20,9 +20,9 @@ def test_grpo_trains_a_moe_policy_with_expert_parallelism(data, tmp_path):
     run_train("tiny-cpu-split", {**data, "policy": policy}, run_dir, "--expert-model-parallel-size", "2",
               "--moe-aux-loss-coeff", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl")
     recs = records(run_dir)
-    assert [r["step"] for r in recs] == [0, 1]
+    assert [r["step"] for r in recs] == [1, 2]
     assert all(r["train/moe_load_balancing_loss"] > 0 for r in recs)
     assert recs[0]["train/kl"] == pytest.approx(0.0, abs=1e-6) and recs[1]["train/kl"] > 0
     for r in recs:
-        assert r["sync/engine_versions"] == [r["step"] + 1] * len(r["sync/engine_versions"])
+        assert r["sync/engine_versions"] == [r["step"]] * len(r["sync/engine_versions"])
     check_weights_changed(recs)

@@ -83,7 +83,7 @@ def test_two_node_torchrun_grpo_matches_one_node(data, split_run, tmp_path):
         addresses.setdefault(r[1], set()).add(r[2].rsplit("/", 1)[1])
     assert sorted(map(sorted, addresses.values())) == [["127.0.0.2"], ["127.0.0.3"]], rows
     got = records(two)
-    assert [r["step"] for r in got] == [0, 1]
+    assert [r["step"] for r in got] == [1, 2]
     for a, b in zip(got, expected):
         assert a["reward/mean"] == b["reward/mean"] and a["samples"] == b["samples"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)

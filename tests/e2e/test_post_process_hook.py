@@ -26,7 +26,7 @@ def test_the_documented_hook_scores_every_split_batch_after_the_inline_reward(da
                        env=dict(os.environ, RELAY_CACHE=data["cache"]))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     got = records(run_dir)
-    assert [r["step"] for r in got] == [0, 1]
+    assert [r["step"] for r in got] == [1, 2]
     for r in got:
         assert r["samples"] == 32 and r["reward/judged"] == 32
         assert r["judge/requests"] == 64 and r["judge/cache_hits"] == 32, r

@@ -85,14 +85,14 @@ def outputs(log_dir) -> tuple[str, str]:
 
 
 def kill_after_first_checkpoint(data, split_run, tmp_path, choose_victim) -> tuple[str, str, str, int]:
-    """Run the job with fault tolerance; once checkpoint 0 is complete (step 1 in progress),
+    """Run the job with fault tolerance; once checkpoint 1 is complete (step 2 in progress),
     kill -9 the process ``choose_victim(supervisor_pid)`` names; wait for the end."""
     run_dir = str(tmp_path / "run")
     p = relay_train(data, run_dir, tmp_path, *FT)
     try:
         victim = wait_for(lambda: choose_victim(p.pid), [p])  # found first: the kill follows the checkpoint at once
-        wait_for_checkpoint(run_dir, 0, [p])
-        assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_000001")), "step 1 was already done"
+        wait_for_checkpoint(run_dir, 1, [p])
+        assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_000002")), "step 2 was already done"
         os.kill(victim, signal.SIGKILL)
         p.wait(400)
     finally:
@@ -100,7 +100,7 @@ def kill_after_first_checkpoint(data, split_run, tmp_path, choose_victim) -> tup
     out, err = outputs(tmp_path)
     assert p.returncode == 0, out[-3000:] + err[-3000:]
     checkpoints = os.path.join(run_dir, "checkpoints")
-    assert out.count("shut down cleanly") == 1 and f"resumed from {checkpoints}/step_000000: next step 1" in out
+    assert out.count("shut down cleanly") == 1 and f"resumed from {checkpoints}/step_000001 (after step 1): continuing with step 2" in out
     assert_same_metrics(final_records(run_dir), records(split_run))
     return run_dir, out, err, victim
 
@@ -140,7 +140,7 @@ def test_sigterm_to_relay_train_checkpoints_and_stops_without_a_restart(data, tm
     run_dir = str(tmp_path / "run")
     p = relay_train(data, run_dir, tmp_path, *FT, "--num-rollout", "50")
     try:
-        wait_for_checkpoint(run_dir, 0, [p])
+        wait_for_checkpoint(run_dir, 1, [p])
         p.send_signal(signal.SIGTERM)
         p.wait(120)
     finally:
@@ -180,13 +180,13 @@ def test_a_killed_node_agent_under_torchrun_restarts_both_nodes_from_the_last_ch
         agent = wait_for(
             lambda: only([p for p in tagged_pids(os.environ["RELAY_TEST_TAG"]) if _is_agent(p, "1")]), nodes
         )
-        wait_for_checkpoint(run_dir, 0, nodes)
+        wait_for_checkpoint(run_dir, 1, nodes)
         os.kill(agent, signal.SIGSTOP)  # the agent and its workers frozen: step 1 (0.2 s) cannot finish
         workers = children(agent)
         for w in workers:
             os.kill(w, signal.SIGSTOP)
         assert workers, "the agent hosts no workers"
-        assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_000001")), "step 1 was already done"
+        assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_000002")), "step 2 was already done"
         os.kill(agent, signal.SIGKILL)
         for w in workers:  # orphaned: each exits as soon as it runs (its parent's pidfd is readable)
             os.kill(w, signal.SIGCONT)
@@ -201,5 +201,5 @@ def test_a_killed_node_agent_under_torchrun_restarts_both_nodes_from_the_last_ch
     out = "".join(o for o, _ in logs.values())  # the second run's controller may be on either node
     checkpoints = os.path.join(run_dir, "checkpoints")
     assert out.count("relay: restart 1 of 3: resuming from the newest complete checkpoint") == 1, out[-3000:]
-    assert f"resumed from {checkpoints}/step_000000: next step 1" in out and out.count("shut down cleanly") == 1
+    assert f"resumed from {checkpoints}/step_000001 (after step 1): continuing with step 2" in out and out.count("shut down cleanly") == 1
     assert_same_metrics(final_records(run_dir), records(split_run))

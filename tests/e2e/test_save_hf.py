@@ -16,7 +16,7 @@ RELAY = os.path.join(os.path.dirname(sys.executable), "relay")
 
 
 def test_grpo_writes_hf_checkpoints_that_load_in_transformers_with_the_trainers_log_probs(data, tmp_path):
-    """--save-interval 1 over 2 steps: DIR/step_000000 and DIR/step_000001. The last one,
+    """--save-interval 1 over 2 steps: DIR/step_000001 and DIR/step_000002. The last one,
     loaded in transformers, gives the greedy probe token the log-prob the rollout engines
     reported after the last weight sync (the trainer's weights): within 1e-4."""
     import torch
@@ -30,11 +30,11 @@ def test_grpo_writes_hf_checkpoints_that_load_in_transformers_with_the_trainers_
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
                        env=dict(os.environ, RELAY_CACHE=data["cache"]))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert sorted(os.listdir(hf_dir)) == ["step_000000", "step_000001"]
-    assert f"wrote the HF checkpoint of step 1 to {hf_dir}/step_000001" in p.stdout
+    assert sorted(os.listdir(hf_dir)) == ["step_000001", "step_000002"]
+    assert f"wrote the HF checkpoint of step 2 to {hf_dir}/step_000002" in p.stdout
     last = records(run_dir)[-1]
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(hf_dir, "step_000001"), torch_dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(hf_dir, "step_000001"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(hf_dir, "step_000002"), torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(hf_dir, "step_000002"))
     cfg = load_config("tiny-cpu-split")
     row = load_rows(data["train"])[0]
     ids = prompt_ids(tokenizer, row.prompt, cfg.apply_chat_template, cfg.chat_template_kwargs)

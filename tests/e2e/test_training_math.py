@@ -116,10 +116,10 @@ def test_a_nan_reward_stops_relay_train_before_any_weight_changes(data, tmp_path
     out = p.stdout + p.stderr
     assert p.returncode != 0
     assert "--custom-rm-path nan_reward.reward" in out and "the reward nan" in out and "row " in out, out[-3000:]
-    # step 0 trained and synced version 1; step 1 stopped before training: no second sync
-    assert [r["step"] for r in records(run_dir)] == [0]
+    # step 1 trained and synced version 1; step 2 stopped before training: no second sync
+    assert [r["step"] for r in records(run_dir)] == [1]
     for engine in ("rollout0", "rollout1"):
         synced = [d for ev, d in engine_seq(events(run_dir), engine) if ev == "update_weights"]
         assert synced == [1], synced
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        assert all(json.loads(line).get("step") != 1 for line in f)
+        assert all(json.loads(line).get("step") != 2 for line in f)

@@ -83,21 +83,21 @@ def test_every_sample_is_generated_from_its_own_rows_prompt_across_eval_signal_a
             p.kill()
             p.communicate()
     assert p.returncode == 75, err[-3000:]
-    assert "writing a checkpoint after the step in progress" in err and "--resume continues at step" in err
+    assert "writing a checkpoint after the step in progress" in err and "--resume continues with step" in err
     stopped_after = max(r["step"] for r in records(run_dir))
     assert stopped_after < 3
     with open(os.path.join(run_dir, "checkpoints", f"step_{stopped_after:06d}", "state.json")) as f:
-        assert json.load(f)["next_step"] == stopped_after + 1
+        assert json.load(f)["next_step"] == stopped_after  # steps done: the index of the next
 
     assert "Warning" not in out + err, "library warnings belong in the workers' log files"
     assert any(
         "Warning" in open(os.path.join(run_dir, "logs", f)).read() for f in os.listdir(os.path.join(run_dir, "logs"))
     )
     out2 = run_train("tiny-cpu-split", data, run_dir, *extra, "--resume", "--skip-eval-before-train", timeout=300)
-    assert f"next step {stopped_after + 1}" in out2
-    assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]  # each step once, across the stop
+    assert f"(after step {stopped_after}): continuing with step {stopped_after + 1}" in out2
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]  # each step once, across the stop
     assert [r["step"] for r in records(run_dir, "eval")] == [0, 3, 4]  # before training, periodic, final
-    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000002", "step_000003"]
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000003", "step_000004"]
 
     train_q, eval_q = questions(data["train"]), questions(eval_path)
     seen = [json.loads(line) for line in record.read_text().splitlines()]
@@ -127,7 +127,7 @@ def test_fully_async_bounds_in_flight_groups_and_counts_all_judge_work(data, tmp
     run_dir = str(tmp_path / "run")
     run_train("tiny-cpu-async", data, run_dir, "--max-staleness", "1", "--num-rollout", "4")
     recs = records(run_dir)
-    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
     bound = (1 + 1) * 4
     for r in recs:
         assert r["rollout/groups_in_flight_bound"] == bound
