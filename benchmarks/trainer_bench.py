@@ -15,9 +15,22 @@ line:
   ``export_ipc_*_resident_s`` with the trainer resident (its parameter buffer shared in
   place: the loop's order when the GPU has room).
 
+With ``--train-only`` only the GRPO step is measured, with ``peak_gb`` (the trainer
+process's peak: GPU memory allocated, or on CPU its resident set) and, with ``--anchor``, a
+transformers model of the same shape (SDPA attention, AdamW) doing the same work in another
+process: a no-grad forward, a forward/backward of the response tokens' mean log-prob, an
+optimizer step (``anchor_*``; on GPU with ``--bf16`` its params and Adam states are bf16,
+ours bf16 with fp32 master weights and Adam states: ``anchor_precision`` says so).
+``--packed`` trains one packed micro-batch (``--use-dynamic-batch-size``); ``--recompute
+full`` recomputes every layer in backward; ``--lengths a,b`` spreads the rows' lengths
+evenly over [a, b] (a GRPO-like batch) instead of ``--seq`` each. The model's positions
+cover the longest row.
+
     python benchmarks/trainer_bench.py                                   # CPU: tiny Qwen3, fp32
     python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16
     python benchmarks/trainer_bench.py --device cuda --size 4b --bf16 --batch 4 --seq 1024
+    python benchmarks/trainer_bench.py --size tiny --batch 1 --seq 16384 --steps 1 --train-only
+    python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16 --batch 1 --seq 32768 --train-only --anchor
 """
 
 from __future__ import annotations
@@ -63,9 +76,9 @@ async def bench(args, path: str) -> dict:
     from engines.trainer.train_batch import TrainBatch
     from relay import setup_torch_distributed, this_host
 
-    seqs = [[5 + (i * 7 + j * 3) % 90 for j in range(args.seq)] for i in range(args.batch)]
-    prompt = args.seq // 4
-    masks = [[0] * (prompt - 1) + [1] * (args.seq - prompt) for _ in seqs]
+    lengths = row_lengths(args)
+    seqs = [[5 + (i * 7 + j * 3) % 90 for j in range(n)] for i, n in enumerate(lengths)]
+    masks = [[0] * (n // 4 - 1) + [1] * (n - n // 4) for n in lengths]
     adv = [1.0 if i % 2 else -1.0 for i in range(args.batch)]
     ekw = dict(device=args.device, kv_cache_tokens=4096, weights_mode="discard")
     if args.device == "cuda":
@@ -73,9 +86,14 @@ async def bench(args, path: str) -> dict:
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     await setup_torch_distributed(procs)
-    t = procs.spawn("trainer", TrainerActor, path, lr=1e-6, bf16=args.bf16, micro_batch_tokens=args.batch * args.seq)
+    recompute = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+                 if args.recompute == "full" else None)
+    t = procs.spawn("trainer", TrainerActor, path, lr=1e-6, bf16=args.bf16, pack=args.packed, recompute=recompute,
+                    micro_batch_tokens=args.micro_batch_tokens or sum(lengths) if args.packed
+                    else args.micro_batch_tokens or len(lengths) * max(lengths))
     await t.initialized(1200)
-    out: dict = {"size": args.size, "device": args.device, "bf16": args.bf16, "batch": args.batch, "seq": args.seq}
+    out: dict = {"size": args.size, "device": args.device, "bf16": args.bf16, "batch": args.batch, "seq": args.seq,
+                 "tokens": sum(lengths), "packed": args.packed, "recompute": args.recompute}
     out["optimizer"] = (await t.optimizer_info.call_one().result(60))["kind"]
 
     await t.train_step.call_one(TrainBatch(seqs, masks, adv)).result(1200)  # warm-up (allocates the optimizer state)
@@ -85,7 +103,12 @@ async def bench(args, path: str) -> dict:
         await t.train_step.call_one(TrainBatch(seqs, masks, adv)).result(1200)
         times.append(time.perf_counter() - t0)
     out["step_s"] = statistics.median(times)
-    out["tokens_per_s"] = args.batch * args.seq / out["step_s"]
+    out["tokens_per_s"] = sum(lengths) / out["step_s"]
+    out["peak_gb"] = (await t.gpu_memory.call_one().result(60))["peak"] / GB
+    if args.train_only:
+        await t.shutdown.call().result(60)
+        await procs.stop()
+        return out
 
     await t.offload.call_one().result(1200)  # first cycle allocates the host buffers
     await t.onload.call_one().result(1200)
@@ -152,6 +175,64 @@ async def bench(args, path: str) -> dict:
     return out
 
 
+def row_lengths(args) -> list[int]:
+    if not args.lengths:
+        return [args.seq] * args.batch
+    low, high = (int(x) for x in args.lengths.split(","))
+    return [low + (high - low) * i // max(1, args.batch - 1) for i in range(args.batch)]
+
+
+def anchor(args, path: str, lengths: list[int], queue) -> None:
+    """transformers (SDPA) doing the GRPO step's work on the same rows; puts its figures."""
+    import transformers
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rows = [torch.tensor([[5 + (i * 7 + j * 3) % 90 for j in range(n)]], device=device) for i, n in enumerate(lengths)]
+
+    def step() -> None:
+        for ids in rows:  # one row per forward: no padding, as ours packs or groups by length
+            with torch.no_grad():
+                model(ids).logits.float().log_softmax(-1)
+            logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])
+            (-logp[ids.shape[1] // 4 :].mean() / len(rows)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    from engines.trainer.actor import peak_rss
+
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss()
+    queue.put({"anchor_step_s": statistics.median(times), "anchor_tokens_per_s": sum(lengths) / statistics.median(times),
+               "anchor_peak_gb": peak / GB,
+               "anchor_precision": ("bf16 params and AdamW states (no fp32 master)" if args.bf16 else "fp32")})
+
+
+def run_anchor(args, path: str) -> dict:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=anchor, args=(args, path, row_lengths(args), queue))
+    p.start()
+    try:
+        return queue.get(timeout=1800)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the other side stands
+        return {"anchor_error": f"{type(e).__name__}: {e}; exit code {p.exitcode}"}
+    finally:
+        p.join(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="tiny", choices=("tiny", "small", "0.6b", "4b"))
@@ -161,15 +242,28 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--train-only", action="store_true", help="only the GRPO step (and its peak memory)")
+    ap.add_argument("--packed", action="store_true", help="one packed micro-batch (--use-dynamic-batch-size)")
+    ap.add_argument("--recompute", choices=("full",), help="activation recompute of every layer")
+    ap.add_argument("--lengths", help="a,b: the rows' lengths spread evenly over [a, b]")
+    ap.add_argument("--micro-batch-tokens", type=int, help="tokens per micro-batch (default: the whole batch)")
+    ap.add_argument("--anchor", action="store_true", help="also time transformers (SDPA) on the same rows")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "relay-trainer-bench"))
     args = ap.parse_args()
     from engines.model_builder import make_model
 
     dtype = "bfloat16" if args.bf16 else "float32"
-    path = os.path.join(args.cache, f"qwen3-{args.size}-{dtype}")
+    positions = max(4096, max(row_lengths(args)))  # the model's positions cover the longest row
+    path = os.path.join(args.cache, f"qwen3-{args.size}-{dtype}-pos{positions}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_model("qwen3", args.size, path, seed=0, dtype=dtype, init_device=args.device)
-    print(json.dumps(asyncio.run(bench(args, path))))
+        make_model("qwen3", args.size, path, seed=0, dtype=dtype, init_device=args.device,
+                   max_position_embeddings=positions)
+    out = asyncio.run(bench(args, path))
+    if args.anchor:
+        out.update(run_anchor(args, path))
+        if "anchor_tokens_per_s" in out:
+            out["ours_vs_anchor_tokens_per_s"] = out["tokens_per_s"] / out["anchor_tokens_per_s"]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

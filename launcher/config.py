@@ -286,7 +286,13 @@ class JobConfig:
     rollout_shuffle: bool = _opt(False, help="prompts in a seeded random order each epoch (default: file order, as the "
                                  "original)")
     rollout_seed: int | None = _opt(None, help="seed of the prompt order and of rollout sampling (default: --seed)")
-    use_dynamic_batch_size: bool = _opt(False, help="micro-batches of up to --max-tokens-per-gpu tokens")
+    recompute_granularity: str | None = _opt(None, help="activation recompute: full (whole layers) or selective "
+                                             "(core attention)", choices=(None, "full", "selective"))
+    recompute_method: str | None = _opt(None, help="with full recompute: uniform or block", choices=(None, "uniform", "block"))
+    recompute_num_layers: int | None = _opt(None, help="with full recompute: layers per group (uniform) or "
+                                            "recomputed layers (block)", minimum=1)
+    use_dynamic_batch_size: bool = _opt(False, help="micro-batches of up to --max-tokens-per-gpu tokens, packed "
+                                        "without padding")
     max_tokens_per_gpu: int | None = _opt(None, help="with --use-dynamic-batch-size: sets --micro-batch-tokens",
                                           minimum=1)
     eval_reward_key: str | None = _opt(None, help="the reward dict's key for evaluation (default: --reward-key)")

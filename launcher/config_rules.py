@@ -388,3 +388,7 @@ def settle_defaults(cfg) -> None:
             f"--global-batch-size ({cfg.global_batch_size}) must be a multiple of --n-samples-per-prompt "
             f"({cfg.n_samples_per_prompt}): GRPO groups are never split across optimizer steps"
         )
+    if cfg.recompute_granularity == "full" and (cfg.recompute_method is None or cfg.recompute_num_layers is None):
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block and "
+                          "--recompute-num-layers N (Megatron's rule: uniform recomputes groups of N layers, block "
+                          "the first N layers of each stage)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 
 import torch
@@ -46,6 +47,15 @@ def _cpu_threads(requested: int | None) -> int:
     return relay.settings().trainer_cpu_threads or requested or 1
 
 
+def peak_rss() -> int:
+    """This process's peak resident set in bytes (``VmHWM``; 0 where /proc does not say)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
+
+
 class TrainerActor(Actor):
     def __init__(
         self,
@@ -67,6 +77,8 @@ class TrainerActor(Actor):
         cpu_threads: int | None = None,
         adam: tuple = (0.9, 0.999, 1e-8),
         frozen: bool = False,
+        recompute: dict | None = None,  # Megatron's recompute_granularity / _method / _num_layers
+        pack: bool = False,  # micro-batches packed without padding (batching.packed_inputs)
     ):
         self.model_path = model_path
         self.cpu_threads = cpu_threads  # intra-op threads on CPU (see _cpu_threads)
@@ -74,6 +86,7 @@ class TrainerActor(Actor):
         self.ep = ep  # expert-parallel size (MoE models)
         self.aux_loss_coeff = moe_aux_loss_coeff  # None: the checkpoint's router_aux_loss_coef
         self.opt_args = dict(lr=lr, weight_decay=weight_decay, betas=tuple(adam[:2]), eps=adam[2])
+        self.recompute, self.pack = recompute, pack
         self.frozen = frozen  # a reference model: never steps (so bf16 params need no master weights)
         self.clip_grad = clip_grad
         self.schedule = (lr_decay_style, lr_warmup_iters, total_iters)
@@ -109,8 +122,13 @@ class TrainerActor(Actor):
         with _PROCESS_SETUP:
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)
+        if self.pack and (self.cfg.hybrid or self.ep > 1):  # packing is not built for these: padded rows
+            print(f"relay trainer: packed micro-batches are not built for {'a hybrid model' if self.cfg.hybrid else 'EP > 1'}"
+                  "; training with padded ones", file=sys.stderr, flush=True)
+            self.pack = False
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.model = build_gpt(self.cfg, self.tp, dtype, self.ep, self.aux_loss_coeff).to(self.device)
+        self.model = build_gpt(self.cfg, self.tp, dtype, self.ep, self.aux_loss_coeff,
+                               recompute=self.recompute).to(self.device)
         hf = {name: t for _, name, t in checkpoint_tensors(self.model_path)}  # FP8 dequantized
         full = select_local_experts(hf_to_megatron(self.cfg, hf), self.cfg.num_experts, self.ep, self.ep_rank)
         state = shard_for_rank(full, self.tp, self.tp_rank, self.cfg)
@@ -206,31 +224,18 @@ class TrainerActor(Actor):
         self.step += 1
         return norm
 
-    def _batch(self, seqs: list, width: int | None = None):
-        from .megatron_model import causal_mask
-
-        width = width or max(len(s) for s in seqs)
-        ids = batching.padded(seqs, width).to(self.device)
-        s = width - 1
-        pos = torch.arange(s, device=self.device)[None].expand(len(seqs), -1)
-        return ids[:, :-1], pos, causal_mask(s).to(self.device), ids[:, 1:]
-
     def _mask(self, seqs: list, response_masks: list, width: int | None = None) -> torch.Tensor:
         """0/1 over tokens 1..n of each (right-padded) sequence: 1 on response tokens."""
         width = (width or max(len(s) for s in seqs)) - 1
         return batching.padded(response_masks, width, torch.float32).to(self.device)
 
     def _logprobs(self, seqs, temperature: float = 1.0, width: int | None = None, entropy: str | None = None):
-        from .megatron_model import token_logprobs
-
-        ids, pos, mask, tgt = self._batch(seqs, width)
-        pad = batching.padding_mask(seqs, ids.shape[1] + 1, self.device) if self.cfg.num_experts else None
-        return token_logprobs(self.model, ids, pos, mask, tgt, temperature, padding_mask=pad, entropy=entropy)
+        return batching.logprobs(self.model, self.cfg, seqs, self.device, temperature, width, entropy, self.pack)
 
     def _micro(self, seqs: list) -> list:
         """``(indices, width)`` per micro-batch; with EP > 1 the schedule the EP group shares
         (dummy rows: None; engines/trainer/batching.py)."""
-        return batching.aligned_micro_batches(seqs, self.micro_batch_tokens, self.ep_group)
+        return batching.aligned_micro_batches(seqs, self.micro_batch_tokens, self.ep_group, self.pack)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -316,10 +321,10 @@ class TrainerActor(Actor):
         out: list = [False] * len(seqs)
         for idx, width in self._micro(seqs):
             part = batching.rows(seqs, idx)
-            ids, pos, mask, tgt = self._batch(part, width)
+            ids, pos, tgt = batching.model_inputs(part, width, self.device)
             pad = {"padding_mask": batching.padding_mask(part, width or ids.shape[1] + 1, self.device)}
             with torch.no_grad():
-                logits = self.model(ids, pos, mask, **(pad if self.cfg.num_experts else {}))
+                logits = self.model(ids, pos, None, **(pad if self.cfg.num_experts else {}))
                 if self.tp > 1:
                     from megatron.core.tensor_parallel import (
                         gather_from_tensor_model_parallel_region,
@@ -420,17 +425,18 @@ class TrainerActor(Actor):
     @endpoint
     def gpu_memory(self, release_cache: bool = False) -> dict:
         """Device memory now: free and total (driver view: every process on this GPU),
-        allocated by torch in this process, and the GPU's ``uuid``. ``release_cache``: first
-        give the allocator's cached, unused blocks back to the device. All zero on CPU."""
+        allocated by torch in this process, and the GPU's ``uuid``; ``peak``: the most allocated
+        since the process started (on CPU: its peak resident set). ``release_cache``: first
+        give the allocator's cached, unused blocks back to the device. The rest is zero on CPU."""
         if self.device.type != "cuda":
-            return {"free": 0, "total": 0, "allocated": 0, "uuid": None}
+            return {"free": 0, "total": 0, "allocated": 0, "uuid": None, "peak": peak_rss()}
         torch.cuda.synchronize()
         if release_cache:
             kv_pool.release(self.device)
             torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         return {"free": free, "total": total, "allocated": torch.cuda.memory_allocated(),
-                "uuid": weight_sync.device_uuid(self.device)}
+                "uuid": weight_sync.device_uuid(self.device), "peak": torch.cuda.max_memory_allocated()}
 
     @endpoint
     def shutdown(self) -> None:

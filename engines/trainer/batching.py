@@ -19,8 +19,10 @@ import torch
 DUMMY = [0, 0]
 
 
-def micro_batches(seqs: list, budget: int) -> list[list[int]]:
-    """Index groups, each padded to its longest sequence. Sequences go in order of length
+def micro_batches(seqs: list, budget: int, packed: bool = False) -> list[list[int]]:
+    """Index groups. ``packed``: the sequences concatenated (:func:`packed_inputs`), a group cut
+    before its tokens would pass ``budget`` (in order of length, longest first, so the groups
+    come out even). Otherwise each group is padded to its longest sequence. Sequences go in order of length
     (shortest first, ties in order), so a group pads little; a group is cut before its
     padded size (count x longest) would pass ``budget`` tokens, or before a longer sequence
     would add more padding to it than ``budget // 8`` tokens (about what one more
@@ -28,6 +30,14 @@ def micro_batches(seqs: list, budget: int) -> list[list[int]]:
     longer than the budget is a group of its own. Callers weight each group's loss by its
     share of the batch, so the grouping does not change the summed gradient."""
     out, cur, width = [], [], 0
+    if packed:
+        for i in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
+            if cur and width + len(seqs[i]) > budget:
+                out.append(cur)
+                cur, width = [], 0
+            cur.append(i)
+            width += len(seqs[i])
+        return out + [cur] if cur else out
     for i in sorted(range(len(seqs)), key=lambda i: len(seqs[i])):
         n = len(seqs[i])
         if cur and (n * (len(cur) + 1) > budget or (n - width) * len(cur) > budget // 8):
@@ -40,13 +50,13 @@ def micro_batches(seqs: list, budget: int) -> list[list[int]]:
     return out
 
 
-def aligned_micro_batches(seqs: list, budget: int, ep_group=None) -> list[tuple[list, int | None]]:
+def aligned_micro_batches(seqs: list, budget: int, ep_group=None, packed: bool = False) -> list[tuple[list, int | None]]:
     """``(indices, width)`` per micro-batch. Without an EP group of more than one rank: the
     plain :func:`micro_batches`, width None (the longest sequence). Otherwise the schedule
     every rank of ``ep_group`` shares (module docstring): indices may hold ``None`` (dummy
     rows) and width is the group's longest sequence in that micro-batch (a collective)."""
-    groups = micro_batches(seqs, budget) if seqs else []
-    if ep_group is None:
+    groups = micro_batches(seqs, budget, packed) if seqs else []
+    if ep_group is None or packed:  # packing is refused under EP > 1 (TrainerActor.setup)
         return [(g, None) for g in groups]
     import torch.distributed as dist
 
@@ -62,6 +72,60 @@ def aligned_micro_batches(seqs: list, budget: int, ep_group=None) -> list[tuple[
         idx = list(groups[k]) if k < len(groups) else []
         out.append((idx + [None] * (rows - len(idx)), width))
     return out
+
+
+def model_inputs(seqs: list, width: int | None, device) -> tuple:
+    """(input ids, positions, targets) of right-padded rows ``[rows, width - 1]``: inputs are
+    tokens 0..n-2, targets 1..n-1. No attention mask: the trainer's attention is causal
+    (engines/trainer/attention.py), which right padding needs nothing beyond."""
+    width = width or max(len(s) for s in seqs)
+    ids = padded(seqs, width).to(device)
+    pos = torch.arange(width - 1, device=device)[None].expand(len(seqs), -1)
+    return ids[:, :-1], pos, ids[:, 1:]
+
+
+def packed_inputs(seqs: list, device) -> tuple:
+    """One packed row of ``seqs`` (no padding): (input ids ``[1, T]``, positions restarting
+    at 0 per sequence, targets, Megatron's ``PackedSeqParams`` (``thd``, the sequences'
+    bounds), (row, column) of each packed token in the padded layout)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    inputs = np.concatenate([np.asarray(s[:-1], dtype=np.int64) for s in seqs])
+    targets = np.concatenate([np.asarray(s[1:], dtype=np.int64) for s in seqs])
+    lengths = [len(s) - 1 for s in seqs]
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    rows_of = np.repeat(np.arange(len(seqs)), lengths)
+    bounds = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    where = (torch.from_numpy(rows_of).to(device), torch.from_numpy(positions).to(device))
+    return (torch.from_numpy(inputs).to(device)[None], torch.from_numpy(positions).to(device)[None],
+            torch.from_numpy(targets).to(device)[None], params, where)
+
+
+def unpack(values: torch.Tensor, where: tuple, rows: int, width: int) -> torch.Tensor:
+    """A packed row's per-token values ``[1, T]`` in the padded layout ``[rows, width - 1]``
+    (zeros after each row's end); differentiable."""
+    out = values.new_zeros(rows, width - 1)
+    return out.index_put(where, values[0])
+
+
+def logprobs(model, cfg, seqs: list, device, temperature: float, width: int | None, entropy: str | None,
+             pack: bool):
+    """A micro-batch's log-probs (and entropies with ``entropy``) in the padded layout
+    ``[rows, width - 1]``, from padded rows or one packed row (``pack``)."""
+    from .megatron_model import token_logprobs
+
+    width = width or max(len(s) for s in seqs)
+    if pack:
+        ids, pos, tgt, params, where = packed_inputs(seqs, device)
+        out = token_logprobs(model, ids, pos, None, tgt, temperature, entropy=entropy, packed_seq_params=params)
+        parts = out if entropy is not None else (out,)
+        parts = tuple(unpack(x, where, len(seqs), width) for x in parts)
+        return parts if entropy is not None else parts[0]
+    ids, pos, tgt = model_inputs(seqs, width, device)
+    pad = padding_mask(seqs, width, device) if cfg.num_experts else None
+    return token_logprobs(model, ids, pos, None, tgt, temperature, padding_mask=pad, entropy=entropy)
 
 
 def rows(seqs: list, idx: list) -> list:

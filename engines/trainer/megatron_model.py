@@ -7,6 +7,8 @@ under its own prefix."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,8 @@ def moe_options(cfg: ModelConfig, ep: int = 1, aux_loss_coeff: float | None = No
 
 
 def transformer_config(
-    cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, aux_loss_coeff: float | None = None
+    cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, aux_loss_coeff: float | None = None,
+    recompute: dict | None = None,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -72,12 +75,18 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         **moe_options(cfg, ep, aux_loss_coeff),
+        **{k: v for k, v in (recompute or {}).items() if v is not None},
     )
 
 
-def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, aux_loss_coeff: float | None = None):
+def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, aux_loss_coeff: float | None = None,
+              attention: str = "sdpa", recompute: dict | None = None):
     """The GPTModel of ``cfg``; MoE configs get MoE layers where HF has them (per-layer specs:
-    ``decoder_sparse_step`` / ``mlp_only_layers`` layers stay dense), ``ep``: expert-parallel size."""
+    ``decoder_sparse_step`` / ``mlp_only_layers`` layers stay dense), ``ep``: expert-parallel size.
+    ``attention``: ``"sdpa"`` (torch's fused attention, memory linear in length:
+    engines/trainer/attention.py) or ``"local"`` (Megatron's ``DotProductAttention``, which
+    holds the ``[heads, S, S]`` scores; kept for comparison). ``recompute``: Megatron's
+    ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
@@ -86,7 +95,7 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
             "the Megatron trainer does not support rope scaling (llama3-style) yet; the built-in "
             "engine does. Use a checkpoint without rope_scaling for training"
         )
-    config = transformer_config(cfg, tp, dtype, ep, aux_loss_coeff)
+    config = transformer_config(cfg, tp, dtype, ep, aux_loss_coeff, recompute)
     if cfg.num_experts:
         from .moe_convert import check_moe
 
@@ -102,6 +111,12 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm)
+    if attention == "sdpa":  # a hybrid's gated attention is SDPA already (hybrid_layers.py)
+        from .attention import use_sdpa
+
+        use_sdpa(spec)
+    elif attention != "local":
+        raise ValueError(f"attention must be 'sdpa' or 'local', not {attention!r}")
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -324,6 +339,22 @@ def gather_full(model, tp_group, copy: bool = True, ep_group=None, num_experts: 
     return out
 
 
+#: rows x positions of logits held at once by :func:`token_logprobs` (float32: 4 KiB x vocab each)
+LOGIT_CHUNK_TOKENS = 2048
+
+
+@contextlib.contextmanager
+def _hidden_out(layer):
+    """While inside: the output layer passes its input through, so the model returns its final
+    hidden states ``[b, s, h]``; yields the layer's real forward."""
+    real = layer.forward
+    layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
+    try:
+        yield real
+    finally:
+        del layer.forward
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -333,26 +364,56 @@ def token_logprobs(
     temperature: float = 1.0,
     padding_mask: torch.Tensor | None = None,
     entropy: str | None = None,
+    packed_seq_params=None,
 ):
     """Per-token log-probs of ``targets`` under the model at ``temperature`` (the engines'
     definition: log-softmax of logits / T), vocab-parallel (no full-vocab gather across TP):
     ``-vocab_parallel_cross_entropy(logits / T, targets)``. With ``entropy`` (``"logged"``:
     without gradient; ``"trained"``: with it): ``(log-probs, entropy of each position's
     distribution at T)``, from the same logits (no second forward). ``padding_mask`` (MoE
-    models only; True on padding) keeps padding out of the routing statistics."""
+    models only; True on padding) keeps padding out of the routing statistics;
+    ``packed_seq_params``: a packed micro-batch (one row of concatenated sequences).
+
+    The ``[s, vocab]`` float32 logits are never held whole: the output layer runs over
+    chunks of ``LOGIT_CHUNK_TOKENS`` tokens, each checkpointed (its backward projects its
+    chunk again), so memory for logits is one chunk's, whatever the length."""
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+    if packed_seq_params is not None:
+        extra["packed_seq_params"] = packed_seq_params
+    with _hidden_out(model.output_layer) as project:
+        hidden = model(input_ids, position_ids, mask, **extra)  # [b, s, h]
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    rows, length = targets.shape
+    step = max(1, LOGIT_CHUNK_TOKENS // rows)
+
+    def chunk(h: torch.Tensor, t: torch.Tensor):
+        logits = project(h.transpose(0, 1), weight=weight)[0].transpose(0, 1)  # [b, c, V/tp]
+        if temperature != 1.0:
+            logits = logits / temperature
+        logits = logits.float().contiguous()
+        ent = None
+        if entropy is not None:  # before the cross entropy, which overwrites its input (exp in place)
+            with torch.set_grad_enabled(entropy == "trained" and torch.is_grad_enabled()):
+                ent = vocab_parallel_entropy(logits)
+        return -_cross_entropy(logits, t), ent
+
+    logps, ents = [], []
+    for start in range(0, length, step):
+        h, t = hidden[:, start : start + step], targets[:, start : start + step]
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False)
+        else:
+            lp, ent = chunk(h, t)
+        logps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(logps, dim=1)
+    return logp if entropy is None else (logp, torch.cat(ents, dim=1))
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     from megatron.core import tensor_parallel
 
-    extra = {} if padding_mask is None else {"padding_mask": padding_mask}
-    logits = model(input_ids, position_ids, mask, **extra)  # [b, s, V/tp]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logits = logits.float().contiguous()
-    ent = None
-    if entropy is not None:  # before the cross entropy, which overwrites its input (exp in place)
-        with torch.set_grad_enabled(entropy == "trained" and torch.is_grad_enabled()):
-            ent = vocab_parallel_entropy(logits)
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
-    return logp if entropy is None else (logp, ent)
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:

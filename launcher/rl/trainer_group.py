@@ -48,6 +48,14 @@ def parallel_options(cfg) -> dict:
                 moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
 
 
+def recompute_options(cfg) -> dict | None:
+    """Megatron's activation recompute settings of ``--recompute-*`` (None: off)."""
+    if cfg.recompute_granularity is None:
+        return None
+    return {"recompute_granularity": cfg.recompute_granularity, "recompute_method": cfg.recompute_method,
+            "recompute_num_layers": cfg.recompute_num_layers}
+
+
 class TrainerGroup:
     """A ``TrainerActor`` mesh of ``dp * tp`` ranks."""
 
@@ -70,7 +78,8 @@ class TrainerGroup:
                        lr_decay_style=cfg.lr_decay_style, lr_warmup_iters=cfg.lr_warmup_iters, total_iters=total_iters,
                        seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16,
                        optimizer=cfg.optimizer_impl, cpu_threads=cpu_threads,
-                       adam=(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps))
+                       adam=(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps), recompute=recompute_options(cfg),
+                       pack=cfg.use_dynamic_batch_size)
         if loss is not None:
             options["loss"] = loss
         mesh = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, **options)
@@ -87,7 +96,7 @@ class TrainerGroup:
         tp = cfg.tensor_model_parallel_size
         mesh = procs.spawn("reference", TrainerActor, cfg.hf_checkpoint, **parallel_options(cfg), seed=cfg.seed,
                            optimizer="torch", bf16=cfg.bf16, frozen=True,
-                           micro_batch_tokens=cfg.micro_batch_tokens)
+                           micro_batch_tokens=cfg.micro_batch_tokens, pack=cfg.use_dynamic_batch_size)
         return cls(mesh, size // tp, tp)
 
     def initialized(self):

@@ -62,6 +62,55 @@ class MegatronCheck(Actor):
         }
 
 
+class LongContextCheck(Actor):
+    """Fused attention and chunked log-probs against Megatron's own attention and whole logits."""
+
+    @endpoint
+    def parity(self, path: str, rows: int = 3, seq: int = 40, recompute: dict | None = None) -> dict:
+        """Max abs differences (fp32) of log-probs, entropies and every gradient between
+        ``attention="local"`` with whole logits and ``"sdpa"`` with logits in chunks of 5 (and
+        ``recompute``: Megatron's activation recompute settings)."""
+        import torch
+        import torch.distributed as dist
+        from safetensors.torch import load_file
+
+        from engines.model import ModelConfig
+        from engines.trainer import cpu_shim, megatron_model
+        from engines.trainer.megatron_model import build_gpt, causal_mask, hf_to_megatron, token_logprobs
+
+        cpu_shim.install()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://")
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+            model_parallel_cuda_manual_seed(1234)
+        cfg = ModelConfig.from_dir(path)
+        sd = hf_to_megatron(cfg, load_file(os.path.join(path, "model.safetensors")))
+        torch.manual_seed(0)
+        ids = torch.randint(5, 100, (rows, seq + 1))
+        pos = torch.arange(seq)[None].expand(rows, -1)
+        out = []
+        for attention, chunk, again in (("local", 10**9, None), ("sdpa", 5, recompute)):
+            gpt = build_gpt(cfg, attention=attention, recompute=again)
+            gpt.load_state_dict(sd, strict=False)
+            gpt.train()
+            megatron_model.LOGIT_CHUNK_TOKENS, keep = chunk, megatron_model.LOGIT_CHUNK_TOKENS
+            try:
+                logp, ent = token_logprobs(gpt, ids[:, :-1], pos, causal_mask(seq), ids[:, 1:], 0.7,
+                                           entropy="trained")
+            finally:
+                megatron_model.LOGIT_CHUNK_TOKENS = keep
+            (logp.sum() + 0.1 * ent.sum()).backward()
+            grads = {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
+            out.append((logp.detach(), ent.detach(), grads))
+        (la, ea, ga), (lb, eb, gb) = out
+        return {"logp": float((la - lb).abs().max()), "entropy": float((ea - eb).abs().max()),
+                "grad": max(float((ga[n] - gb[n]).abs().max()) for n in ga), "grads": len(ga),
+                "same_grads": sorted(ga) == sorted(gb)}
+
+
 class TPTrainer(Actor):
     """A tiny GRPO trainer shard (TP = world size) for tests."""
 

@@ -121,13 +121,14 @@ def policy(tmp_path_factory):
     return make_model("qwen3", "tiny", str(tmp_path_factory.mktemp("parity") / "policy"), seed=11)
 
 
-async def trainer_grads(path: str, batch: TrainBatch, dp: int, budgets: tuple, aggregations: tuple) -> dict:
+async def trainer_grads(path: str, batch: TrainBatch, dp: int, budgets: tuple, aggregations: tuple,
+                        **options) -> dict:
     """{(budget, aggregation): HF-named gradient} of one step of ``dp`` ranks, each rank on its
     shard of the batch (lr 0: every step starts from the same weights)."""
     procs = this_host().spawn_procs(per_host={"gpus": dp})
     try:
         await setup_torch_distributed(procs)
-        t = procs.spawn("trainer", GradProbe, path, lr=0.0, clip_grad=0.0, optimizer="torch", loss=LOSS)
+        t = procs.spawn("trainer", GradProbe, path, lr=0.0, clip_grad=0.0, optimizer="torch", loss=LOSS, **options)
         await t.initialized(240)
         out = {}
         for budget in budgets:
@@ -174,3 +175,24 @@ def test_the_gradient_equals_the_originals_formulas_on_1_2_and_4_dp_ranks_and_an
     assert max(to_reference.values()) < 4e-6 * scale, (scale, to_reference)
     # the two aggregations really differ on uneven lengths (the test would see a mix-up)
     assert max(float((expected["sample"][n] - expected["token"][n]).abs().max()) for n in expected["sample"]) > 1e-3
+
+
+def test_packed_micro_batches_and_activation_recompute_give_the_originals_gradient(policy):
+    """--use-dynamic-batch-size packs each micro-batch's rows into one without padding (a
+    document mask in the attention, positions restarting per row) and Megatron's full
+    recompute runs each layer again in backward: the gradient is the reference's still, on 1
+    and 2 DP ranks, in one packed micro-batch or several."""
+    batch = make_batch(policy)
+    expected = {agg: reference_grads(policy, batch, agg == "token") for agg in ("sample", "token")}
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+    async def main():
+        return {dp: await trainer_grads(policy, batch, dp, (4096, 24), ("sample", "token"), pack=True,
+                                        recompute=recompute) for dp in (1, 2)}
+
+    got = run(main(), 580)
+    scale = max(float(g.abs().max()) for g in expected["sample"].values())
+    worst = max(max(float((grads[n] - expected[agg][n]).abs().max()) for n in grads)
+                for per_config in got.values() for (_, agg), grads in per_config.items())
+    print(f"packed + recompute: largest difference to the reference {worst:.3g} (largest entry {scale:.4g})")
+    assert worst < 4e-6 * scale, (scale, worst)
