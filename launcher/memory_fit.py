@@ -29,6 +29,11 @@ class ModelSize:
     kv_bytes_per_token: int  # every full-attention layer's K and V of one token (all KV heads)
     kv_heads: int
     measured: bool  # weights from the checkpoint's files (else estimated from config.json)
+    params: int = 0  # estimated from config.json
+    layers: int = 0
+    hidden: int = 0
+    intermediate: int = 0  # a dense MLP's, or the experts' routed per token (top-k x moe size)
+    vocab: int = 0
 
 
 def text_config(path: str) -> dict | None:
@@ -64,10 +69,13 @@ def model_size(path: str) -> ModelSize | None:
     else:
         full = layers
     files = [f for pattern in ("*.safetensors", "*.bin") for f in glob.glob(os.path.join(path, pattern))]
-    weights = sum(os.path.getsize(f) for f in files)
-    if not weights:
-        weights = _estimated_params(d, layers, hidden, heads, kv, head_dim) * _dtype_bytes(d)
-    return ModelSize(int(weights), 2 * full * kv * head_dim * KV_BYTES, kv, bool(files))
+    params = _estimated_params(d, layers, hidden, heads, kv, head_dim)
+    weights = sum(os.path.getsize(f) for f in files) or params * _dtype_bytes(d)
+    experts = int(d.get("num_experts_per_tok") or 0) if (d.get("num_experts") or d.get("n_routed_experts")) else 0
+    inter = experts * int(d.get("moe_intermediate_size") or 0) + int(d.get("shared_expert_intermediate_size") or 0) \
+        if experts else int(d.get("intermediate_size") or 4 * hidden)
+    return ModelSize(int(weights), 2 * full * kv * head_dim * KV_BYTES, kv, bool(files), params, layers, hidden,
+                     inter, int(d.get("vocab_size") or 0))
 
 
 def _estimated_params(d: dict, layers: int, hidden: int, heads: int, kv: int, head_dim: int) -> int:
@@ -174,4 +182,46 @@ def check_memory_fit(cfg, plan) -> list[str]:
                 "judge's engine_config mem_fraction_static), a shorter context, or a smaller model")
         lines.append(f"memory fit of {label}: {arithmetic}; room for {int((budget - weights) // kv_token):,} KV "
                      "tokens per engine")
-    return lines
+    return lines + trainer_fit(cfg, plan, total, source)
+
+
+def trainer_fit(cfg, plan, total: int | None, source: str) -> list[str]:
+    """The trainer's line: per GPU, its weights, gradients and optimizer states plus the
+    activations of one micro-batch (``--micro-batch-tokens`` / ``--max-tokens-per-gpu``, or
+    the longest response when longer) and one chunk of logits, against the whole GPU (the
+    trainer has it while it trains). ValueError with the arithmetic when it cannot fit."""
+    size = model_size(cfg.hf_checkpoint) if cfg.hf_checkpoint else None
+    if size is None or not size.params:
+        return [f"memory fit of the trainer: not checked (cannot read {cfg.hf_checkpoint}/config.json)"]
+    if total is None:
+        return [f"memory fit of the trainer: not checked ({source}; say --gpu-memory-gb N)"]
+    from engines.trainer.megatron_model import LOGIT_CHUNK_TOKENS
+
+    tp = cfg.tensor_model_parallel_size
+    dp = max(1, cfg.actor_total // tp)
+    # bf16: param 2 + fp32 grad buffer 4 + fp32 master and Adam moments 12 over DP (the
+    # distributed optimizer); fp32: param 4 + grad 4 + Adam moments 8
+    per_param = (2 + 4 + 12 / dp) if cfg.bf16 else 16
+    states = size.params / tp * per_param
+    tokens = max(cfg.micro_batch_tokens, cfg.rollout_max_response_len)
+    act = 2 if cfg.bf16 else 4
+    # kept for backward per token and layer (fused attention: nothing S x S): ~10 hidden-sized
+    # tensors (norms, q/k/v, attention out, residuals) and ~4 MLP-sized (gate, up, act, product)
+    per_layer = act * (10 * size.hidden + 4 * size.intermediate) / tp
+    if cfg.recompute_granularity == "full":  # each layer's input kept, one layer's activations again
+        activations = tokens * (size.layers * act * size.hidden + per_layer)
+        how = "full recompute: layer inputs + one layer"
+    else:
+        activations = tokens * size.layers * per_layer
+        how = f"{size.layers} layers x {per_layer / 1024:.1f} KiB per token"
+    logits = 3 * LOGIT_CHUNK_TOKENS * size.vocab / tp * 4
+    need = states + activations + logits
+    arithmetic = (f"{size.params / 1e9:.2f}B params / TP {tp} x {per_param:.1f} B (weights, grads, optimizer) = "
+                  f"{states / GIB:.2f} GiB + activations of {tokens:,} tokens ({how}) = {activations / GIB:.2f} GiB "
+                  f"+ a logit chunk {logits / GIB:.2f} GiB = {need / GIB:.2f} GiB against {total / GIB:.1f} GiB "
+                  f"({source})")
+    if need > total:
+        raise ValueError(f"the trainer cannot fit: {arithmetic}. Lower --max-tokens-per-gpu / --micro-batch-tokens, "
+                         "turn on --recompute-granularity full (--recompute-method uniform --recompute-num-layers 1), "
+                         "or raise --tensor-model-parallel-size")
+    return [f"memory fit of the trainer (estimate): {arithmetic}"]

@@ -99,3 +99,27 @@ def test_the_estimate_from_config_json_is_within_a_tenth_of_real_checkpoints(tmp
     estimated = model_size(path)
     assert not estimated.measured
     assert 0.9 < estimated.weight_bytes / measured.weight_bytes < 1.1, (estimated, measured)
+
+
+#: Qwen3-4B's shape
+QWEN3_4B = {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 2560, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936,
+            "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+
+
+def test_the_trainers_fit_grows_with_the_micro_batchs_tokens_and_recompute_brings_it_back(tmp_path):
+    policy = model_dir(tmp_path / "policy", QWEN3_4B)
+    judge = model_dir(tmp_path / "judge", {**QWEN3_4B, "num_hidden_layers": 4})
+    ok = plan(policy, judge, "--bf16")
+    (line,) = [m for m in ok.memory if m.startswith("memory fit of the trainer")]
+    assert "4.02B params / TP 1 x 7.5 B (weights, grads, optimizer)" in line and "activations of 8,192 tokens" in line
+    long = ("--bf16", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "131072")
+    with pytest.raises(PlanError, match=r"the trainer cannot fit: .* activations of 131,072 tokens \(36 layers x "
+                                        r"126\.0 KiB per token\) = 567\.00 GiB.*--recompute-granularity full"):
+        plan(policy, judge, *long)
+    again = plan(policy, judge, *long, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1")
+    assert any("full recompute: layer inputs + one layer" in m for m in again.memory)
+    big = model_dir(tmp_path / "big", DENSE_70B)  # its rollout engines over 8 GPUs fit; its trainer does not
+    with pytest.raises(PlanError, match=r"the trainer cannot fit: 70\.\d+B params / TP 1"):
+        plan(big, judge, "--bf16", "--rollout-num-gpus-per-engine", "4")
