@@ -49,6 +49,7 @@ from engines.interface import SamplingParams
 from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRef, SupervisionError
 
 from .errors import JudgeAsleep, JudgeEngineError, JudgeUnavailable
+from .http_client import gather_all
 from .judge import JudgeService
 from .protocol import check_request, health_body, metrics_body
 
@@ -274,7 +275,8 @@ class GenRMClient:
     async def generate_many(
         self, list_of_messages: list, sampling_params: dict | None = None, route_key: str | None = None
     ) -> list[str]:
-        return list(await asyncio.gather(*(self.generate(m, sampling_params, route_key) for m in list_of_messages)))
+        return await gather_all([self.generate(m, sampling_params, route_key) for m in list_of_messages])
+
 
 
 _clients: dict = {}

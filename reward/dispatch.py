@@ -194,6 +194,10 @@ class EnginePool:
         - The engine refused a request (ValueError, TypeError: its sampling, its length):
           that request's error (the gateway's 400), never retried.
         - Any other error of a request (a failed step): retried, then JudgeEngineError (502).
+        - The engine raised for the whole call: each request gets that error (retried).
+        - The call could not be sent (a value the wire cannot carry, past the edge checks):
+          each request goes again in a call of its own, so the one at fault gets its own error
+          (400) and the others their answers.
         """
         slot = self.slots[i]
         try:
@@ -211,16 +215,21 @@ class EnginePool:
             for job in batch:
                 self._retry(i, job, e)
             return
-        except ActorError as e:  # the engine raised for the whole call: each request's error
-            results = [e.exception] * len(batch)
         except asyncio.CancelledError:
             for job in batch:
                 job.future.cancel()
             raise
-        except Exception as e:  # noqa: BLE001 - not the engine's answer: every request of the call gets it
-            for job in batch:
-                _settle(job, JudgeEngineError(f"GenRM instance {self.name!r}: {type(e).__name__}: {e}"))
-            return
+        except ActorError as e:  # the engine raised for the whole call: each request's error (retried)
+            results = [e.exception] * len(batch)
+        except Exception as e:  # noqa: BLE001 - the call could not be sent: some request's value, not the engine
+            if len(batch) > 1:  # a request's fault is its own: each goes again alone
+                self.metrics.inc(self.name, "calls_split")
+                slot.in_flight += len(batch)  # given back by the single calls (the finally below takes them)
+                loop = asyncio.get_running_loop()
+                for job in batch:
+                    loop.create_task(self._call(i, [job]))
+                return
+            results = [ValueError(f"the request cannot be sent to the engine: {type(e).__name__}: {e}")]
         finally:
             slot.in_flight -= len(batch)
             if slot.waiting and not slot.flushing:

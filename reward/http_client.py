@@ -79,7 +79,7 @@ class HTTPGenRMClient:
 
     async def generate_many(self, list_of_messages: list, sampling_params: dict | None = None,
                             route_key: str | None = None) -> list[str]:
-        return list(await asyncio.gather(*(self.generate(m, sampling_params, route_key) for m in list_of_messages)))
+        return await gather_all([self.generate(m, sampling_params, route_key) for m in list_of_messages])
 
     def _session_here(self):
         import aiohttp
@@ -133,3 +133,14 @@ def _error_of(text: str) -> str:
     except ValueError:
         return text[:500]
     return str(body.get("error") or body.get("detail") or body) if isinstance(body, dict) else str(body)[:500]
+
+
+async def gather_all(calls: list) -> list:
+    """Every call's result, each call run to its end whatever the others do; then the first
+    error, if any, is raised: a bad conversation in a ``generate_many`` does not stop the
+    others from being judged (and cached)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return list(results)

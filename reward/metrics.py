@@ -59,6 +59,7 @@ _COUNTERS = (
     ("refused", "requests an engine refused"),
     ("cancelled", "requests whose callers gave up"),
     ("retries", "requests tried again after a failure not their own"),
+    ("calls_split", "engine calls that failed as a whole and went again one request each"),
     ("engines_down", "engines that left dispatch"),
     ("engines_replaced", "new engines that took a dead one's place"),
     ("verdicts", "verdicts reported by reward code"),

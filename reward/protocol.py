@@ -49,6 +49,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+def check_unicode(value, name: str) -> None:
+    """Every string in ``value`` (keys included, nested in lists and objects) is valid Unicode:
+    a lone surrogate (``"\\ud800"`` in JSON) cannot be encoded as UTF-8, so it cannot travel
+    to an engine and would fail every request batched with it. ValueError naming where."""
+    stack = [(name, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"{where} holds a lone surrogate (U+{ord(v[e.start]):04X} at character "
+                                     f"{e.start}): text must be valid Unicode") from None
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                stack.append((f"{where} key", k))
+                stack.append((f"{where}.{k}" if isinstance(k, str) and k.isascii() else f"{where}[...]", item))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(v))
+
+
 def check_request(messages, sampling_params, route_key) -> tuple[list, dict | None, str | None]:
     """``messages`` a non-empty list of at most ``MAX_MESSAGES`` ``{role, content}`` objects:
     ``role`` a string of 1 to ``MAX_ROLE_CHARS`` characters (the chat template decides which
@@ -64,6 +86,7 @@ def check_request(messages, sampling_params, route_key) -> tuple[list, dict | No
         raise BadMessages("'messages' must be a non-empty list of {role, content} objects")
     if len(messages) > MAX_MESSAGES:
         raise BadMessages(f"at most {MAX_MESSAGES} messages")
+    check_unicode(messages, "messages")
     joined = None
     for i, message in enumerate(messages):
         if type(message) is not dict or message.keys() - {"role", "content"} or type(message.get("role")) is not str:
@@ -120,6 +143,8 @@ def check_sampling_and_route(sampling_params, route_key) -> None:
     null. Raises ValueError."""
     if sampling_params is not None and not isinstance(sampling_params, dict):
         raise ValueError("'sampling_params' must be an object")
+    check_unicode(sampling_params, "sampling_params")
+    check_unicode(route_key, "route_key")
     if sampling_params:
         check_template_kwargs(sampling_params.get("chat_template_kwargs"))
     if route_key is not None and (not isinstance(route_key, str) or len(route_key) > MAX_ROUTE_KEY_CHARS):
@@ -139,6 +164,7 @@ def check_native(text, input_ids, sampling_params, route_key) -> tuple[str | lis
     if text is not None:
         if type(text) is not str or not 1 <= len(text) <= MAX_PROMPT_CHARS:
             raise ValueError(f"'text' must be a string of 1 to {MAX_PROMPT_CHARS} characters, got {short_repr(text)}")
+        check_unicode(text, "text")
         prompt: str | list = text
     else:
         if type(input_ids) is not list or not 1 <= len(input_ids) <= MAX_INPUT_IDS:

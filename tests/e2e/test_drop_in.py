@@ -39,7 +39,8 @@ def test_reward_code_reading_the_rows_metadata_trains(data, tmp_path):
     run_dir = str(tmp_path / "run")
     relay_train({**data, "train": str(path)}, run_dir, "--custom-rm-path", "agentic.reward",
                 "--genrm-skip-self-check", "true", "--rollout-shuffle", "--rollout-seed", "42",
-                "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", cwd=str(tmp_path))
+                "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--recompute-granularity", "selective",
+                cwd=str(tmp_path))
     (rec,) = records(run_dir)
     assert rec["samples"] == 32 and 0 < rec["reward/mean"] < 1 and rec["train/grad_norm"] > 0
 

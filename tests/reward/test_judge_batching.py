@@ -576,3 +576,74 @@ def test_a_sync_hook_reaches_the_judge_from_its_worker_threads_own_event_loop(ju
         return on_loop, in_thread
 
     assert run(main(), 120) == ("1", ["0", "1", "2", "3", "4"])
+
+
+def test_a_lone_surrogate_fails_only_its_own_request_at_every_edge(judge_model):
+    """A lone surrogate (not UTF-8: it cannot travel to an engine) in a message's content or
+    role, a stop string, a native text or the OpenAI route's content is refused alone with
+    400 naming the field (HTTP) or ValueError (the ZeroMQ client; ``generate_many`` serves
+    the valid conversations beside it); past the checks (a request admitted unchecked),
+    dispatch sends the engine call that could not go again one request each: the innocent
+    ones are answered."""
+    import aiohttp
+
+    from reward.gateway import Gateway
+
+    bad = "\ud800"
+    http_cases = [
+        ("/genrm/generate", {"messages": [{"role": "user", "content": "a" + bad}]}, "messages[0].content"),
+        ("/genrm/generate", {"messages": [{"role": "us" + bad, "content": "a"}]}, "messages[0].role"),
+        ("/genrm/generate", {"messages": MSG, "sampling_params": {"stop": [bad]}}, "sampling_params.stop[0]"),
+        ("/genrm/generate", {"text": "x" + bad}, "text holds a lone surrogate"),
+        ("/genrm/v1/chat/completions", {"model": "__default__", "messages": [{"role": "user", "content": bad}]},
+         "messages[0].content"),
+        ("/genrm/v1/chat/completions", {"model": "__default__", "messages": MSG, "stop": bad}, "stop"),
+    ]
+
+    async def main():
+        judge, (engine,) = await start([False], model=judge_model)
+        svc = JudgeService(
+            {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}},
+            cache="off",
+        )
+        await svc.setup()
+        gateway = Gateway(svc)
+        port = await gateway.server.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def post(path, body):
+                    async with s.post(f"http://127.0.0.1:{port}{path}", data=json.dumps(body),
+                                      headers={"Content-Type": "application/json"}) as r:
+                        return r.status, await r.json()
+
+                http = await asyncio.gather(*(post("/genrm/generate", {"messages": MSG, "sampling_params": {"seed": i}})
+                                              for i in range(8)), *(post(p, b) for p, b, _ in http_cases))
+            # admitted unchecked (as if a check missed it): batched with 8 innocent requests
+            futures = [svc.submit(MSG, {"seed": i}, checked=True) for i in range(8)]
+            futures.append(svc.submit([{"role": "user", "content": bad}], None, checked=True))
+            unchecked = await asyncio.gather(*futures, return_exceptions=True)
+            split = (await svc.metrics_snapshot())
+        finally:
+            await gateway.server.close()
+        client = GenRMClient(inbox_address())
+        before = list(await engine.call_sizes.call_one().result(10))
+        convs = [[{"role": "user", "content": f"q{i}"}] for i in range(8)]
+        many = None
+        try:
+            await client.generate_many(convs + [[{"role": "user", "content": bad}]], {"seed": 1})
+        except ValueError as e:
+            many = e
+        served = sum((await engine.call_sizes.call_one().result(10))[len(before):])
+        return http, unchecked, split, many, served
+
+    http, unchecked, split, many, served = run(main(), 120)
+    assert http[:8] == [(200, {"response": str(i)}) for i in range(8)]
+    for (path, _, field), (status, body) in zip(http_cases, http[8:]):
+        message = body["error"] if isinstance(body["error"], str) else body["error"]["message"]
+        assert status == 400 and field in message and "lone surrogate" in message, (path, status, body)
+    assert unchecked[:8] == [str(i) for i in range(8)]
+    assert isinstance(unchecked[8], ValueError) and "cannot be sent to the engine" in str(unchecked[8])
+    assert "calls_split" in json.dumps(split, default=str)
+    assert isinstance(many, ValueError) and "lone surrogate" in str(many)
+    assert served >= 8  # the valid conversations reached the engine
