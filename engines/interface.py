@@ -77,10 +77,24 @@ def short_repr(value, limit: int = 40) -> str:
     return (text[:limit] + f"... ({len(text)} characters)") if len(text) > limit else text
 
 
+#: float32's largest finite value, and its smallest normal one: a sampling value past them
+#: becomes inf or 0 (or NaN after a division) on the device and fails the whole engine step
+FLOAT32_MAX, FLOAT32_TINY = 3.0e38, 1.2e-38
+#: the smallest repetition penalty: logits are divided by it, and must stay finite in float32
+MIN_REPETITION_PENALTY = 1e-6
+
+
 def _number(name: str, value, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be {allowed}, got {short_repr(value)} ({type(value).__name__})")
-    return float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an integer past float64's range
+        raise ValueError(f"{name} must be {allowed}; got an integer of {value.bit_length()} bits") from None
+    if not math.isfinite(v) or abs(v) > FLOAT32_MAX or 0 < abs(v) < FLOAT32_TINY:
+        raise ValueError(f"{name} must be {allowed} that float32 holds (0 or between {FLOAT32_TINY:g} and "
+                         f"{FLOAT32_MAX:g} in size), got {short_repr(value)}")
+    return v
 
 
 def _integer(name: str, value, allowed: str) -> int:
@@ -135,6 +149,8 @@ class SamplingParams:
         integers fit the sampler's int64, lists and strings are bounded). Raises ValueError
         naming the field and what is allowed (echoing at most a short prefix of the value).
         A temperature below ``GREEDY_BELOW`` means greedy (as in SGLang): it becomes 0."""
+        if isinstance(self.temperature, float) and 0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # greedy, however small (below float32's range too)
         t = _number("temperature", self.temperature, "a finite number >= 0 (0: greedy)")
         if t < 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {short_repr(t)}")
@@ -186,9 +202,10 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {short_repr(self.min_p)}")
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, "a number in (0, 2]")
-        if not 0 < self.repetition_penalty <= 2:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
             raise ValueError(
-                f"repetition_penalty must be in (0, 2] (1: off), got {short_repr(self.repetition_penalty)}"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2] (1: off; logits are divided by it), "
+                f"got {short_repr(self.repetition_penalty)}"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             v = _number(name, getattr(self, name), "a number in [-2, 2]")

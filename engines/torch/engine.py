@@ -43,6 +43,7 @@ from .sequence import Sequence
 from .stepper import Stepper
 
 log = logging.getLogger("relay.engine")
+STEP_FAILURE_LOG_EVERY = 60.0  # seconds between two log lines about failed engine steps
 
 
 class TorchEngine(Engine):
@@ -125,6 +126,7 @@ class TorchEngine(Engine):
         self._paused = False
         self._failed: BaseException | None = None
         self._step_failures = 0  # steps that raised and were recovered from
+        self._step_failure_logged = -STEP_FAILURE_LOG_EVERY  # when the last one was logged
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-step")
         if self.device.type == "cpu":
             # Intra-op threads of the step thread only (OpenMP's setting is per calling
@@ -237,8 +239,11 @@ class TorchEngine(Engine):
         (:meth:`ModelRunner.self_test`). Returns None when it does (the waiting requests run
         next), else the error that shows it cannot go on."""
         failed = self.scheduler.reset_after_failure()
-        log.error("%s: engine step failed (%d so far); failing its %d request(s) and recovering: %r",
-                  self.name, self._step_failures, len(failed), exc)
+        now = time.monotonic()
+        if now - self._step_failure_logged >= STEP_FAILURE_LOG_EVERY:  # a flood of failed steps logs a line a minute
+            self._step_failure_logged = now
+            log.error("%s: engine step failed (%d so far; a line per %g s at most); failing its %d request(s) and "
+                      "recovering: %r", self.name, self._step_failures, STEP_FAILURE_LOG_EVERY, len(failed), exc)
         self.runner.drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -61,7 +61,7 @@ def test_relay_judge_serves_a_qwen35_hybrid_judge_as_transformers_answers(tmp_pa
 
 @pytest.mark.parametrize("engine_config,says", [
     ('{"ep_size": 0}', "ep_size must be a positive integer, got 0"),
-    ('{"dp_size": 3}', "dp_size 3 does not divide the engine's 2 GPUs"),
+    ('{"dp_size": 3}', "dp_size 3 is SGLang's data-parallel attention inside one tensor-parallel engine"),
 ])
 def test_relay_judge_refuses_a_bad_engine_config_before_starting_anything(tmp_path, engine_config, says):
     """relay judge checks each judge's engine_config as relay train does: exit 2 naming the
