@@ -24,6 +24,11 @@ DENSE_70B = {"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192
              "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "torch_dtype": "bfloat16"}
 
 
+#: a small policy (its trainer fits an 80 GB GPU easily): the engine tests' other model
+SMALL = {**DENSE_70B, "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 16,
+         "intermediate_size": 2048, "vocab_size": 32000}
+
+
 def model_dir(path, config: dict, weight_bytes: int = 0) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -40,7 +45,7 @@ def plan(policy: str, judge: str, *extra: str):
 
 
 def test_a_judge_that_cannot_fit_its_gpus_is_refused_with_the_arithmetic(tmp_path):
-    policy = model_dir(tmp_path / "policy", {**DENSE_70B, "num_hidden_layers": 4, "intermediate_size": 4096})
+    policy = model_dir(tmp_path / "policy", SMALL)
     judge = model_dir(tmp_path / "judge", DENSE_70B)
     with pytest.raises(PlanError) as e:
         plan(policy, judge, "--genrm-num-gpus-per-engine", "1")
@@ -69,7 +74,7 @@ def test_the_checkpoints_own_bytes_count_and_a_long_context_alone_can_refuse(tmp
 
 
 def test_an_unreadable_model_or_unknown_gpu_memory_is_said_to_be_not_checked(tmp_path):
-    policy = model_dir(tmp_path / "policy", {**DENSE_70B, "num_hidden_layers": 2})
+    policy = model_dir(tmp_path / "policy", SMALL)
     lines = plan(policy, str(tmp_path / "nowhere")).memory
     assert f"memory fit of genrm[__default__]: not checked (cannot read {tmp_path}/nowhere/config.json)" in lines
     p = subprocess.run([RELAY, "plan", "--config", "qwen3-4b-8gpu-colocate-split", "--hf-checkpoint", policy],
@@ -110,12 +115,12 @@ QWEN3_4B = {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 2560,
 def test_the_trainers_fit_grows_with_the_micro_batchs_tokens_and_recompute_brings_it_back(tmp_path):
     policy = model_dir(tmp_path / "policy", QWEN3_4B)
     judge = model_dir(tmp_path / "judge", {**QWEN3_4B, "num_hidden_layers": 4})
-    ok = plan(policy, judge, "--bf16")
+    ok = plan(policy, judge, "--bf16", "--micro-batch-tokens", "4096", "--rollout-max-response-len", "4096")
     (line,) = [m for m in ok.memory if m.startswith("memory fit of the trainer")]
-    assert "4.02B params / TP 1 x 7.5 B (weights, grads, optimizer)" in line and "activations of 8,192 tokens" in line
-    long = ("--bf16", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "131072")
-    with pytest.raises(PlanError, match=r"the trainer cannot fit: .* activations of 131,072 tokens \(36 layers x "
-                                        r"126\.0 KiB per token\) = 567\.00 GiB.*--recompute-granularity full"):
+    assert "4.02B params / TP 1 x 7.5 B (weights, grads, optimizer)" in line and "activations of 4,096 tokens" in line
+    long = ("--bf16", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "65536")
+    with pytest.raises(PlanError, match=r"the trainer cannot fit: .* activations of 65,536 tokens \(36 layers x "
+                                        r"271\.0 KiB per token\) = 609\.75 GiB.*--recompute-granularity full"):
         plan(policy, judge, *long)
     again = plan(policy, judge, *long, "--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1")
