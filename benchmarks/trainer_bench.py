@@ -213,7 +213,8 @@ def anchor(args, path: str, lengths: list[int], queue) -> None:
     from engines.trainer.actor import peak_rss
 
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss()
-    queue.put({"anchor_step_s": statistics.median(times), "anchor_tokens_per_s": sum(lengths) / statistics.median(times),
+    step_s = statistics.median(times)
+    queue.put({"anchor_step_s": step_s, "anchor_tokens_per_s": sum(lengths) / step_s,
                "anchor_peak_gb": peak / GB,
                "anchor_precision": ("bf16 params and AdamW states (no fp32 master)" if args.bf16 else "fp32")})
 

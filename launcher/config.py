@@ -288,7 +288,8 @@ class JobConfig:
     rollout_seed: int | None = _opt(None, help="seed of the prompt order and of rollout sampling (default: --seed)")
     recompute_granularity: str | None = _opt(None, help="activation recompute: full (whole layers) or selective "
                                              "(core attention)", choices=(None, "full", "selective"))
-    recompute_method: str | None = _opt(None, help="with full recompute: uniform or block", choices=(None, "uniform", "block"))
+    recompute_method: str | None = _opt(None, help="with full recompute: uniform or block",
+                                       choices=(None, "uniform", "block"))
     recompute_num_layers: int | None = _opt(None, help="with full recompute: layers per group (uniform) or "
                                             "recomputed layers (block)", minimum=1)
     use_dynamic_batch_size: bool = _opt(False, help="micro-batches of up to --max-tokens-per-gpu tokens, packed "

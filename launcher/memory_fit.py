@@ -94,14 +94,16 @@ def _estimated_params(d: dict, layers: int, hidden: int, heads: int, kv: int, he
     if experts:
         inter = int(d.get("moe_intermediate_size") or d.get("intermediate_size"))
         shared = int(d.get("shared_expert_intermediate_size") or 0)
-        mlp = 3 * hidden * inter * int(experts) + (3 * hidden * shared + hidden if shared else 0) + hidden * int(experts)
+        mlp = 3 * hidden * inter * int(experts) + hidden * int(experts)
+        mlp += 3 * hidden * shared + hidden if shared else 0
     else:
         mlp = 3 * hidden * int(d.get("intermediate_size") or 4 * hidden)
     vocab = int(d.get("vocab_size") or 0)
     # multi-token-prediction layers (full attention, an MLP, a fusing projection): Qwen3.5 ships one
     qwen35 = str(d.get("model_type", "")).startswith("qwen3_5")
     mtp = int(d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers") or (1 if qwen35 else 0))
-    total = (layers - n_linear) * attention + n_linear * linear + layers * mlp + mtp * (attention + mlp + 2 * hidden * hidden)
+    total = (layers - n_linear) * attention + n_linear * linear + layers * mlp
+    total += mtp * (attention + mlp + 2 * hidden * hidden)
     total += vocab * hidden * (1 if d.get("tie_word_embeddings") else 2)
     vision = d.get("vision_config")
     if isinstance(vision, dict) and vision.get("hidden_size"):
@@ -141,7 +143,8 @@ def engine_models(cfg, plan) -> list[tuple[str, str, int, float, int, str]]:
     for claim in plan.claims:
         if claim.role == "rollout":
             out.append((claim.label(), cfg.hf_checkpoint, claim.gpus_per_engine, claim.mem_fraction,
-                        cfg.rollout_max_response_len, "one --rollout-max-response-len response (its prompt not counted)"))
+                        cfg.rollout_max_response_len,
+                        "one --rollout-max-response-len response (its prompt not counted)"))
         elif claim.role == "genrm":
             inst = cfg.genrm[claim.instance]
             context = int(inst.engine_config.get("max_context_len") or inst.engine_config.get("context_length") or 8192)

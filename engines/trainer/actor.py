@@ -123,8 +123,9 @@ class TrainerActor(Actor):
             self._init_parallel(dist)
         self.cfg = ModelConfig.from_dir(self.model_path)
         if self.pack and (self.cfg.hybrid or self.ep > 1):  # packing is not built for these: padded rows
-            print(f"relay trainer: packed micro-batches are not built for {'a hybrid model' if self.cfg.hybrid else 'EP > 1'}"
-                  "; training with padded ones", file=sys.stderr, flush=True)
+            what = "a hybrid model" if self.cfg.hybrid else "EP > 1"
+            print(f"relay trainer: packed micro-batches are not built for {what}; training with padded ones",
+                  file=sys.stderr, flush=True)
             self.pack = False
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.model = build_gpt(self.cfg, self.tp, dtype, self.ep, self.aux_loss_coeff,

@@ -50,7 +50,8 @@ def micro_batches(seqs: list, budget: int, packed: bool = False) -> list[list[in
     return out
 
 
-def aligned_micro_batches(seqs: list, budget: int, ep_group=None, packed: bool = False) -> list[tuple[list, int | None]]:
+def aligned_micro_batches(seqs: list, budget: int, ep_group=None,
+                          packed: bool = False) -> list[tuple[list, int | None]]:
     """``(indices, width)`` per micro-batch. Without an EP group of more than one rank: the
     plain :func:`micro_batches`, width None (the longest sequence). Otherwise the schedule
     every rank of ``ep_group`` shares (module docstring): indices may hold ``None`` (dummy

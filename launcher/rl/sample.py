@@ -6,8 +6,9 @@ receives :class:`Sample` objects with the original system's attributes (``prompt
 ``status``, ``tokens``, ``response_length``, ``rollout_log_probs``, ``loss_mask``,
 ``Sample.Status``, ``get_reward_value(args)``); a ``--custom-generate-function-path``
 function sets ``tokens``, ``response_length``, ``response``, ``loss_mask``,
-``rollout_log_probs`` and ``status`` as slime's contract does (:meth:`Sample.settle` checks them). They read as attributes (``sample.response``) and, as
-the samples of earlier versions were plain dicts, also by key: ``sample["response"]``,
+``rollout_log_probs`` and ``status`` as slime's contract does (:meth:`Sample.settle` checks
+them). They read as attributes (``sample.response``) and, as the samples of earlier versions
+were plain dicts, also by key: ``sample["response"]``,
 ``sample.get("metadata") or {}``, ``"reward_info" in sample``, ``dict(sample)``, and
 ``sample["reward_info"] = ...`` from a post-process hook. A key that is not a field is
 kept in :attr:`Sample.extra`.

@@ -177,7 +177,8 @@ def training_batch(samples: list[Sample], cfg, group_size: int) -> TrainBatch:
     if missing and cfg.use_tis:
         raise ValueError(f"--use-tis needs the rollout's log-probs, and {describe(missing[0])} has none: set "
                          "sample.rollout_log_probs in the --custom-generate-function-path function (from "
-                         "meta_info.output_token_logprobs of a request with \"return_logprob\": true), or drop --use-tis")
+                         "meta_info.output_token_logprobs of a request with \"return_logprob\": true), "
+                         "or drop --use-tis")
     return TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
                       response_masks=[[0] * (len(s.prompt_ids) - 1) + (s.loss_mask or [1] * len(s.response_ids))
                                       for s in samples],

@@ -100,7 +100,8 @@ def kill_after_first_checkpoint(data, split_run, tmp_path, choose_victim) -> tup
     out, err = outputs(tmp_path)
     assert p.returncode == 0, out[-3000:] + err[-3000:]
     checkpoints = os.path.join(run_dir, "checkpoints")
-    assert out.count("shut down cleanly") == 1 and f"resumed from {checkpoints}/step_000001 (after step 1): continuing with step 2" in out
+    resumed = f"resumed from {checkpoints}/step_000001 (after step 1): continuing with step 2"
+    assert out.count("shut down cleanly") == 1 and resumed in out
     assert_same_metrics(final_records(run_dir), records(split_run))
     return run_dir, out, err, victim
 
@@ -201,5 +202,6 @@ def test_a_killed_node_agent_under_torchrun_restarts_both_nodes_from_the_last_ch
     out = "".join(o for o, _ in logs.values())  # the second run's controller may be on either node
     checkpoints = os.path.join(run_dir, "checkpoints")
     assert out.count("relay: restart 1 of 3: resuming from the newest complete checkpoint") == 1, out[-3000:]
-    assert f"resumed from {checkpoints}/step_000001 (after step 1): continuing with step 2" in out and out.count("shut down cleanly") == 1
+    resumed = f"resumed from {checkpoints}/step_000001 (after step 1): continuing with step 2"
+    assert resumed in out and out.count("shut down cleanly") == 1
     assert_same_metrics(final_records(run_dir), records(split_run))

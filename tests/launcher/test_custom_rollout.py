@@ -108,7 +108,8 @@ def test_the_rollout_engines_answer_sglangs_generate(policy):
                     async with session.post(url + "/generate", json=body, **kw) as r:
                         return r.status, await r.json()
 
-                sp = {"temperature": 0.7, "max_new_tokens": 5, "sampling_seed": 11, "spaces_between_special_tokens": False}
+                sp = {"temperature": 0.7, "max_new_tokens": 5, "sampling_seed": 11,
+                      "spaces_between_special_tokens": False}
                 status, out = await post({"input_ids": [3, 4, 5], "sampling_params": sp, "return_logprob": True,
                                           "rid": "ignored"})
                 assert status == 200, out
@@ -131,7 +132,8 @@ def test_the_rollout_engines_answer_sglangs_generate(policy):
                                   ([1, 2], "must be a JSON object")]:
                     status, err = await post(body)
                     assert status == 400 and why in err["error"]["message"], (body, err)
-                async with session.post(url + "/generate", data=b"{", headers={"Content-Type": "application/json"}) as r:
+                json_type = {"Content-Type": "application/json"}
+                async with session.post(url + "/generate", data=b"{", headers=json_type) as r:
                     assert r.status == 400
                 async with session.post(url + "/generate", data=b"{}") as r:
                     assert r.status == 400 and "Content-Type: application/json" in (await r.json())["error"]["message"]
@@ -194,7 +196,10 @@ def test_the_function_is_given_the_prompt_as_the_policy_sees_it(policy):
         pool = RolloutPool(cfg, [], tok)
         s = CustomRollout(cfg, pool).first_sample(pool, row, "eval", 2, 5)
         assert s.tokens == pool.prompt_ids(row) and s.response_length == 0 and s.response == ""
-        assert tok(s.prompt, add_special_tokens=False)["input_ids"] == s.tokens if template else s.prompt == "What is 2+2?"
+        if template:  # the chat template's text, whose tokens are the policy's
+            assert tok(s.prompt, add_special_tokens=False)["input_ids"] == s.tokens
+        else:
+            assert s.prompt == "What is 2+2?"
         assert s.metadata == {"question": "2+2", "label": "4", "steps": [1]} and s.status is Status.PENDING
         assert (s.index, s.dataset, s.group_index, s.weight_version) == (4, "eval", 2, 5)
     json.dumps(s.metadata)

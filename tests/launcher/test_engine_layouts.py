@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from launcher.allocator import make_plan
 from launcher.config import ConfigError, load_config
 from launcher.job_checks import check_job
 

@@ -72,6 +72,21 @@ async def start(engines: list, **kw):
     return judge, meshes
 
 
+async def served(judge_model):
+    """(engine, service, HTTP gateway, its port): one echo engine behind a judge service of
+    this process and its gateway on a free port (close ``gateway.server``)."""
+    from reward.gateway import Gateway
+
+    _, (engine,) = await start([False], model=judge_model)
+    svc = JudgeService(
+        {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}},
+        cache="off",
+    )
+    await svc.setup()
+    gateway = Gateway(svc)
+    return engine, svc, gateway, await gateway.server.start("127.0.0.1", 0)
+
+
 def test_generate_batch_keeps_order_and_each_requests_own_error(judge_model):
     async def main():
         judge, (engine,) = await start([False], model=judge_model)
@@ -127,17 +142,8 @@ def test_a_poisoned_request_never_fails_the_others_it_is_batched_with(judge_mode
     refused alone, naming the field: 400 / ValueError; the others get their answers."""
     import aiohttp
 
-    from reward.gateway import Gateway
-
     async def main():
-        judge, (engine,) = await start([False], model=judge_model)
-        svc = JudgeService(
-            {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}},
-            cache="off",
-        )
-        await svc.setup()
-        gateway = Gateway(svc)
-        port = await gateway.server.start("127.0.0.1", 0)
+        engine, svc, gateway, port = await served(judge_model)
         try:
             async with aiohttp.ClientSession() as s:
 
@@ -591,8 +597,6 @@ def test_a_lone_surrogate_fails_only_its_own_request_at_every_edge(judge_model):
     ones are answered."""
     import aiohttp
 
-    from reward.gateway import Gateway
-
     bad = "\ud800"
     http_cases = [
         ("/genrm/generate", {"messages": [{"role": "user", "content": "a" + bad}]}, "messages[0].content"),
@@ -605,14 +609,7 @@ def test_a_lone_surrogate_fails_only_its_own_request_at_every_edge(judge_model):
     ]
 
     async def main():
-        judge, (engine,) = await start([False], model=judge_model)
-        svc = JudgeService(
-            {"__default__": {"model_path": judge_model, "sampling_config": {"temperature": 0.0}, "engines": [engine]}},
-            cache="off",
-        )
-        await svc.setup()
-        gateway = Gateway(svc)
-        port = await gateway.server.start("127.0.0.1", 0)
+        engine, svc, gateway, port = await served(judge_model)
         try:
             async with aiohttp.ClientSession() as s:
 
@@ -638,10 +635,10 @@ def test_a_lone_surrogate_fails_only_its_own_request_at_every_edge(judge_model):
             await client.generate_many(convs + [[{"role": "user", "content": bad}]], {"seed": 1})
         except ValueError as e:
             many = e
-        served = sum((await engine.call_sizes.call_one().result(10))[len(before):])
-        return http, unchecked, split, many, served
+        reached = sum((await engine.call_sizes.call_one().result(10))[len(before):])
+        return http, unchecked, split, many, reached
 
-    http, unchecked, split, many, served = run(main(), 120)
+    http, unchecked, split, many, reached = run(main(), 120)
     assert http[:8] == [(200, {"response": str(i)}) for i in range(8)]
     for (path, _, field), (status, body) in zip(http_cases, http[8:]):
         message = body["error"] if isinstance(body["error"], str) else body["error"]["message"]
@@ -650,4 +647,4 @@ def test_a_lone_surrogate_fails_only_its_own_request_at_every_edge(judge_model):
     assert isinstance(unchecked[8], ValueError) and "cannot be sent to the engine" in str(unchecked[8])
     assert "calls_split" in json.dumps(split, default=str)
     assert isinstance(many, ValueError) and "lone surrogate" in str(many)
-    assert served >= 8  # the valid conversations reached the engine
+    assert reached >= 8  # the valid conversations reached the engine
