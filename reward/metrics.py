@@ -105,7 +105,8 @@ def prometheus_text(snap: dict, gateway_errors: dict, relay_stats: dict | None =
     )
     for k, n in sorted((http or {}).items()):
         kind = "gauge" if k in _HTTP_GAUGES else "counter"
-        name = f"genrm_http_{k}" if kind == "gauge" else f"genrm_http_{k}_total"
+        # a counter's name ends in _total once (connections_total is not ..._total_total)
+        name = f"genrm_http_{k}" if kind == "gauge" else f"genrm_http_{k.removesuffix('_total')}_total"
         family(name, kind, f"judge gateway HTTP server: {k.replace('_', ' ')}", [f"{name} {n}"])
     for k, n in (relay_stats or {}).items():
         family(

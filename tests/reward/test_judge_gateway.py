@@ -679,3 +679,13 @@ def test_unknown_top_level_fields_are_ignored_as_the_original_ignores_them_but_n
         validate_request({"messages": MSG, "stream": True})
     with pytest.raises(ValueError, match="give 'messages' or a native input_ids, not both"):
         validate_request({"messages": MSG, "input_ids": [1]})
+
+
+@pytest.mark.unit
+def test_every_prometheus_counter_ends_in_total_once():
+    from reward.httpd import STAT_NAMES
+    from reward.metrics import prometheus_text
+
+    text = prometheus_text({}, {"invalid_json": 2}, {"dropped_malformed": 1}, dict.fromkeys(STAT_NAMES, 3))
+    names = {line.split()[0].split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert "genrm_http_connections_total" in names and not [n for n in names if n.endswith("_total_total")], names
