@@ -150,6 +150,9 @@ class JudgeService(Actor):
             else:
                 merged["max_response_len" if key == "max_new_tokens" else key] = value
         params = SamplingParams.from_dict(merged)  # unknown keys / bad values: ValueError
+        if params.n != 1:  # an engine answers one sample per request: refused here, not at the engine
+            raise ValueError(f"sampling_params.n must be 1 (one judge request, one answer), got {params.n}: send n "
+                             "requests, or use /genrm/v1/chat/completions with 'n'")
         admitted = _Admitted(inst, merged, params, template_kwargs, _engine_sampling(params))
         if not sampling_params:
             inst.defaults = admitted

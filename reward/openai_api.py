@@ -143,10 +143,16 @@ class OpenAIRoutes:
             status = 422 if isinstance(e, BadMessages) else 400
             return openai_error(f"Invalid request body: {e}", status, "messages" if status == 422 else None)
         submit = gateway.service.submit
+
+        def choice(k: int) -> dict | None:  # with a seed, choice k samples with seed + k (else n equal choices)
+            if n > 1 and type(sampling.get("seed")) is int:
+                return {**sampling, "seed": (sampling["seed"] + k) % (1 << 63)}
+            return sampling or None
+
         outcomes = await asyncio.gather(
             *(
-                gateway.outcome(lambda: submit(messages, sampling or None, route_key, checked=True, detail=True))
-                for _ in range(n)
+                gateway.outcome(lambda k=k: submit(messages, choice(k), route_key, checked=True, detail=True))
+                for k in range(n)
             )
         )
         failed = next((f for _, f in outcomes if f is not None), None)

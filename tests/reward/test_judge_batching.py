@@ -648,3 +648,29 @@ def test_a_lone_surrogate_fails_only_its_own_request_at_every_edge(judge_model):
     assert "calls_split" in json.dumps(split, default=str)
     assert isinstance(many, ValueError) and "lone surrogate" in str(many)
     assert reached >= 8  # the valid conversations reached the engine
+
+
+def test_openai_choices_with_a_seed_differ_and_n_in_sampling_params_is_refused_at_admission(judge_model):
+    """``n`` choices with a ``seed`` sample with seed, seed + 1, ... (they were n copies of one);
+    ``sampling_params.n`` > 1 on /genrm/generate is a 400 naming it (it passed the service and
+    failed at the engine)."""
+    import aiohttp
+
+    async def main():
+        engine, svc, gateway, port = await served(judge_model)
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = {"model": "__default__", "messages": MSG, "n": 3, "seed": 5, "temperature": 1.0}
+                async with s.post(f"http://127.0.0.1:{port}/genrm/v1/chat/completions", json=body) as r:
+                    chat = r.status, await r.json()
+                body = {"messages": MSG, "sampling_params": {"n": 2, "temperature": 1.0}}
+                async with s.post(f"http://127.0.0.1:{port}/genrm/generate", json=body) as r:
+                    many = r.status, await r.json()
+        finally:
+            await gateway.server.close()
+        return chat, many, await engine.call_sizes.call_one().result(10)
+
+    (status, chat), (n_status, refused), calls = run(main(), 120)
+    assert status == 200 and [c["message"]["content"] for c in chat["choices"]] == ["5", "6", "7"]
+    assert n_status == 400 and "sampling_params.n must be 1" in refused["error"]
+    assert sum(calls) == 3  # the refused request never reached the engine
