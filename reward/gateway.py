@@ -176,6 +176,10 @@ class Gateway:
         self._log("internal", f"internal error on {where}: {type(exc).__name__}: {short_repr(str(exc), 200)}")
 
     async def handle(self, request: Request) -> Response:
+        if self.token:  # with a token, nothing (not even the route list) before authentication
+            refused = self._authorize(request)
+            if refused is not None:
+                return refused
         route = self._routes.get(request.path)
         if route is None:
             self._count("not_found")
@@ -186,7 +190,7 @@ class Gateway:
             return _error(
                 f"{short_repr(request.method)} is not allowed on {request.path}; use {method}", 405, {"Allow": method}
             )
-        refused = self._authorize(request) if self.token else self._same_host(request)
+        refused = None if self.token else self._same_host(request)
         if refused is not None:
             return refused
         return await handler(request)

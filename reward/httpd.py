@@ -13,7 +13,9 @@ Contracts:
   Pipelined requests are answered in order, one handler at a time per connection; while a
   handler runs the server stops reading once it holds ``max_header_bytes + max_body``
   unprocessed bytes. A pipelined request's header time starts when its turn comes.
-- Bodies are framed by Content-Length only: any Transfer-Encoding is refused (501).
+- Bodies are framed by Content-Length only: any Transfer-Encoding is refused (501), and a
+  Content-Encoding other than identity (415). An absolute-form target
+  (``GET http://host/path``) is served at its path (RFC 9112 3.2.2).
 - What the server refuses it answers itself with ``{"error": "<why>"}`` and closes: 400
   malformed, 408 too slow, 411 no length, 413 too large (before reading any of the body),
   417 unknown Expect, 431 head too large, 501 Transfer-Encoding, 503 over the connection
@@ -280,6 +282,12 @@ class _Connection(asyncio.Protocol):
         method, target, version, headers = parse_head(head, self._limits.max_headers)
         if "transfer-encoding" in headers:
             raise Reject(501, "Transfer-Encoding is not accepted; send a Content-Length")
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise Reject(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed")
+        if target[:8].lower().startswith(("http://", "https://")):  # absolute form (RFC 9112 3.2.2): its path
+            rest = target.partition("://")[2]
+            target = rest[rest.index("/"):] if "/" in rest else "/"
         if version == "HTTP/1.1" and "host" not in headers:
             raise Reject(400, "missing Host header")
         declared = headers.get("content-length")

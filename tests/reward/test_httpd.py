@@ -497,6 +497,11 @@ BAD_REQUESTS = {
         "Transfer-Encoding is not accepted; send a Content-Length",
     ),
     "POST without Content-Length": (request_with(b"Host: h", method=b"POST"), 411, "POST needs a Content-Length"),
+    "gzip body": (  # its Content-Encoding was ignored
+        request_with(b"Host: h", b"Content-Encoding: gzip", b"Content-Length: 2", method=b"POST", body=b"{}"),
+        415,
+        "Content-Encoding 'gzip' is not accepted: send the body uncompressed",
+    ),
     "unknown Expect": (request_with(b"Host: h", b"Expect: 200-ok"), 417, "only Expect: 100-continue is accepted"),
     "65 headers": (request_with(b"Host: h", *[b"X-%d: 1" % i for i in range(64)]), 431, "more than 64 headers"),
 }
@@ -816,3 +821,22 @@ def test_random_bytes_never_break_the_server(run):
 
     run(main())
     assert not reported
+
+
+def test_an_absolute_form_target_is_served_at_its_path(run):
+    """RFC 9112 3.2.2: a server must accept ``GET http://host/path``; it was a 404."""
+    seen = []
+
+    async def handler(request: Request) -> Response:
+        seen.append((request.path, request.query))
+        return Response.json({})
+
+    async def main():
+        async with serving(handler) as (server, port):
+            for target in (b"http://127.0.0.1/genrm/health?x=1", b"HTTP://h:1", b"https://h/a/b"):
+                [(status, _, _)] = parse_responses(await exchange(port, b"GET " + target + b" HTTP/1.1\r\nHost: h\r\n"
+                                                                   b"Connection: close\r\n\r\n"))
+                assert status == 200, target
+
+    run(main())
+    assert seen == [("/genrm/health", {"x": "1"}), ("/", {}), ("/a/b", {})]

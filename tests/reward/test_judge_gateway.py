@@ -291,6 +291,8 @@ def test_auth_is_exact_and_without_a_token_browsers_are_kept_out(judge_model):
                     got["unauthorized_count"] = r.status
                 async with s.get(f"{url}/metrics") as r:
                     got["unauthorized_prometheus"] = r.status
+                async with s.get(f"{url}/genrm/no-such-route") as r:  # no route list before authentication
+                    got["unauthorized_404"] = (r.status, "routes" in await r.text())
                 async with s.get(f"{url}/genrm/metrics", headers={"Authorization": "Bearer s3cret"}) as r:
                     got["errors"] = (await r.json())["gateway_errors"]
                 post = f"{open_url}/genrm/generate"
@@ -322,7 +324,8 @@ def test_auth_is_exact_and_without_a_token_browsers_are_kept_out(judge_model):
         assert got[(name, "health")][0] == got[(name, "metrics")][0] == 200, name
     assert got["two"] == 400
     assert got["unauthorized_prometheus"] == 401
-    assert got["errors"]["unauthorized"] == 8  # every 401 counted
+    assert got["unauthorized_404"] == (401, False)  # was a 404 listing every route
+    assert got["errors"]["unauthorized"] == 9  # every 401 counted
     for name in ("text/plain", "form", "no type"):
         assert got[name][0] == 415 and "Content-Type: application/json" in got[name][1], (name, got[name])
     assert got["rebinding"][0] == 403 and "evil.example" in got["rebinding"][1]
