@@ -235,6 +235,7 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
             "sampling_config": inst.sampling_config,
             "engines": list(started),
             "placement": [{"node": 0, "gpus": gpus, "tp": tp, "dp": dp} for gpus in slices],
+            "max_context_len": inst.engine_config.get("max_context_len"),
         }
     judge, judge_procs = await start_judge_service(specs, 600)
     engines.service = judge

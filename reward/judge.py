@@ -57,6 +57,21 @@ class _Instance:
     awake: bool = True
     defaults: _Admitted | None = None  # what a request without sampling_params gets (computed once)
     placement: list = field(default_factory=list)  # per engine: where it runs (GET /genrm/engines)
+    max_context: int | None = None  # the engines' max_context_len (prompt + response tokens), if known
+    longest_token: int = 1  # characters of the tokenizer's longest token: a prompt has >= chars / this tokens
+
+    def check_length(self, chars: int, max_new_tokens: int, tokens: int | None = None) -> None:
+        """Refuse, before any tokenizing or engine work, a prompt of ``chars`` characters (or of
+        ``tokens`` token ids) that cannot fit ``max_context`` whatever its tokens: each token
+        covers at most ``longest_token`` characters. ValueError (400) with the arithmetic."""
+        if self.max_context is None:
+            return
+        at_least = tokens if tokens is not None else -(-chars // self.longest_token)
+        if at_least + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"the prompt has {chars} characters: at least {at_least} tokens (this judge's longest token has "
+                f"{self.longest_token} characters) + max_new_tokens {max_new_tokens} is past the engines' "
+                f"max_context_len {self.max_context}; shorten it")
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,6 +130,8 @@ class JudgeService(Actor):
                 ChatTemplate.of(tokenizer, template_kwargs),
                 sampling,
                 placement=list(spec.get("placement") or []),
+                max_context=spec.get("max_context_len"),
+                longest_token=max(1, max(map(len, tokenizer.get_vocab()), default=1)),
             )
         # Reach every engine now: relay learns that a process this one does not own has died
         # when their connection drops, so connect before the first request; an engine whose
@@ -180,7 +197,9 @@ class JudgeService(Actor):
         if not checked:
             messages = check_request(messages, sampling_params, route_key)[0]
         admitted = self._admit(sampling_params, route_key)
-        if message_chars([messages]) <= INLINE_RENDER_CHARS:
+        chars = message_chars([messages])
+        admitted.instance.check_length(chars, admitted.params.max_new_tokens)
+        if chars <= INLINE_RENDER_CHARS:
             text = _render(admitted, messages)
             return self._judge(admitted, text, detail=detail)
         return asyncio.ensure_future(self._render_then_judge(admitted, messages, detail))
@@ -194,6 +213,10 @@ class JudgeService(Actor):
         by :func:`reward.protocol.check_native`: the future of its response text. Token ids
         must be in the instance's vocabulary (ValueError)."""
         admitted = self._admit(sampling_params, route_key)
+        if isinstance(prompt, str):
+            admitted.instance.check_length(len(prompt), admitted.params.max_new_tokens)
+        else:
+            admitted.instance.check_length(0, admitted.params.max_new_tokens, tokens=len(prompt))
         if isinstance(prompt, list):
             vocab = len(admitted.instance.template.tokenizer)
             bad = next((t for t in prompt if t >= vocab), None)
@@ -221,6 +244,7 @@ class JudgeService(Actor):
                     )
                 messages = check_request(*request[:3])[0]
                 admitted = self._admit(request[1], request[2])
+                admitted.instance.check_length(message_chars([messages]), admitted.params.max_new_tokens)
             except Exception as e:  # noqa: BLE001 - this request's error, returned in its place
                 out[j] = e
                 continue

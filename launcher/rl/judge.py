@@ -61,7 +61,8 @@ class Judge:
         specs = {name: {"model_path": inst.model_path, "num_gpus": inst.num_gpus,
                         "sampling_config": inst.sampling_config,
                         "engines": [e.mesh for e in self.engines if e.instance == name],
-                        "placement": [e.place for e in self.engines if e.instance == name]}
+                        "placement": [e.place for e in self.engines if e.instance == name],
+                        "max_context_len": inst.engine_config.get("max_context_len")}
                  for name, inst in self.cfg.genrm.items()}
         self.service, self.service_procs = await start_judge_service(specs, timeouts.JUDGE_SERVICE_START, procs)
         self.address = self.service_procs.procs[0].addr

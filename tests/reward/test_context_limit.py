@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -47,6 +48,12 @@ def test_a_judge_request_beyond_max_context_len_gets_400_naming_the_limit(tmp_pa
         status, body = post(port, {"messages": [{"role": "user", "content": "x" * 200}]})
         assert status == 400, body
         assert "exceeds the engine's max_context_len 64" in body["error"], body
+        # a prompt that cannot fit whatever its tokens is refused before it is tokenized (it was
+        # tokenized in full, on the engines, first)
+        started = time.monotonic()
+        status, body = post(port, {"messages": [{"role": "user", "content": "x" * 1_000_000}]})
+        assert status == 400 and "characters: at least" in body["error"], body
+        assert "past the engines' max_context_len 64" in body["error"] and time.monotonic() - started < 2.0
         status, body = post(port, {"messages": [{"role": "user", "content": "1"}], "sampling_params": {
             "max_new_tokens": 4}})
         assert status == 200 and "response" in body, body
