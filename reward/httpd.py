@@ -18,10 +18,13 @@ Contracts:
   (``GET http://host/path``) is served at its path (RFC 9112 3.2.2).
 - What the server refuses it answers itself with ``{"error": "<why>"}`` and closes: 400
   malformed, 408 too slow, 411 no length, 413 too large (before reading any of the body),
-  417 unknown Expect, 431 head too large, 501 Transfer-Encoding, 503 over the connection
-  cap. After any response that closes, the server shuts its sending side and discards what
-  the client still sends for up to :data:`LINGER_SECONDS`, so a client still uploading a
-  refused body reads the answer rather than a reset.
+  417 unknown Expect, 431 head too large, 501 Transfer-Encoding, 503 (``Retry-After: 1``)
+  over the connection cap when no connection is idle; at the cap a new client otherwise
+  takes the place of the connection idle the longest (closed as an idle timeout closes it),
+  so idle or trickling connections cannot lock new clients out. After any response that
+  closes, the server shuts its sending side and discards what the client still sends for
+  up to :data:`LINGER_SECONDS`, so a client still uploading a refused body (or a request
+  over the cap) reads the answer rather than a reset.
 - A client that closes its side (fully or half) while its handler runs is gone: the
   handler's task is cancelled.
 - The server logs nothing: a handler's exception (a 500 for the client, which never sees
@@ -60,7 +63,8 @@ CLOSE_TIMEOUT = 5.0  # how long close() waits for the cancelled handlers to end
 STAT_NAMES = (
     "connections_open",  # a gauge: connections being served (the refused ones are not)
     "connections_total",  # connections served (under the cap)
-    "connections_refused",  # answered 503: over max_connections
+    "connections_refused",  # answered 503: over max_connections with none idle
+    "connections_evicted",  # idle connections closed to make room for a new one at max_connections
     "requests",  # requests given to the handler
     "timeouts_idle",  # closed: no request within idle_timeout, or a response left unread as long
     "timeouts_header",  # 408: the request line and headers took over header_timeout
@@ -116,6 +120,11 @@ class HttpServer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._listener.wait_closed(), CLOSE_TIMEOUT)
 
+    def _longest_idle(self) -> _Connection | None:
+        """The connection idle the longest (waiting for its next request), or None."""
+        idle = [c for c in self._connections if c.idle()]
+        return min(idle, key=lambda c: c._idle_since) if idle else None
+
     def _release(self, connection: _Connection, handler_running: bool) -> None:
         self._connections.discard(connection)
         self.stats["connections_open"] = len(self._connections)
@@ -161,6 +170,7 @@ class _Connection(asyncio.Protocol):
         self._task: asyncio.Task | None = None
         self._reading_paused = False
         self._writing_paused = False
+        self._idle_since = 0.0  # loop time it began waiting for its next request
 
     # asyncio.Protocol
 
@@ -172,15 +182,21 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
             return
         if len(server._connections) >= self._limits.max_connections:
-            self._state = _State.CLOSED
-            self._stats["connections_refused"] += 1
-            self._transport.write(error_response(503, "too many connections"))
-            self._transport.close()
-            return
+            idle = server._longest_idle()
+            if idle is None:  # every connection is busy: 503, lingering so the client reads it (no reset)
+                self._stats["connections_refused"] += 1
+                self._close_with(encode_response(Response.json({"error": "too many connections"}, 503,
+                                                               {"Retry-After": "1"}), False, True))
+                return
+            # the longest-idle connection makes room: idle ones (or a trickle of cheap requests
+            # between long waits) cannot lock new clients out
+            self._stats["connections_evicted"] += 1
+            idle._evict()
         server._connections.add(self)
         self._stats["connections_total"] += 1
         self._stats["connections_open"] = len(server._connections)
         self._peer = transport.get_extra_info("peername")
+        self._idle_since = self._loop.time()
         self._set_timer(self._limits.idle_timeout, self._idle_expired)
 
     def data_received(self, data: bytes) -> None:
@@ -375,6 +391,7 @@ class _Connection(asyncio.Protocol):
         if self._buffer:
             self._process()
         else:
+            self._idle_since = self._loop.time()
             self._set_timer(self._limits.idle_timeout, self._idle_expired)
 
     def _refuse(self, status: int, reason: str) -> None:
@@ -406,6 +423,17 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def idle(self) -> bool:
+        """Waiting for its next request, nothing of it received."""
+        return self._state is _State.AWAIT_REQUEST and not self._buffer
+
+    def _evict(self) -> None:
+        """Close an idle connection to make room for a new client (as an idle timeout would)."""
+        self._stop_timer()
+        self._state = _State.CLOSING
+        self._server._release(self, False)
+        self._transport.close()
 
     def _idle_expired(self) -> None:
         self._stats["timeouts_idle"] += 1

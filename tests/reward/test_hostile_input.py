@@ -585,9 +585,10 @@ def test_idle_and_slow_connections_are_closed_by_the_timeouts(judge):
 
 
 def test_the_judge_keeps_answering_while_idle_connections_are_held(judge):
-    """Idle connections under the cap do not keep others out; past the cap the extra ones
-    get 503 at once, and the timeouts free the slots, so a client that comes later is
-    served."""
+    """Idle connections do not keep new clients out: past the cap each newcomer takes the
+    place of the connection idle the longest (closed without a word, as an idle timeout
+    closes it), so a client is served at once, even with the cap reached (a trickle of
+    requests could hold every slot before)."""
     held = []
     try:
         for _ in range(MAX_CONNECTIONS - 8):
@@ -595,25 +596,13 @@ def test_the_judge_keeps_answering_while_idle_connections_are_held(judge):
         assert _health(judge.port) == 200  # at once, with 40 idle connections open
         for _ in range(16):
             held.append(_connect(judge.port))
-        refused = [s for s in held[-8:] if (r := _closed_within(s, 2))[0] and r[1].startswith(b"HTTP/1.1 503")]
-        assert len(refused) >= 1  # past the cap: 503 "too many connections", closed
-        t0 = time.monotonic()
-        while _health_or_none(judge.port) != 200:
-            assert time.monotonic() - t0 < 10 * TIMEOUT, (
-                "the gateway did not serve a new client while idle connections were held"
-            )
-            time.sleep(0.2)
+        evicted = [s for s in held[:8] if (r := _closed_within(s, 2))[0] and r[1] == b""]
+        assert len(evicted) == 8  # the 8 oldest made room for the 8 past the cap
+        assert _health(judge.port) == 200  # at the cap: the oldest idle one makes room again
     finally:
         for s in held:
             s.close()
     assert _health(judge.port) == 200
-
-
-def _health_or_none(port: int):
-    try:
-        return _health(port)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 @pytest.mark.parametrize("expect", [False, True])
