@@ -1,6 +1,7 @@
 """``relay judge --config X.yaml [--host H] [--port P] [--token T]``: only the judge — its
 engines and the judge service (a process of its own, which serves the HTTP gateway) — on
-this machine, until SIGINT/SIGTERM.
+this machine, until SIGINT/SIGTERM, which drains: no new request is admitted (503), those in
+flight are answered (at most ``DRAIN_SECONDS``), then it stops.
 
 The judge's relay secret (which reward code outside this process needs, to reach the judge
 over ZeroMQ): ``RELAY_JOB_SECRET`` when exported, else the file ``RELAY_JOB_SECRET_FILE``
@@ -142,6 +143,10 @@ class JudgeEngines:
         relay.set_unhandled_fault_hook(self.fallback)
 
 
+#: on SIGINT/SIGTERM, how long the requests in flight have to finish before the judge stops
+DRAIN_SECONDS = 30.0
+
+
 def judge_engine_gpus(cfg: JobConfig, name: str) -> list[list[int]]:
     """The GPU ids of each engine of judge ``name``: instances at prefix sums of their
     ``num_gpus``, engines of ``num_gpus_per_engine`` GPUs each."""
@@ -264,6 +269,13 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    try:  # drain: no new request; those in flight are answered (at most DRAIN_SECONDS)
+        drained = await judge.drain.call_one(DRAIN_SECONDS).result(DRAIN_SECONDS + 10)
+        print(f"judge stopping: answered {drained['in_flight'] - drained['left']} request(s) in flight"
+              + (f", {drained['left']} left unanswered after {DRAIN_SECONDS:g} s" if drained["left"] else ""),
+              flush=True)
+    except Exception as e:  # noqa: BLE001 - stopping anyway
+        print(f"relay judge: drain failed ({type(e).__name__}: {e}); stopping", file=sys.stderr, flush=True)
     await engines.stop()
     await judge_procs.stop()
     if secret_source == "generated":

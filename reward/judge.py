@@ -36,7 +36,7 @@ from engines.interface import RequestCancelled, SamplingParams, short_repr
 from relay import Actor, SupervisionError, endpoint
 
 from .dispatch import EnginePool, Job
-from .errors import BadMessages, JudgeAsleep, UnknownRouteKey
+from .errors import BadMessages, JudgeAsleep, JudgeUnavailable, UnknownRouteKey
 from .metrics import ENGINE_STATS, Metrics
 from .protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS, check_request
 from .templates import INLINE_RENDER_CHARS, ChatTemplate, message_chars
@@ -111,6 +111,7 @@ class JudgeService(Actor):
         self.instances: dict[str, _Instance] = {}
         self._http = None  # the gateway's server once serve_http ran
         self._by_client_id: dict[str, asyncio.Future] = {}  # generate_batch request id -> its future, while pending
+        self._draining = False  # drain() ran: no new request is admitted
 
     async def setup(self) -> None:
         from transformers import AutoTokenizer
@@ -154,6 +155,8 @@ class JudgeService(Actor):
         """The request's admission to its instance, or its error (unknown route key, asleep,
         bad sampling or template kwargs)."""
         inst = self._resolve(route_key)
+        if self._draining:
+            raise JudgeUnavailable("the judge is stopping: it finishes the requests in flight and takes no new ones")
         if not inst.awake:
             self.metrics.inc(inst.name, "rejected_asleep")
             raise JudgeAsleep(f"GenRM instance {inst.name!r} is asleep; retry after it wakes")
@@ -381,6 +384,21 @@ class JudgeService(Actor):
     async def set_awake(self, route_key: str | None, awake: bool) -> None:
         """Open or close admission (the controller calls this around sleep and wake)."""
         self._resolve(route_key).awake = awake
+
+    @endpoint(concurrent=True)
+    async def drain(self, timeout: float) -> dict:
+        """Stop admitting (new requests get 503: the judge is stopping) and wait, at most
+        ``timeout`` seconds, until the requests in flight or queued are answered. Returns
+        ``{"in_flight": at the start, "left": still unanswered}``."""
+        self._draining = True
+
+        def load() -> int:
+            return sum(slot.load for inst in self.instances.values() for slot in inst.pool.slots)
+
+        start, deadline = load(), asyncio.get_running_loop().time() + timeout
+        while load() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        return {"in_flight": start, "left": load()}
 
     @endpoint(concurrent=True)
     async def replace_engine(self, route_key: str | None, index: int, engine) -> None:

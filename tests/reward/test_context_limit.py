@@ -59,3 +59,4 @@ def test_a_judge_request_beyond_max_context_len_gets_400_naming_the_limit(tmp_pa
         assert status == 200 and "response" in body, body
     finally:
         interrupt(p)
+
