@@ -13,7 +13,9 @@ Contracts:
   Pipelined requests are answered in order, one handler at a time per connection; while a
   handler runs the server stops reading once it holds ``max_header_bytes + max_body``
   unprocessed bytes. A pipelined request's header time starts when its turn comes.
-- Bodies are framed by Content-Length only: any Transfer-Encoding is refused (501), and a
+- Bodies are framed by Content-Length only: a chunked body is refused with 411 (send a
+  Content-Length), another Transfer-Encoding with 501, one beside a Content-Length with 400;
+  and a
   Content-Encoding other than identity (415). An absolute-form target
   (``GET http://host/path``) is served at its path (RFC 9112 3.2.2).
 - What the server refuses it answers itself with ``{"error": "<why>"}`` and closes: 400
@@ -296,7 +298,12 @@ class _Connection(asyncio.Protocol):
 
     def _start_request(self, head: str) -> None:
         method, target, version, headers = parse_head(head, self._limits.max_headers)
-        if "transfer-encoding" in headers:
+        coding = headers.get("transfer-encoding")
+        if coding is not None:  # framed by Content-Length only (no smuggling surface)
+            if "content-length" in headers:
+                raise Reject(400, "both Transfer-Encoding and Content-Length: ambiguous framing")
+            if coding.strip().lower() == "chunked":  # the client can send the same body with a length: 4xx
+                raise Reject(411, "chunked bodies are not accepted; send the body with a Content-Length")
             raise Reject(501, "Transfer-Encoding is not accepted; send a Content-Length")
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding != "identity":

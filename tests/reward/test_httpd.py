@@ -503,8 +503,13 @@ BAD_REQUESTS = {
         400,
         "Content-Length must be 1-18 ASCII digits",
     ),
-    "chunked": (
+    "chunked": (  # a 4xx the client can act on (was 501, a 5xx)
         request_with(b"Host: h", b"Transfer-Encoding: chunked", method=b"POST", body=b"5\r\nhello\r\n0\r\n\r\n"),
+        411,
+        "chunked bodies are not accepted; send the body with a Content-Length",
+    ),
+    "gzip transfer coding": (
+        request_with(b"Host: h", b"Transfer-Encoding: gzip", method=b"POST"),
         501,
         "Transfer-Encoding is not accepted; send a Content-Length",
     ),
@@ -516,8 +521,8 @@ BAD_REQUESTS = {
             method=b"POST",
             body=b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n",
         ),
-        501,
-        "Transfer-Encoding is not accepted; send a Content-Length",
+        400,
+        "both Transfer-Encoding and Content-Length: ambiguous framing",
     ),
     "POST without Content-Length": (request_with(b"Host: h", method=b"POST"), 411, "POST needs a Content-Length"),
     "gzip body": (  # its Content-Encoding was ignored
