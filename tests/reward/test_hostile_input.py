@@ -202,7 +202,7 @@ def request(draw) -> tuple:
     elif kind == 8:
         messages = [{"role": "user", "content": draw(st.sampled_from(HOSTILE_CONTENT))}]
     elif kind == 9:
-        messages = [{"role": draw(st.sampled_from(["", "r" * 65, "r" * 100_000])), "content": content}]
+        messages = [{"role": draw(st.sampled_from(["", "r" * 65, "r" * 100_000, "r\ud800"])), "content": content}]
     return messages, sp, rk
 
 
@@ -220,6 +220,8 @@ HOSTILE_CONTENT = [
     [{"type": "text", "text": "x"}] * 65,
     {"type": "text", "text": "x"},
     None,
+    "a lone surrogate \ud800 in the content",  # not UTF-8: it failed every request batched with it
+    [{"type": "text", "text": "\udfff"}],
 ]
 NATIVE_HOSTILE = [
     {"input_ids": []},
@@ -237,6 +239,7 @@ NATIVE_HOSTILE = [
     {"text": "x", "input_ids": [5]},
     {"text": "x", "stream": True},
     {"text": "y" * 30_000},  # past the KV cache: refused by the engine (the length bound: test_genrm_http_api)
+    {"text": "x\ud83d"},  # a lone surrogate
 ]
 
 
@@ -341,6 +344,13 @@ TALLY: collections.Counter = collections.Counter()  # across the examples of thi
 @example(
     bodies=[json.dumps({"messages": MSG, "sampling_params": sp}).encode() for sp in ENGINE_KILLERS + POISON] * 4
     + [json.dumps({"messages": [{"role": "user", "content": f"valid {i}"}]}).encode() for i in range(BATCH - 32)]
+)
+@example(  # lone surrogates beside valid requests: they failed the whole engine batch with 502
+    bodies=[json.dumps(b).encode() for b in (
+        {"messages": [{"role": "user", "content": "x\ud800"}]}, {"messages": [{"role": "u\udc00", "content": "x"}]},
+        {"messages": MSG, "sampling_params": {"stop": ["\ud800"]}}, {"text": "x\ud83d"},
+    )] * 4 + [json.dumps({"messages": [{"role": "user", "content": f"valid beside {i}"}]}).encode()
+              for i in range(BATCH - 16)]
 )
 def test_generated_http_bodies_never_get_a_5xx_or_harm_the_judge(judge, bodies):
     """Over HTTP, 32 at a time so that hostile and valid requests share engine batches:
