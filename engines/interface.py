@@ -77,11 +77,14 @@ def short_repr(value, limit: int = 40) -> str:
     return (text[:limit] + f"... ({len(text)} characters)") if len(text) > limit else text
 
 
-#: float32's largest finite value, and its smallest normal one: a sampling value past them
-#: becomes inf or 0 (or NaN after a division) on the device and fails the whole engine step
-FLOAT32_MAX, FLOAT32_TINY = 3.0e38, 1.2e-38
-#: the smallest repetition penalty: logits are divided by it, and must stay finite in float32
-MIN_REPETITION_PENALTY = 1e-6
+#: float32's largest finite value: a sampling value past it becomes inf on the device (NaN
+#: after a division) and fails the whole engine step. (Values too small for float32 read as
+#: 0: harmless for top_p, min_p and the penalties, which the engine handles; the repetition
+#: penalty, which divides, has its own floor.)
+FLOAT32_MAX = 3.0e38
+#: the smallest repetition penalty: positive logits are divided by it and must stay finite in
+#: float32 (1e-40 read as 0 and failed the whole step)
+MIN_REPETITION_PENALTY = 1e-30
 
 
 def _number(name: str, value, allowed: str) -> float:
@@ -91,9 +94,9 @@ def _number(name: str, value, allowed: str) -> float:
         v = float(value)
     except OverflowError:  # an integer past float64's range
         raise ValueError(f"{name} must be {allowed}; got an integer of {value.bit_length()} bits") from None
-    if not math.isfinite(v) or abs(v) > FLOAT32_MAX or 0 < abs(v) < FLOAT32_TINY:
-        raise ValueError(f"{name} must be {allowed} that float32 holds (0 or between {FLOAT32_TINY:g} and "
-                         f"{FLOAT32_MAX:g} in size), got {short_repr(value)}")
+    if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be {allowed} that float32 holds (at most {FLOAT32_MAX:g} in size), "
+                         f"got {short_repr(value)}")
     return v
 
 
@@ -149,8 +152,6 @@ class SamplingParams:
         integers fit the sampler's int64, lists and strings are bounded). Raises ValueError
         naming the field and what is allowed (echoing at most a short prefix of the value).
         A temperature below ``GREEDY_BELOW`` means greedy (as in SGLang): it becomes 0."""
-        if isinstance(self.temperature, float) and 0 < self.temperature < GREEDY_BELOW:
-            self.temperature = 0.0  # greedy, however small (below float32's range too)
         t = _number("temperature", self.temperature, "a finite number >= 0 (0: greedy)")
         if t < 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {short_repr(t)}")
@@ -204,8 +205,8 @@ class SamplingParams:
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, "a number in (0, 2]")
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
             raise ValueError(
-                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2] (1: off; logits are divided by it), "
-                f"got {short_repr(self.repetition_penalty)}"
+                f"repetition_penalty must be in (0, 2] and at least {MIN_REPETITION_PENALTY:g} (1: off; logits are "
+                f"divided by it), got {short_repr(self.repetition_penalty)}"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             v = _number(name, getattr(self, name), "a number in [-2, 2]")

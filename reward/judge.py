@@ -29,65 +29,19 @@ import collections
 import errno
 import gc
 import logging
-from dataclasses import dataclass, field
 
 import relay
 from engines.interface import RequestCancelled, SamplingParams, short_repr
 from relay import Actor, SupervisionError, endpoint
 
 from .dispatch import EnginePool, Job
-from .errors import BadMessages, JudgeAsleep, JudgeUnavailable, UnknownRouteKey
-from .metrics import ENGINE_STATS, Metrics
+from .errors import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
+from .instance import Admitted, Instance, engine_sampling, render_chat
+from .metrics import Metrics
 from .protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS, check_request
 from .templates import INLINE_RENDER_CHARS, ChatTemplate, message_chars
 
 log = logging.getLogger("relay.judge")
-
-
-@dataclass(eq=False)
-class _Instance:
-    """One judge deployment (a route key): its engines, template, sampling defaults."""
-
-    name: str
-    model_path: str
-    num_gpus: int
-    pool: EnginePool
-    template: ChatTemplate
-    sampling: dict  # defaults merged with each request's sampling_params
-    awake: bool = True
-    defaults: _Admitted | None = None  # what a request without sampling_params gets (computed once)
-    placement: list = field(default_factory=list)  # per engine: where it runs (GET /genrm/engines)
-    max_context: int | None = None  # the engines' max_context_len (prompt + response tokens), if known
-    longest_token: int = 1  # characters of the tokenizer's longest token: a prompt has >= chars / this tokens
-
-    def check_length(self, chars: int, max_new_tokens: int, tokens: int | None = None) -> None:
-        """Refuse, before any tokenizing or engine work, a prompt of ``chars`` characters (or of
-        ``tokens`` token ids) that cannot fit ``max_context`` whatever its tokens: each token
-        covers at most ``longest_token`` characters. ValueError (400) with the arithmetic."""
-        if self.max_context is None:
-            return
-        at_least = tokens if tokens is not None else -(-chars // self.longest_token)
-        if at_least + max_new_tokens > self.max_context:
-            raise ValueError(
-                f"the prompt has {chars} characters: at least {at_least} tokens (this judge's longest token has "
-                f"{self.longest_token} characters) + max_new_tokens {max_new_tokens} is past the engines' "
-                f"max_context_len {self.max_context}; shorten it")
-
-
-@dataclass(frozen=True, eq=False)
-class _Admitted:
-    """A request admitted to ``instance``: its merged sampling (as the engines take it) and
-    its template kwargs. Shared between requests: never mutated."""
-
-    instance: _Instance
-    sampling: dict  # merged, by the names of the config (max_response_len)
-    params: SamplingParams
-    template_kwargs: dict
-    engine_sampling: dict
-
-    @property
-    def cacheable_key(self) -> tuple:
-        return tuple(sorted((k, str(v)) for k, v in self.sampling.items()))
 
 
 class JudgeService(Actor):
@@ -108,7 +62,7 @@ class JudgeService(Actor):
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.cache_size = cache_size
         self.metrics = Metrics()
-        self.instances: dict[str, _Instance] = {}
+        self.instances: dict[str, Instance] = {}
         self._http = None  # the gateway's server once serve_http ran
         self._by_client_id: dict[str, asyncio.Future] = {}  # generate_batch request id -> its future, while pending
         self._draining = False  # drain() ran: no new request is admitted
@@ -123,7 +77,7 @@ class JudgeService(Actor):
             if not engines:
                 raise ValueError(f"GenRM instance {name!r} has no engines")
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec["model_path"])
-            self.instances[name] = _Instance(
+            self.instances[name] = Instance(
                 name,
                 spec["model_path"],
                 spec.get("num_gpus", len(engines)),
@@ -140,7 +94,7 @@ class JudgeService(Actor):
         await self.health()
         freeze_startup_objects()
 
-    def _resolve(self, route_key: str | None) -> _Instance:
+    def _resolve(self, route_key: str | None) -> Instance:
         if route_key is None and len(self.instances) == 1:
             return next(iter(self.instances.values()))
         key = route_key or DEFAULT_ROUTE
@@ -151,7 +105,7 @@ class JudgeService(Actor):
             )
         return inst
 
-    def _admit(self, sampling_params: dict | None, route_key: str | None) -> _Admitted:
+    def _admit(self, sampling_params: dict | None, route_key: str | None) -> Admitted:
         """The request's admission to its instance, or its error (unknown route key, asleep,
         bad sampling or template kwargs)."""
         inst = self._resolve(route_key)
@@ -173,7 +127,7 @@ class JudgeService(Actor):
         if params.n != 1:  # an engine answers one sample per request: refused here, not at the engine
             raise ValueError(f"sampling_params.n must be 1 (one judge request, one answer), got {params.n}: send n "
                              "requests, or use /genrm/v1/chat/completions with 'n'")
-        admitted = _Admitted(inst, merged, params, template_kwargs, _engine_sampling(params))
+        admitted = Admitted(inst, merged, params, template_kwargs, engine_sampling(params))
         if not sampling_params:
             inst.defaults = admitted
         return admitted
@@ -203,12 +157,12 @@ class JudgeService(Actor):
         chars = message_chars([messages])
         admitted.instance.check_length(chars, admitted.params.max_new_tokens)
         if chars <= INLINE_RENDER_CHARS:
-            text = _render(admitted, messages)
+            text = render_chat(admitted, messages)
             return self._judge(admitted, text, detail=detail)
         return asyncio.ensure_future(self._render_then_judge(admitted, messages, detail))
 
-    async def _render_then_judge(self, admitted: _Admitted, messages: list, detail: bool) -> str:
-        text = await asyncio.to_thread(_render, admitted, messages)
+    async def _render_then_judge(self, admitted: Admitted, messages: list, detail: bool) -> str:
+        text = await asyncio.to_thread(render_chat, admitted, messages)
         return await self._judge(admitted, text, detail=detail)
 
     def submit_native(self, prompt, sampling_params: dict | None = None, route_key: str | None = None):
@@ -287,7 +241,7 @@ class JudgeService(Actor):
             texts: list = []
             for messages in conversations:
                 try:
-                    texts.append(_render(admitted, messages))
+                    texts.append(render_chat(admitted, messages))
                 except Exception as e:  # noqa: BLE001
                     texts.append(e)
             return texts
@@ -302,7 +256,7 @@ class JudgeService(Actor):
             if future is not None:
                 future.cancel()
 
-    def _judge(self, admitted: _Admitted, text, native: bool = False, detail: bool = False) -> asyncio.Future:
+    def _judge(self, admitted: Admitted, text, native: bool = False, detail: bool = False) -> asyncio.Future:
         """The future of one request's response text: from the judgment cache (chat requests
         only), or from the instance's engines (:class:`reward.dispatch.EnginePool`)."""
         inst = admitted.instance
@@ -486,18 +440,7 @@ class JudgeService(Actor):
         }
         if engines:
             for name, inst in self.instances.items():
-                slots = inst.pool.slots
-                stats = await asyncio.gather(
-                    *(slot.mesh.stats.call_one().result(5) for slot in slots), return_exceptions=True
-                )
-                info[name]["engines"] = [
-                    {"error": slot.down}
-                    if slot.down is not None
-                    else {"error": f"{type(s).__name__}: {s}"}
-                    if isinstance(s, Exception)
-                    else {k: s[k] for k in ENGINE_STATS if k in s}
-                    for slot, s in zip(slots, stats)
-                ]
+                info[name]["engines"] = await inst.engine_stats()
         return info
 
 
@@ -517,17 +460,6 @@ async def start_judge_service(specs: dict, timeout: float = 300.0, procs=None, *
     return judge, procs
 
 
-def _render(admitted: _Admitted, messages: list) -> str:
-    """The prompt text of one conversation; a chat template that refuses it (a role it does
-    not know, ...) is the request's error (BadMessages, HTTP 422)."""
-    try:
-        return admitted.instance.template.render([messages], admitted.template_kwargs)[0]
-    except (ValueError, TypeError):
-        raise
-    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError and kin: the messages are at fault
-        raise BadMessages(f"the judge's chat template refused the messages: {short_repr(str(e), 200)}") from None
-
-
 def freeze_startup_objects() -> None:
     """Move the objects alive now (torch, transformers, tokenizers) out of the collector's
     view: a full collection over them stalls the event loop of the process serving judge
@@ -536,9 +468,3 @@ def freeze_startup_objects() -> None:
     gc.freeze()
     atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
-
-
-def _engine_sampling(params: SamplingParams) -> dict:
-    """Every field of ``params`` as the engine takes it (fields SamplingParams gains pass
-    through untouched)."""
-    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in vars(params).items()}
