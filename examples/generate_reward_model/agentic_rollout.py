@@ -31,12 +31,11 @@ def _tokenizer(args):
     return _TOKENIZERS[args.hf_checkpoint]
 
 
-async def _post(args, payload: dict) -> dict:
+async def _post(session, args, payload: dict) -> dict:
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url, json=payload) as response:
-            response.raise_for_status()
-            return await response.json()
+    async with session.post(url, json=payload) as response:
+        response.raise_for_status()
+        return await response.json()
 
 
 def calculator(text: str) -> str:
@@ -46,6 +45,12 @@ def calculator(text: str) -> str:
 
 
 async def generate(args, sample, sampling_params):
+    # one session for the rollout's turns; a turn that hangs fails after 10 minutes
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        return await _rollout(session, args, sample, sampling_params)
+
+
+async def _rollout(session, args, sample, sampling_params):
     tok = _tokenizer(args)
     budget = sampling_params["max_new_tokens"]
     response_ids: list[int] = []
@@ -55,7 +60,7 @@ async def generate(args, sample, sampling_params):
 
     async def turn(module: str, max_new_tokens: int) -> dict:
         nonlocal text
-        out = await _post(args, {"input_ids": sample.tokens + response_ids, "return_logprob": True,
+        out = await _post(session, args, {"input_ids": sample.tokens + response_ids, "return_logprob": True,
                                  "sampling_params": {**sampling_params, "max_new_tokens": max_new_tokens}})
         pairs = out["meta_info"]["output_token_logprobs"]
         response_ids.extend(t for _, t, _ in pairs)
