@@ -287,7 +287,15 @@ async def generate_n(engine, prompt, sampling=None, chat_template_kwargs: dict |
 @relay.register(name="engines.EngineStepError")
 class EngineStepError(RuntimeError):
     """An engine step failed (not the request's fault: e.g. out of memory): the requests of
-    that step failed with it, and the engine recovered and serves on. Callers may retry."""
+    that step failed with it, and the engine recovered and serves on. Callers may retry.
+    (The built-in engine runs such requests again apart instead: :class:`RequestFault`.)"""
+
+
+@relay.register(name="engines.RequestFault")
+class RequestFault(ValueError):
+    """This request failed an engine step on its own (a step with no other request in it,
+    after failing one before): it is refused, like a bad value (HTTP 400); the requests that
+    ran with it ran again without it."""
 
 
 @relay.register(name="engines.EngineFailed")

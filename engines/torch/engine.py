@@ -29,8 +29,8 @@ from ..interface import (
     CONSTRAINTS,
     Engine,
     EngineFailed,
-    EngineStepError,
     GenerateResult,
+    RequestFault,
     check_tags,
     checked_sampling,
 )
@@ -140,6 +140,7 @@ class TorchEngine(Engine):
         self.stepper = Stepper(self.scheduler, self.runner, self.sampler, paused=lambda: self._paused,
                                run_ahead=self.device.type == "cuda" if run_ahead is None else run_ahead)
         self._requests_done = 0  # requests answered (any finish reason)
+        self._requests_faulted = 0  # requests that failed a step on their own (RequestFault)
         self._t0 = time.monotonic()
         self.events: list[tuple] = []  # (monotonic time, event, detail): sleep/wake/sync log
 
@@ -232,30 +233,36 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------------ the step (engine thread)
 
     def _recover(self, exc: BaseException) -> BaseException | None:
-        """Engine thread, after a step raised: fail the step's requests (every running one:
-        they shared its forward) with :class:`EngineStepError`, rebuild the KV bookkeeping
-        and block tables from scratch (no request holds blocks now), release a device's
-        cached allocations (an out-of-memory step), then check the engine still computes
-        (:meth:`ModelRunner.self_test`). Returns None when it does (the waiting requests run
-        next), else the error that shows it cannot go on."""
-        failed = self.scheduler.reset_after_failure()
+        """Engine thread, after a step raised: rebuild the KV bookkeeping and block tables
+        from scratch (every running request is recomputed later, like a preempted one),
+        release a device's cached allocations (an out-of-memory step), then check the engine
+        still computes (:meth:`ModelRunner.self_test`). The step's requests run again apart
+        (the scheduler's quarantine: no innocent request fails); a request that failed a step
+        alone, having failed one before, gets :class:`RequestFault`. Returns None when the engine computes (the
+        requests run next), else the error that shows it cannot go on."""
+        culprits = self.scheduler.reset_after_failure()
         now = time.monotonic()
         if now - self._step_failure_logged >= STEP_FAILURE_LOG_EVERY:  # a flood of failed steps logs a line a minute
             self._step_failure_logged = now
-            log.error("%s: engine step failed (%d so far; a line per %g s at most); failing its %d request(s) and "
-                      "recovering: %r", self.name, self._step_failures, STEP_FAILURE_LOG_EVERY, len(failed), exc)
+            log.error("%s: engine step failed (%d so far; a line per %g s at most); its requests run again apart, "
+                      "a request that fails a step alone twice is refused: %r", self.name, self._step_failures,
+                      STEP_FAILURE_LOG_EVERY, exc)
         self.runner.drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        error = EngineStepError(f"{self.name}: an engine step failed ({exc!r}); its {len(failed)} request(s) "
-                                "failed with it and the engine recovered")
-        for seq in failed:
-            seq.loop.call_soon_threadsafe(_settle_error, seq.future, error)
         try:
             self.runner.self_test()
         except Exception as e:  # noqa: BLE001 - reported as the reason the engine gives up
-            return e
-        return None
+            error = EngineFailed(f"{self.name}: the engine failed and serves no more requests: {e!r}")
+            broken = e
+        else:
+            error = RequestFault(f"this request failed the engine's steps, the last with no other request in it, "
+                                 f"so on its own ({exc!r}); the requests that ran with it ran again without it")
+            broken = None
+        self._requests_faulted += len(culprits)
+        for seq in culprits:
+            seq.loop.call_soon_threadsafe(_settle_error, seq.future, error)
+        return broken
 
     def _fail_all(self, exc: BaseException) -> None:
         """The engine cannot go on: fail every pending request, release their KV blocks and
@@ -390,6 +397,7 @@ class TorchEngine(Engine):
             "tokens_generated": self.stepper.tokens_out,
             "requests_finished": self._requests_done,
             "step_failures": self._step_failures,
+            "requests_faulted": self._requests_faulted,
             "steps_run_ahead": self.stepper.steps_ahead,
             "weight_version": self.weight_version,
             "kv_blocks_free": len(self.blocks.free_blocks),

@@ -17,6 +17,14 @@ Every step, in order:
    it shares the leader's full blocks (reference-counted) and gets its own copy of the
    last, partial block, which its samples then write.
 
+Quarantine: a step that raises is first put down to its requests. Its requests (one cohort:
+at first every running one) are split into two new cohorts, and a step runs the requests of
+one cohort only, cohorts taking turns; a cohort whose step fails again is split again, so an
+innocent request runs on (recomputed from its prompt and output so far, like a preempted
+one) and a request that fails a step alone, having failed one before, is the culprit
+(:meth:`Scheduler.reset_after_failure`). Arrivals join cohort 0; a cohort ends when its
+requests do.
+
 Threading: the methods under "any thread" (arrivals, abort requests, sizes) put on
 thread-safe queues or read sizes; every other method runs on the engine thread.
 """
@@ -67,6 +75,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._abort_ids: queue.SimpleQueue = queue.SimpleQueue()
+        self.cohort = 0  # the cohort of the last scheduled step
+        self._cohorts_made = 0  # quarantine cohorts made so far (their ids: 1, 2, ...)
+        self._quarantine = False  # cohorts other than 0 may have requests
 
     # ------------------------------------------------------------------ any thread
 
@@ -113,19 +124,32 @@ class Scheduler:
         """The next step (see the module docstring). Admitted requests join ``running``
         now, before the model runs: a failing step still finds them."""
         plan = StepPlan(finished=self.apply_aborts())
-        self._reserve_decode_slots()
-        self._admit(plan)
-        plan.decode = list(self.running)
+        apart = self.quarantined()
+        self.cohort = cohort = self._next_cohort() if apart else 0
+        self._reserve_decode_slots(cohort)
+        self._admit(plan, cohort, apart)
+        plan.decode = [s for s in self.running if s.cohort == cohort] if apart else list(self.running)
         self.running.extend(plan.admitted)
         return plan
 
-    def _reserve_decode_slots(self) -> None:
-        """A slot for each running request's next token, preempting the newest when no
-        block is free."""
+    def quarantined(self) -> bool:
+        """Whether requests of a failed step run apart (cohorts other than 0 have requests)."""
+        if self._quarantine:
+            self._quarantine = any(s.cohort for s in (*self.running, *self.waiting))
+        return self._quarantine
+
+    def _next_cohort(self) -> int:
+        """While quarantined: the cohort after the last one that has requests (each in turn)."""
+        live = sorted({s.cohort for s in (*self.running, *self.waiting)})
+        return next((c for c in live if c > self.cohort), live[0])
+
+    def _reserve_decode_slots(self, cohort: int) -> None:
+        """A slot for each running request of ``cohort`` for its next token, preempting the
+        newest running request when no block is free."""
         bs = self.blocks.block_size
         preempted: set[int] = set()
         for seq in list(self.running):
-            if seq.request_id in preempted or seq.n_tokens <= len(seq.blocks) * bs:
+            if seq.cohort != cohort or seq.request_id in preempted or seq.n_tokens <= len(seq.blocks) * bs:
                 continue
             while not self.blocks.free_blocks:
                 victim = self.running.pop()
@@ -138,19 +162,21 @@ class Scheduler:
             if seq.request_id not in preempted:
                 self.blocks.append_block(seq)
 
-    def _admit(self, plan: StepPlan) -> None:
+    def _admit(self, plan: StepPlan, cohort: int, apart: bool) -> None:
         bs = self.blocks.block_size
         leaders: dict[tuple, int] = {}  # tokens of a leader -> its index in plan.prefill
         longest = 0
-        while self.waiting and len(self.running) + len(plan.admitted) < self.max_running:
-            seq = self.waiting[0]
+        # while quarantined, a step admits from its cohort's part of the queue only
+        queue_ = collections.deque(s for s in self.waiting if s.cohort == cohort) if apart else self.waiting
+        while queue_ and len(self.running) + len(plan.admitted) < self.max_running:
+            seq = queue_[0]
             key = tuple(seq.tokens) if self.share_prefix and not seq.blocks else None
             lead = leaders.get(key) if key is not None else None
             if lead is not None:
                 partial = seq.n_tokens % bs
                 if partial and not self.blocks.free_blocks:
                     break
-                self.waiting.popleft()
+                self._take(queue_)
                 seq.blocks = [self.blocks.share(b) for b in plan.prefill[lead].blocks[: seq.n_tokens // bs]]
                 if partial:
                     seq.blocks.append(self.blocks.take())
@@ -162,13 +188,19 @@ class Scheduler:
                 if plan.prefill and (len(plan.prefill) + 1) * max(longest, seq.n_tokens) > self.max_prefill_tokens:
                     break
                 longest = max(longest, seq.n_tokens)
-                self.waiting.popleft()
+                self._take(queue_)
                 seq.blocks += [self.blocks.take() for _ in range(need)]
                 if key is not None:
                     leaders[key] = len(plan.prefill)
                 plan.prefill.append(seq)
             self.blocks.assign_row(seq)
             plan.admitted.append(seq)
+
+    def _take(self, queue_: collections.deque) -> None:
+        """The head of ``queue_`` (the waiting queue, or a cohort's part of it) leaves the waiting queue."""
+        seq = queue_.popleft()
+        if queue_ is not self.waiting:
+            self.waiting.remove(seq)
 
     def reserve_ahead(self, seqs: list[Sequence]) -> bool:
         """A slot for one more token of each of ``seqs`` beyond the one in flight (a decode
@@ -211,15 +243,35 @@ class Scheduler:
         return seq
 
     def reset_after_failure(self) -> list[Sequence]:
-        """After a step raised: the requests it ran (every running one: they shared its
-        forward) leave, and the bookkeeping starts from scratch (no request holds blocks).
-        Returns them; the waiting requests stay queued."""
-        failed = list(self.running)
+        """After a step raised: the bookkeeping starts from scratch (no request holds blocks;
+        every running request goes back to the front of the waiting queue, to be recomputed
+        like a preempted one). The step's requests (its cohort's running ones) are suspects:
+        split into two new cohorts; a suspect alone is returned as the culprit when it has
+        failed a step before this one (a first failure may have been another's or the
+        engine's), and leaves."""
+        suspects = [s for s in self.running if s.cohort == self.cohort]
+        culprits = []
+        for seq in suspects:
+            seq.step_failures += 1
+        if len(suspects) == 1 and suspects[0].step_failures >= 2:
+            culprits = suspects
+        else:
+            half = (len(suspects) + 1) // 2
+            for part in (suspects[:half], suspects[half:]):
+                if not part:
+                    continue
+                self._cohorts_made += 1
+                self._quarantine = True
+                for seq in part:
+                    seq.cohort = self._cohorts_made
+        for seq in reversed(self.running):
+            if seq not in culprits:
+                self.waiting.appendleft(seq)
         self.running.clear()
-        for seq in self.waiting:  # a preempted request holds none, but be exact
+        for seq in self.waiting:
             seq.blocks, seq.table_row, seq.cached_tokens = [], -1, 0
         self.blocks.reset()
-        return failed
+        return culprits
 
     def drop_all(self) -> list[Sequence]:
         """Every request not finished (running, waiting, arrived) leaves, letting go of

@@ -30,6 +30,8 @@ class Sequence:
     text_before_stop: str | None = None  # the text, set when a stop (trimmed off it) ended the request
     penalty: object | None = None  # a PenaltyState (engines/torch/penalties.py) when penalties are asked
     weight_version: int = 0  # the engine's weights when the request arrived (the oldest that generated it)
+    cohort: int = 0  # the requests it runs with: 0 (all), or a quarantine group after a failed step (scheduler.py)
+    step_failures: int = 0  # failed steps it was in
 
     @property
     def tokens(self) -> list:

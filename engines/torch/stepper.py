@@ -1,7 +1,8 @@
 """The engine thread's steps (engines/torch/engine.py hands each hop of work to
 :meth:`Stepper.steps`): the scheduler plans a step, the model runner runs it, the sampler
 picks the tokens and the scheduler appends them; with ``run_ahead``, decode steps are
-launched before the tokens of the one before are read (:meth:`Stepper._run_ahead`)."""
+launched before the tokens of the one before are read (:meth:`Stepper._run_ahead`), except
+while the requests of a failed step run apart (the scheduler's quarantine)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class Stepper:
         and so any of them, all sample on the device: not asked again, row by row)."""
         seqs, sampled, greedy = step
         if (not self.run_ahead or self.paused() or self.runner.tp is not None or self.scheduler.has_input()
-                or (done and self.scheduler.waiting_count())):
+                or (done and self.scheduler.waiting_count()) or self.scheduler.quarantined()):
             return None
         live = [s for s in seqs if s.finish_reason is None and len(s.output) + 1 < s.sampling.max_new_tokens]
         if (not live or not (checked or all(self.sampler.on_device(s.sampling) for s in live))

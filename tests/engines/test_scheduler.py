@@ -228,20 +228,63 @@ def test_abort_all_before_a_request_id_spares_later_arrivals():
     assert sorted(s.blocks.free_blocks) == list(range(16))
 
 
-def test_a_reset_after_a_failed_step_fails_the_running_requests_and_returns_every_block_and_row():
+def test_a_reset_after_a_failed_step_returns_every_block_and_row_and_runs_its_requests_apart():
     s = scheduler(num_blocks=6, max_running=2)
     for rid in range(2):
-        s.add(request(rid, 9, first=500))
+        s.add(request(rid, 9, first=500, max_new=3))
     s.add(request(2, 3))
     step(s)
-    failed = s.reset_after_failure()
-    assert ids(failed) == [0, 1] and s.running == [] and ids(s.waiting) == [2]
+    assert s.reset_after_failure() == []  # a first failure blames no one
+    assert s.running == [] and ids(s.waiting) == [0, 1, 2]  # recomputed like preempted requests, first in line
     b = s.blocks
     assert sorted(b.free_blocks) == list(range(6)) and b.refs == [0] * 6
     assert sorted(b.free_rows) == [0, 1] and set(b.host_tables.flatten().tolist()) == {b.scratch_block}
-    plan, _ = step(s)
-    assert ids(plan.admitted) == [2]
+    assert s.waiting[0].cohort != s.waiting[1].cohort and 0 not in (s.waiting[0].cohort, s.waiting[1].cohort)
+    batches = []
+    for _ in range(8):  # each cohort in turn: the two suspects apart, the arrival in cohort 0 once a row is free
+        plan, _ = step(s)
+        batches.append(tuple(ids(plan.batch)))
+        check_bookkeeping(s)
+    assert batches[:2] == [(0,), (1,)] and (2,) in batches and set(batches) <= {(), (0,), (1,), (2,)}
+    assert not s.quarantined() and [seq.finish_reason for seq in s.running] == [None]  # 0 and 1 finished
+
+
+def test_a_request_that_fails_a_step_alone_after_failing_one_before_is_the_culprit():
+    s = scheduler()
+    s.add(request(0, 5))
+    s.add(request(1, 6))
+    step(s)
+    assert s.reset_after_failure() == []  # cohorts {0}, {1}
+    assert ids(step(s)[0].batch) == [0]
+    culprits = s.reset_after_failure()  # alone, after failing a step before: its own fault
+    assert ids(culprits) == [0] and ids(s.running) + ids(s.waiting) == [1]
     check_bookkeeping(s)
+    assert ids(step(s)[0].batch) == [1]
+    # a request alone from the start is given a second chance (the first failure may be the engine's)
+    s = scheduler()
+    s.add(request(7, 5))
+    step(s)
+    assert s.reset_after_failure() == [] and ids(step(s)[0].batch) == [7]
+    assert ids(s.reset_after_failure()) == [7] and not s.has_work()
+
+
+def test_cohorts_end_with_their_requests_and_steps_batch_together_again():
+    s = scheduler(num_blocks=40, max_running=8)
+    for rid in range(4):
+        s.add(request(rid, 3, max_new=3))
+    step(s)
+    s.reset_after_failure()  # 4 suspects: cohorts {0, 1} and {2, 3}
+    for rid in range(4, 6):
+        s.add(request(rid, 3, max_new=50))
+    seen = set()
+    for _ in range(12):
+        plan, _ = step(s)
+        cohorts = {seq.cohort for seq in plan.batch}
+        assert len(cohorts) <= 1, "a step mixes cohorts"
+        seen |= {tuple(ids(plan.batch))}
+    assert {(0, 1), (2, 3), (4, 5)} <= seen
+    assert not s.quarantined()  # the suspects finished: the newcomers batch as before
+    assert ids(step(s)[0].batch) == [4, 5]
 
 
 def test_dropping_every_request_frees_what_they_held():
@@ -281,14 +324,15 @@ OPS = st.lists(
 @given(OPS, st.booleans())
 def test_blocks_are_never_lost_double_freed_or_negatively_counted(ops, share):
     """Random arrivals (a few prompts repeat, to share blocks), steps, aborts and failed
-    steps over a small cache: the bookkeeping stays exact, and once everything is aborted
-    every block and row is free."""
+    steps (their requests quarantined) over a small cache: the bookkeeping stays exact, no
+    request is lost, and once everything is aborted every block and row is free."""
     s = scheduler(num_blocks=10, max_running=4, max_prefill_tokens=24, share_prefix=share)
-    rid = 0
+    rid, sent, culprits = 0, [], []
     for op in ops:
         if op[0] == "add":
             _, n, prompt, max_new = op
-            s.add(request(rid, n, first=100 * prompt, max_new=max_new))
+            sent.append(request(rid, n, first=100 * prompt, max_new=max_new))
+            s.add(sent[-1])
             rid += 1
         elif op[0] == "step":
             step(s)
@@ -297,10 +341,12 @@ def test_blocks_are_never_lost_double_freed_or_negatively_counted(ops, share):
         elif op[0] == "abort_all":
             s.request_abort(before=rid)
         else:
-            s.reset_after_failure()
+            culprits += s.reset_after_failure()
         check_bookkeeping(s)
     s.request_abort(before=rid)
     step(s)
     assert not s.has_work()
+    assert all(seq.finish_reason is not None or seq in culprits for seq in sent), "a request was lost"
+    assert all(seq.step_failures >= 2 for seq in culprits)
     assert sorted(s.blocks.free_blocks) == list(range(10)) and set(s.blocks.refs) == {0}
     assert sorted(s.blocks.free_rows) == list(range(4))

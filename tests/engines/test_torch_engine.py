@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from engines.interface import EngineFailed, EngineStepError, SamplingParams
+from engines.interface import EngineFailed, RequestFault, SamplingParams
 from engines.model_builder import make_model
 from engines.torch import TorchEngine
 from tests.helpers import run
@@ -480,26 +480,26 @@ def test_an_engine_that_cannot_compute_fails_pending_requests_instead_of_hanging
         return res, health
 
     res, health = run(main(), 120)
-    # the two requests of the failed step, then the six that were waiting
-    assert [type(r) for r in res] == [EngineStepError] * 2 + [EngineFailed] * 6, res
+    # the engine's fault, not theirs: every request gets EngineFailed (another engine may serve it)
+    assert [type(r) for r in res] == [EngineFailed] * 8, res
     assert health["status"] == "unhealthy" and "out of memory" in health["error"]
 
 
-def test_a_failed_step_fails_only_its_requests_and_the_engine_recovers(models):
-    """A step that raises once fails the requests it ran (EngineStepError, retryable);
-    the requests still waiting then run as if nothing happened, the KV cache is whole again,
-    health stays healthy and later requests give exactly a fresh engine's output."""
+def test_a_failed_step_fails_no_request_and_the_engine_recovers(models):
+    """A step that raises once (not any request's fault) fails nothing: its requests run
+    again apart, every request gives exactly a fresh engine's output, the KV cache is whole
+    again, health stays healthy and later requests are unaffected."""
 
     async def main():
         ref = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
         want = [(await ref.generate(p, GREEDY)).token_ids for p in prompts()]
         await ref.close()
-        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_running=2)
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_running=4)
         real, calls = eng.sampler.sample_batch, []
 
         def fails_once(logits, seqs, *ahead, **picked):
             calls.append(len(seqs))
-            if len(calls) == 1:
+            if len(calls) == 3:
                 raise IndexError("index 7 is out of bounds (simulated sampler crash)")
             return real(logits, seqs, *ahead, **picked)
 
@@ -513,12 +513,48 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_recovers(models):
         return want, res, after, stats, health
 
     want, res, after, stats, health = run(main(), 180)
-    assert [type(r) for r in res[:2]] == [EngineStepError] * 2
-    assert "engine recovered" in str(res[0]) and "simulated sampler crash" in str(res[0])
-    assert [r.token_ids for r in res[2:]] == want[2:]
+    assert [r.token_ids for r in res] == want, res
     assert after == want
-    assert health["status"] == "healthy" and stats["step_failures"] == 1
+    assert health["status"] == "healthy" and stats["step_failures"] == 1 and stats["requests_faulted"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == 0
+
+
+@pytest.mark.parametrize("fails_at", [0, 5], ids=["first-token", "sixth-token"])
+def test_a_request_that_fails_every_step_it_is_in_is_refused_alone(models, fails_at):
+    """A request whose presence fails a step (here: the sampler raises for any batch that
+    holds it once it has ``fails_at`` tokens) gets RequestFault (a ValueError: the judge's
+    400) saying why; the seven requests batched with it give exactly a fresh engine's
+    output; the failed steps are few (bisection, not one per request)."""
+    poison = dict(GREEDY, max_new_tokens=13)
+
+    async def main():
+        ref = TorchEngine(models["qwen3"], kv_cache_tokens=4096)
+        want = [(await ref.generate(p, GREEDY)).token_ids for p in prompts()]
+        await ref.close()
+        eng = TorchEngine(models["qwen3"], kv_cache_tokens=4096, max_running=8)
+        real = eng.sampler.sample_batch
+
+        def fails_with_poison(logits, seqs, *ahead, **picked):
+            if any(s.sampling.max_new_tokens == 13 and len(s.output) >= fails_at for s in seqs):
+                raise RuntimeError("device-side assert triggered (simulated poison)")
+            return real(logits, seqs, *ahead, **picked)
+
+        eng.sampler.sample_batch = fails_with_poison
+        ps = prompts()
+        sent = [eng.generate(p, poison if i == 3 else GREEDY) for i, p in enumerate(ps)]
+        res = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 60)
+        after = [(await eng.generate(p, GREEDY)).token_ids for p in ps]
+        stats, health = await eng.stats(), await eng.health()
+        await eng.close()
+        return want, res, after, stats, health
+
+    want, res, after, stats, health = run(main(), 180)
+    assert isinstance(res[3], RequestFault) and isinstance(res[3], ValueError), res[3]
+    assert "on its own" in str(res[3]) and "simulated poison" in str(res[3])
+    assert [r.token_ids for i, r in enumerate(res) if i != 3] == [w for i, w in enumerate(want) if i != 3]
+    assert after == want
+    assert 2 <= stats["step_failures"] <= 5 and stats["requests_faulted"] == 1  # 8 -> 4 -> 2 -> 1 -> alone again
+    assert health["status"] == "healthy" and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_a_cancelled_caller_frees_its_place_in_the_batch(models):

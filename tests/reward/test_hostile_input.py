@@ -93,7 +93,11 @@ POISON = [  # integers past 64 bits failed the other requests batched with them
     {"seed": 2**64},
     {"stop_token_ids": [2**64]},
     {"max_response_len": 2**64},
+    {"repetition_penalty": 1e-40, "temperature": 0.7},  # 0 in float32: it failed the engine step (issue 46)
+    {"temperature": 10**309},  # an integer past float64: a 500
+    {"frequency_penalty": 3.5e38, "temperature": 0.7},  # inf in float32
 ]
+INNOCENT_EVERY = 5  # a known-valid request after every 5 generated ones: each must succeed
 VALID = {
     "temperature": st.sampled_from([0.0, 0.0, 0.5, 1.0]),
     "top_p": st.floats(0.05, 1.0),
@@ -327,6 +331,21 @@ def _check_answer(status: int, payload, sent) -> None:
         assert len(payload["error"]) <= MAX_ERROR_CHARS, (status, len(payload["error"]), payload["error"][:200])
 
 
+def _with_innocents(items: list, innocent) -> list[tuple]:
+    """``items`` as (item, False), with (``innocent(k)``, True) after every ``INNOCENT_EVERY``:
+    valid requests whose answers must not depend on what is batched with them."""
+    out = []
+    for k, item in enumerate(items):
+        out.append((item, False))
+        if k % INNOCENT_EVERY == INNOCENT_EVERY - 1:
+            out.append((innocent(k), True))
+    return out
+
+
+def _innocent_messages(k: int) -> list:
+    return [{"role": "user", "content": f"Innocent {k} #{next(_UNIQUE)}: is {k}+1={k + 1}? Answer 1 or 0."}]
+
+
 BATCH = 125  # bodies per hypothesis example, sent 32 at a time (they batch in the service)
 TALLY: collections.Counter = collections.Counter()  # across the examples of this module's fuzz tests
 
@@ -354,8 +373,11 @@ TALLY: collections.Counter = collections.Counter()  # across the examples of thi
 )
 def test_generated_http_bodies_never_get_a_5xx_or_harm_the_judge(judge, bodies):
     """Over HTTP, 32 at a time so that hostile and valid requests share engine batches:
-    every answer is 200 or a 4xx with a short error; most requests reach an engine (the
-    engines' own counters say so: the fuzz is not stopped at the validator)."""
+    every answer is 200 or a 4xx with a short error, every known-valid request among them
+    (chat and native) gets 200; most requests reach an engine (the engines' own counters
+    say so: the fuzz is not stopped at the validator)."""
+    mixed = _with_innocents(bodies, lambda k: json.dumps(
+        {"messages": _innocent_messages(k)} if k % 2 else {"text": f"native innocent {k} #{next(_UNIQUE)}"}).encode())
 
     async def main():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as s:
@@ -367,13 +389,15 @@ def test_generated_http_bodies_never_get_a_5xx_or_harm_the_judge(judge, bodies):
                 ) as r:
                     return r.status, await r.json(content_type=None), body
 
-            answers = await asyncio.gather(*(send(b) for b in bodies))
+            answers = await asyncio.gather(*(send(b) for b, _ in mixed))
             after, engines = await _engine_requests(s, judge.url)
         return answers, after - before, engines
 
     answers, reached, engines = run(main(), 300)
     for status, payload, body in answers:
         _check_answer(status, payload, body)
+    innocent = [(status, payload) for (status, payload, _), (_, valid) in zip(answers, mixed) if valid]
+    assert [status for status, _ in innocent] == [200] * len(innocent), [a for a in innocent if a[0] != 200][:3]
     ok = sum(status == 200 for status, _, _ in answers)
     assert reached >= ok, (reached, ok)  # every 200 was an engine's answer (no cache hit: unique texts)
     assert all("error" not in e for e in engines), engines
@@ -419,8 +443,9 @@ def test_generated_requests_over_the_zeromq_client_fail_only_themselves(judge, r
     """The same requests through the reward-code client (calls of one loop turn share one
     relay message): each gets its response or its own error (ValueError, TypeError and
     their kinds); none fails for another's sake (JudgeUnavailable, JudgeEngineError,
-    CallTimeout, a transport error)."""
-    lines = "".join(json.dumps(list(r)) + "\n" for r in requests)
+    CallTimeout, a transport error), and every known-valid request among them succeeds."""
+    mixed = _with_innocents(requests, lambda k: (_innocent_messages(k), {"temperature": 0.7, "seed": k}, None))
+    lines = "".join(json.dumps(list(r)) + "\n" for r, _ in mixed)
     env = dict(judge.env, PYTHONPATH=ROOT)
     p = subprocess.run(
         [sys.executable, "-c", _ZMQ_CALLER, judge.addr],
@@ -433,10 +458,10 @@ def test_generated_requests_over_the_zeromq_client_fail_only_themselves(judge, r
     )
     assert p.returncode == 0, p.stderr[-3000:]
     outcomes = [json.loads(line) for line in p.stdout.splitlines()]
-    assert len(outcomes) == len(requests)
-    own = {"ValueError", "TypeError", "BadMessages", "TextOnly", "UnknownRouteKey"}
-    for out, req in zip(outcomes, requests):
-        assert out["ok"] or out["type"] in own, (out, json.dumps(req)[:300])
+    assert len(outcomes) == len(mixed)
+    own = {"ValueError", "TypeError", "BadMessages", "TextOnly", "UnknownRouteKey", "RequestFault"}
+    for out, (req, valid) in zip(outcomes, mixed):
+        assert out["ok"] or (out["type"] in own and not valid), (out, json.dumps(req)[:300])
         if not out["ok"]:
             assert len(out["error"]) <= MAX_ERROR_CHARS, out["error"][:300]
     TALLY["zmq sent"] += len(requests)
@@ -478,7 +503,10 @@ def openai_body(draw) -> bytes:
 @given(bodies=st.lists(openai_body(), min_size=BATCH, max_size=BATCH))
 def test_generated_openai_chat_completions_never_get_a_5xx(judge, bodies):
     """POST /genrm/v1/chat/completions, 32 at a time: every answer is a chat.completion
-    with n choices and usage counts, or a 4xx OpenAI error object with a short message."""
+    with n choices and usage counts, or a 4xx OpenAI error object with a short message;
+    every known-valid request among them gets 200."""
+    mixed = _with_innocents(bodies, lambda k: json.dumps(
+        {"model": "__default__", "messages": _innocent_messages(k), "max_tokens": 4, "n": 1 + k % 3}).encode())
 
     async def main():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as s:
@@ -489,12 +517,14 @@ def test_generated_openai_chat_completions_never_get_a_5xx(judge, bodies):
                 ) as r:
                     return r.status, await r.json(content_type=None), body
 
-            answers = await asyncio.gather(*(send(b) for b in bodies))
+            answers = await asyncio.gather(*(send(b) for b, _ in mixed))
             async with s.get(f"{judge.url}/genrm/metrics") as r:
                 return answers, (await r.json())["gateway_errors"]
 
     answers, gateway_errors = run(main(), 300)
     assert "internal" not in gateway_errors, gateway_errors  # no handler failed (here or in the fuzz before)
+    innocent = [status for (status, _, _), (_, valid) in zip(answers, mixed) if valid]
+    assert innocent == [200] * len(innocent), innocent
     for status, payload, body in answers:
         assert status == 200 or 400 <= status < 500, (status, payload, body[:200])
         if status == 200:
