@@ -9,6 +9,10 @@ names, else a new one each start, written to ``${XDG_CACHE_HOME:-~/.cache}/relay
 judge-<port>.secret`` (mode 0600, removed at a clean stop). It says which, and how a
 client gets it, when ready.
 
+``POST /genrm/scale_out`` / ``scale_in`` / ``reconcile`` (reward/scaling.py) add engines on
+this node's free GPUs (``gpus_per_node`` of the config; on CPU, virtual bundles) and stop
+engines while the judge serves; this process starts and stops them on the service's orders.
+
 An engine whose process dies is replaced: the service serves on the others meanwhile (its
 health says ``"degraded": true``), a new process loads the model again and takes the dead
 engine's place (at most ``RESPAWNS`` times per engine; docs/failures.md). The service's own
@@ -57,19 +61,22 @@ class JudgeEngines:
         self.engine_procs: dict[tuple[str, int], object] = {}  # (instance, index) -> its processes' mesh
         self.retired: set[str] = set()  # processes of replaced engines: their exit is no news
         self.respawns: dict[tuple[str, int], int] = {}
+        self.engines: dict[tuple[str, int], object] = {}  # (instance, index) -> its EngineActor mesh, while it runs
+        self.gpus: dict[tuple[str, int], list[int]] = {}  # (instance, index) -> its GPU ids (a scaled-out one's too)
         self.tasks: set[asyncio.Task] = set()
         self.service = None  # the JudgeService mesh, once started
         self.closing = False
 
-    async def start(self, name: str, index: int):
-        """Start engine ``index`` of instance ``name``: one new process per rank (a built-in
+    async def start(self, name: str, index: int, gpus: list[int] | None = None):
+        """Start engine ``index`` of instance ``name`` (on ``gpus``: a scaled-out engine's; by
+        default its own, or the config's for its index): one new process per rank (a built-in
         engine over k GPUs is k processes, each seeing its own GPU: rank 0 the engine, ranks
         1..k-1 followers; SGLang's server is one process spanning the GPUs, which takes the
         node's GPUs and ``--base-gpu-id``). Returns the engine's mesh, initialized."""
         inst = self.cfg.genrm[name]
         path = ensure_model(inst.model_path)
-        kw = judge_engine_options(self.cfg, name, index)
-        gpus = kw["gpu_ids"]
+        kw = judge_engine_options(self.cfg, name, index, gpus or self.gpus.get((name, index)))
+        gpus = self.gpus[(name, index)] = kw["gpu_ids"]
         builtin = self.cfg.engine == "torch"
         ranks = len(gpus) if builtin else 1
 
@@ -91,7 +98,56 @@ class JudgeEngines:
         engine = ProcMesh.attach(procs.procs[:1], name=f"judge-{name}-{index}").spawn(
             "engine", EngineActor, path, self.cfg.engine, **kw, **extra)
         await engine.initialized(ENGINE_LOAD_TIMEOUT)
+        self.engines[(name, index)] = engine
         return engine
+
+    async def serve_orders(self, service) -> None:
+        """Carry out the judge service's scale orders (reward/scaling.py) until cancelled:
+        ``start`` a new engine of an instance on the GPUs the service chose, ``stop`` engines
+        it scaled in (their processes, not a failure), ``list`` the engines that run."""
+        async def carry_out(order: dict) -> None:
+            try:
+                result = await self._carry_out(order)
+            except Exception as e:  # noqa: BLE001 - the service's request says why
+                result = f"{type(e).__name__}: {e}"
+            service.scale_done.call_one(order["id"], result)
+
+        while True:
+            order = await service.scale_orders.call_one(30.0).result(60)
+            if order is not None:  # each in a task of its own: engines of one scale-out load together
+                task = asyncio.get_running_loop().create_task(carry_out(order))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    async def _carry_out(self, order: dict):
+        name = order.get("route_key")
+        if order["op"] == "list":
+            live: dict = {}
+            for (inst, index), engine in self.engines.items():
+                live.setdefault(inst, {})[str(index)] = engine
+            return live
+        if order["op"] == "start":
+            index = 1 + max((i for n, i in self.gpus if n == name), default=-1)
+            engine = await self.start(name, index, list(order["gpus"]))
+            inst = self.cfg.genrm[name]
+            print(f"relay judge: engine {index} of {name!r} added on GPU(s) {order['gpus']}", file=self.out,
+                  flush=True)
+            return {"engine": engine, "index": index, "placement": {"node": 0, "gpus": list(order["gpus"]),
+                                                    "tp": inst.num_gpus_per_engine,
+                                                    "dp": inst.engine_config.get("dp_size", 1)}}
+        if order["op"] == "stop":
+            for index in order["engines"]:
+                self.engines.pop((name, index), None)
+                procs = self.engine_procs.pop((name, index), None)
+                for proc_id in [k for k, v in self.procs.items() if v == (name, index)]:
+                    del self.procs[proc_id]
+                    self.retired.add(proc_id)
+                if procs is not None:
+                    await procs.stop(timeout=10.0)
+            print(f"relay judge: engine(s) {order['engines']} of {name!r} stopped (scaled in)", file=self.out,
+                  flush=True)
+            return True
+        raise ValueError(f"unknown scale order {order['op']!r}")
 
     def on_failure(self, failure) -> None:
         if self.closing:
@@ -119,6 +175,7 @@ class JudgeEngines:
         print(f"relay judge: engine {index} of {name!r} died ({failure.reason}); serving on the others while "
               f"a new one loads", file=self.out, flush=True)
         t0 = time.monotonic()
+        self.engines.pop((name, index), None)
         try:
             old = self.engine_procs.pop((name, index), None)
             if old is not None and len(old.procs) > 1:
@@ -159,15 +216,15 @@ def judge_engine_gpus(cfg: JobConfig, name: str) -> list[list[int]]:
     return [list(range(start, start + per)) for start in range(first, first + cfg.genrm[name].num_gpus - per + 1, per)]
 
 
-def judge_engine_options(cfg: JobConfig, name: str, index: int) -> dict:
+def judge_engine_options(cfg: JobConfig, name: str, index: int, gpus: list[int] | None = None) -> dict:
     """The engine options (``engines.interface.ENGINE_OPTIONS``) of engine ``index`` of
     judge ``name``: weights kept in a CPU backup, no offload (``relay judge`` shares its
-    GPUs with nobody), its GPUs (:func:`judge_engine_gpus`), its engine config."""
+    GPUs with nobody), its GPUs (``gpus``, else :func:`judge_engine_gpus`), its engine config."""
     inst = cfg.genrm[name]
     engine_config = dict(inst.engine_config)
     kv_tokens = int(engine_config.pop("kv_cache_tokens", 8192))
     options: dict = {"weights_mode": "backup", "offload": False, "engine_config": engine_config,
-                     "gpu_ids": judge_engine_gpus(cfg, name)[index]}
+                     "gpu_ids": list(gpus) if gpus is not None else judge_engine_gpus(cfg, name)[index]}
     if cfg.device == "cpu":
         options.update(device="cpu", kv_cache_tokens=kv_tokens)
     else:
@@ -240,15 +297,19 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
             "sampling_config": inst.sampling_config,
             "engines": list(started),
             "placement": [{"node": 0, "gpus": gpus, "tp": tp, "dp": dp} for gpus in slices],
+            "num_gpus_per_engine": tp,
             "max_context_len": inst.engine_config.get("max_context_len"),
         }
     judge, judge_procs = await start_judge_service(specs, 600)
     engines.service = judge
+    await judge.attach_scaler.call_one(cfg.gpus_per_node).result(60)  # this node's GPUs: scale out onto free ones
+    orders = asyncio.get_running_loop().create_task(engines.serve_orders(judge))
     try:
         port = await judge.serve_http.call_one(host, port, token, cfg.gateway_limits(),
                                                503 if cfg.genrm_gateway_unhealthy_503 else 200).result(60)
     except relay.ActorError as e:
         print(f"relay judge: {e.exception}", file=sys.stderr)
+        orders.cancel()
         await engines.stop()
         await judge_procs.stop()
         return 2
@@ -276,6 +337,8 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
               flush=True)
     except Exception as e:  # noqa: BLE001 - stopping anyway
         print(f"relay judge: drain failed ({type(e).__name__}: {e}); stopping", file=sys.stderr, flush=True)
+    orders.cancel()
+    await asyncio.gather(orders, return_exceptions=True)
     await engines.stop()
     await judge_procs.stop()
     if secret_source == "generated":

@@ -63,6 +63,8 @@ class EngineSlot:
     waiting: collections.deque = field(default_factory=collections.deque)  # Jobs for its next call
     flushing: bool = False  # a flush is scheduled this loop turn
     down: str | None = None  # why it left dispatch, or None while it serves
+    retiring: bool = False  # scaled in: out of dispatch, finishing what it holds, then stopped
+    removed: bool = False  # stopped (scaled in, or reconciled away): not counted, its index not reused
     cancels: list = field(default_factory=list)  # tags to cancel there at the end of this loop turn
 
     @property
@@ -83,7 +85,39 @@ class EnginePool:
 
     @property
     def working(self) -> list[int]:
-        return [i for i, slot in enumerate(self.slots) if slot.down is None]
+        return [i for i, slot in enumerate(self.slots) if slot.down is None and not slot.retiring]
+
+    @property
+    def counted(self) -> list[int]:
+        """The engines this instance counts: every slot not removed (working, down or retiring)."""
+        return [i for i, slot in enumerate(self.slots) if not slot.removed]
+
+    def add(self, mesh, index: int | None = None) -> int:
+        """A new engine (scaled out) joins dispatch at once, at ``index`` (its owner's number
+        for it; indices skipped are slots never counted) or the next; returns its index."""
+        index = len(self.slots) if index is None else index
+        if index < len(self.slots):
+            raise ValueError(f"engine index {index} is taken (the instance has {len(self.slots)} slots)")
+        while len(self.slots) < index:
+            self.slots.append(EngineSlot(None, down="never started", retiring=True, removed=True))
+        self.slots.append(EngineSlot(mesh))
+        return index
+
+    def retire(self, i: int) -> None:
+        """Engine ``i`` is scaled in: it takes no new request (its queue goes to the others)
+        and finishes those it runs; :meth:`remove` once it holds none."""
+        slot = self.slots[i]
+        slot.retiring = True
+        queued, slot.waiting = slot.waiting, collections.deque()
+        for job in queued:
+            self._dispatch(job)
+
+    def remove(self, i: int) -> None:
+        """Engine ``i`` is stopped: no longer counted (its index stays taken)."""
+        slot = self.slots[i]
+        slot.removed, slot.retiring = True, True
+        if slot.down is None:
+            slot.down = f"engine {i}: removed"
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; its future is settled by an engine's answer or error. Cancelling
@@ -115,7 +149,7 @@ class EnginePool:
         engine once all have failed it); with none working, it fails at once."""
         working = self.working
         if not working:
-            reasons = "; ".join(slot.down for slot in self.slots)
+            reasons = "; ".join(slot.down or "scaled in" for slot in self.slots if not slot.removed)
             _settle(job, JudgeUnavailable(f"GenRM instance {self.name!r} has no working engine: {reasons}"))
             return
         candidates = [i for i in working if i not in job.tried] or working

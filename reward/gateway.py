@@ -44,6 +44,7 @@ from .httpd import HttpServer
 from .metrics import prometheus_text
 from .openai_api import OpenAIRoutes
 from .protocol import check_native, check_request, health_body, metrics_body
+from .scaling import ScalingRoutes
 
 log = logging.getLogger("relay.judge.gateway")
 
@@ -166,6 +167,9 @@ class Gateway:
             "/genrm/v1/chat/completions": ("POST", openai.chat_completions),
             "/genrm/chat/completions": ("POST", openai.chat_completions),
         }
+        scaling = ScalingRoutes(self)
+        self._routes.update(scaling.routes())
+        self._prefixes = scaling.prefixes()  # path prefix -> route: /genrm/scale_out/{request_id}, ...
 
     def _count(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -180,7 +184,8 @@ class Gateway:
             refused = self._authorize(request)
             if refused is not None:
                 return refused
-        route = self._routes.get(request.path)
+        route = self._routes.get(request.path) or next(
+            (r for prefix, r in self._prefixes.items() if request.path.startswith(prefix)), None)
         if route is None:
             self._count("not_found")
             return _error(f"no route {short_repr(request.path)}; routes: {', '.join(self._routes)}", 404)

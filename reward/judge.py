@@ -32,13 +32,14 @@ import logging
 
 import relay
 from engines.interface import RequestCancelled, SamplingParams, short_repr
-from relay import Actor, SupervisionError, endpoint
+from relay import Actor, endpoint
 
 from .dispatch import EnginePool, Job
 from .errors import JudgeAsleep, JudgeUnavailable, UnknownRouteKey
-from .instance import Admitted, Instance, engine_sampling, render_chat
+from .instance import Admitted, Instance, engine_sampling, render_chat, render_group
 from .metrics import Metrics
 from .protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS, check_request
+from .scaling import Scaling
 from .templates import INLINE_RENDER_CHARS, ChatTemplate, message_chars
 
 log = logging.getLogger("relay.judge")
@@ -66,6 +67,7 @@ class JudgeService(Actor):
         self._http = None  # the gateway's server once serve_http ran
         self._by_client_id: dict[str, asyncio.Future] = {}  # generate_batch request id -> its future, while pending
         self._draining = False  # drain() ran: no new request is admitted
+        self.scaling = Scaling(self.instances, self._resolve)  # engines added and removed while serving
 
     async def setup(self) -> None:
         from transformers import AutoTokenizer
@@ -87,6 +89,7 @@ class JudgeService(Actor):
                 placement=list(spec.get("placement") or []),
                 max_context=spec.get("max_context_len"),
                 longest_token=max(1, max(map(len, tokenizer.get_vocab()), default=1)),
+                gpus_per_engine=spec.get("num_gpus_per_engine") or max(1, spec.get("num_gpus", 1) // len(engines)),
             )
         # Reach every engine now: relay learns that a process this one does not own has died
         # when their connection drops, so connect before the first request; an engine whose
@@ -209,7 +212,7 @@ class JudgeService(Actor):
             groups.setdefault(key, []).append((j, messages, admitted, request[3] if len(request) == 4 else None))
         futures, where = [], []
         for group in groups.values():
-            for (j, _, admitted, request_id), text in zip(group, await self._render_group(group)):
+            for (j, _, admitted, request_id), text in zip(group, await render_group(group)):
                 if isinstance(text, Exception):
                     out[j] = text
                     continue
@@ -225,26 +228,6 @@ class JudgeService(Actor):
                 RequestCancelled("cancelled by its caller") if isinstance(result, asyncio.CancelledError) else result
             )
         return out
-
-    @staticmethod
-    async def _render_group(group: list) -> list:
-        """The prompt texts of requests sharing an instance and template kwargs, rendered
-        together (off the event loop when long); each malformed one is its own error."""
-        admitted = group[0][2]
-        template, kwargs = admitted.instance.template, admitted.template_kwargs
-        conversations = [messages for _, messages, _, _ in group]
-        try:
-            if message_chars(conversations) > INLINE_RENDER_CHARS:
-                return await asyncio.to_thread(template.render, conversations, kwargs)
-            return template.render(conversations, kwargs)
-        except Exception:  # noqa: BLE001 - some request is malformed: render one by one to find it
-            texts: list = []
-            for messages in conversations:
-                try:
-                    texts.append(render_chat(admitted, messages))
-                except Exception as e:  # noqa: BLE001
-                    texts.append(e)
-            return texts
 
     @endpoint(concurrent=True)
     async def cancel(self, request_ids: list) -> None:
@@ -364,39 +347,31 @@ class JudgeService(Actor):
         pool.replace(index, engine)
 
     @endpoint(concurrent=True)
+    async def attach_scaler(self, total_gpus: int) -> None:
+        """The process that owns the engines can start and stop them on a node of
+        ``total_gpus`` GPUs: scale requests are carried out (reward/scaling.py), it takes
+        them from :meth:`scale_orders`."""
+        self.scaling.attach(total_gpus)
+
+    @endpoint(concurrent=True)
+    async def scale_orders(self, wait: float = 30.0) -> dict | None:
+        """The engines' owner asks for its next order (start, stop, list; None after ``wait`` s)."""
+        return await self.scaling.next_order(wait)
+
+    @endpoint(concurrent=True)
+    async def scale_done(self, order_id: str, result) -> None:
+        """The owner's answer to an order: its result, or an error string."""
+        self.scaling.done(order_id, result)
+
+    @endpoint(concurrent=True)
     async def health(self) -> dict:
         """Per instance: ``status`` healthy when every engine is, ``error`` naming what is
         down, ``"degraded": true`` with ``engines_working`` / ``engines`` while some engine
         is down and another still serves, ``"sleeping": true`` while asleep,
         ``"available": false`` when no engine works (the gateway answers that with 503). An
         engine reporting unhealthy leaves dispatch."""
-        out = {}
-        for name, inst in self.instances.items():
-            pool = inst.pool
-            serving = pool.working
-            statuses = await asyncio.gather(
-                *(pool.slots[i].mesh.health.call_one().result(10) for i in serving), return_exceptions=True
-            )
-            slow = []
-            for i, status in zip(serving, statuses):
-                if isinstance(status, (SupervisionError, ConnectionError)):
-                    pool.engine_down(i, f"its process is gone ({status})")
-                elif isinstance(status, dict) and status.get("status") != "healthy":
-                    pool.engine_down(i, str(status.get("error") or status))
-                elif isinstance(status, Exception):  # no answer in time: reported, kept in dispatch
-                    slow.append(f"engine {i}: {type(status).__name__}: {status}")
-            bad = [slot.down for slot in pool.slots if slot.down is not None] + slow
-            entry: dict = {"status": "healthy" if not bad else "unhealthy"}
-            if bad:
-                entry["error"] = f"{len(bad)} of {len(pool.slots)} engines down: {bad[0]}"
-            if not pool.working:
-                entry["available"] = False
-            elif len(pool.working) < len(pool.slots):
-                entry.update(degraded=True, engines_working=len(pool.working), engines=len(pool.slots))
-            if not inst.awake:
-                entry["sleeping"] = True
-            out[name] = entry
-        return out
+        names = list(self.instances)
+        return dict(zip(names, await asyncio.gather(*(self.instances[n].health_entry() for n in names))))
 
     @endpoint(concurrent=True)
     async def engines_report(self) -> dict:
@@ -404,24 +379,8 @@ class JudgeService(Actor):
         node, GPUs, ``tp`` and ``dp`` sizes), ``state`` (awake, asleep, failed, or unknown
         when it did not answer within 5 s) and load (``in_flight`` at the service, ``running``
         and ``waiting`` in the engine); and whether the instance admits requests."""
-        out = {}
-        for name, inst in self.instances.items():
-            slots = inst.pool.slots
-            stats = await asyncio.gather(*(slot.mesh.stats.call_one().result(5) for slot in slots),
-                                         return_exceptions=True)
-            rows = []
-            for i, (slot, st) in enumerate(zip(slots, stats)):
-                row = {"index": i, **(inst.placement[i] if i < len(inst.placement) else {}), "in_flight": slot.load}
-                if slot.down is not None:
-                    row.update(state="failed", error=slot.down)
-                elif isinstance(st, Exception):
-                    row.update(state="unknown", error=f"{type(st).__name__}: {st}")
-                else:
-                    row.update(state="asleep" if st.get("asleep") else "awake", running=st.get("running", 0),
-                               waiting=st.get("waiting", 0))
-                rows.append(row)
-            out[name] = {"model_path": inst.model_path, "admitting": inst.awake, "engines": rows}
-        return out
+        return {name: {"model_path": inst.model_path, "admitting": inst.awake, "engines": await inst.engine_rows()}
+                for name, inst in self.instances.items()}
 
     @endpoint(concurrent=True)
     async def metrics_snapshot(self, engines: bool = False) -> dict:
@@ -433,7 +392,7 @@ class JudgeService(Actor):
             name: {
                 "model_path": inst.model_path,
                 "num_gpus": inst.num_gpus,
-                "num_engines": len(inst.pool.slots),
+                "num_engines": len(inst.pool.counted),
                 **snap.get(name, {}),
             }
             for name, inst in self.instances.items()

@@ -62,6 +62,7 @@ class Judge:
                         "sampling_config": inst.sampling_config,
                         "engines": [e.mesh for e in self.engines if e.instance == name],
                         "placement": [e.place for e in self.engines if e.instance == name],
+                        "num_gpus_per_engine": inst.num_gpus_per_engine,
                         "max_context_len": inst.engine_config.get("max_context_len")}
                  for name, inst in self.cfg.genrm.items()}
         self.service, self.service_procs = await start_judge_service(specs, timeouts.JUDGE_SERVICE_START, procs)
