@@ -143,6 +143,10 @@ async def innocent(url: str, until: float, concurrency: int) -> dict:
             "p99_ms": round(1000 * latencies[int(len(latencies) * 0.99)], 1) if latencies else None}
 
 
+BODIES = [(path, json.dumps(body).encode()) for path, body in HOSTILE]  # encoded once: the load generator
+# shares the machine's cores with the judge, so its own work is kept small
+
+
 async def attacker(url: str, port: int, until: float, k: int, rate: float, tally: dict) -> None:
     """Cycles through the hostile mix at ``rate`` requests a second (0: as fast as answered)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
@@ -154,9 +158,9 @@ async def attacker(url: str, port: int, until: float, k: int, rate: float, tally
             if i % (len(HOSTILE) + 1) == len(HOSTILE):
                 status = await asyncio.to_thread(_raw, port, CHUNKED)
             else:
-                path, body = HOSTILE[i % (len(HOSTILE) + 1)]
+                path, body = BODIES[i % (len(HOSTILE) + 1)]
                 try:
-                    async with s.post(url + path, data=json.dumps(body).encode(),
+                    async with s.post(url + path, data=body,
                                       headers={"Content-Type": "application/json"},
                                       timeout=aiohttp.ClientTimeout(total=60)) as r:
                         await r.read()
@@ -234,7 +238,7 @@ async def measure(tree: str, args, cache: str) -> dict:
 
 
 async def main(args) -> dict:
-    trees = {"after": HERE}
+    trees = {"after": os.path.abspath(args.after)}
     if args.before:
         trees["before"] = os.path.abspath(args.before)
     cache = args.cache or tempfile.mkdtemp(prefix="hostile-mix-")
@@ -260,6 +264,7 @@ async def main(args) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--after", default=HERE, help="the checkout measured as 'after' (default: this one)")
     ap.add_argument("--before", help="another checkout to measure in the same run (the code before a change)")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of the clean and the attack phase")
     ap.add_argument("--attackers", type=int, default=8)
