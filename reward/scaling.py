@@ -72,7 +72,8 @@ class Scaling:
     """Scale requests of one judge service (see the module docstring): ``instances`` (name ->
     reward.instance.Instance) and ``resolve`` (route key -> Instance, or UnknownRouteKey)."""
 
-    _ids = itertools.count(1)
+    _ids = itertools.count(1)  # scale request numbers: out-1, in-2, ...
+    _order_ids = itertools.count(1)
 
     def __init__(self, instances: dict, resolve):
         self.instances = instances
@@ -103,7 +104,7 @@ class Scaling:
 
     async def _order(self, op: str, timeout: float, **fields):
         self._check_attached()
-        order_id = f"o{next(self._ids)}"
+        order_id = f"o{next(self._order_ids)}"
         answer = asyncio.get_running_loop().create_future()
         self._answers[order_id] = answer
         self.orders.put_nowait({"id": order_id, "op": op, **fields})

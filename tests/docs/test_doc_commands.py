@@ -61,6 +61,15 @@ EXPECTED: dict[str, str] = {
     "curl http://127.0.0.1:${PORT:-8000}/metrics                 # the same counters as Prometheus text": (
         'genrm_requests_total{route_key="__default__"} 1'
     ),
+    # docs/judge.md: elastic judges
+    "relay judge --config tiny-cpu-split --port ${PORT:-8000}   # 2 engines; the split layout leaves 2 of its 4 bundles free":
+        "judge ready: http://127.0.0.1:",
+    "curl -X POST http://127.0.0.1:${PORT:-8000}/genrm/scale_out -H 'Content-Type: application/json' "
+    "-d '{\"num_engines\": 1}'": '"action": "scale_out"',
+    'curl http://127.0.0.1:${PORT:-8000}/genrm/scale_out/out-1   # {"status": "succeeded", "engines": [2], ...} once '
+    "loaded": '"request_id": "out-1"',
+    "curl -X POST http://127.0.0.1:${PORT:-8000}/genrm/scale_in -H 'Content-Type: application/json' "
+    "-d '{\"num_engines\": 1}'": '"action": "scale_in"',
     "curl http://127.0.0.1:${PORT:-8000}/genrm/v1/models         # OpenAI-compatible: one model per judge instance": (
         '"data": [{"id": "__default__", "object": "model"'
     ),

@@ -1,0 +1,1 @@
+"""The SGLang engine adapter: its server's arguments, protocol record and weight updates."""
