@@ -1,4 +1,4 @@
-"""The paged decode-attention kernel (engines/kernels.py ``_decode_kernel``) over launch
+"""The paged decode-attention kernel (engines/kernels/paged_attention.py ``_decode_kernel``) over launch
 configurations: tile of context positions, warps, pipeline stages, at a decode batch's shape
 (Qwen3-0.6B's heads by default: 16 query heads, 8 KV heads, head dim 128, bf16, 16-token
 blocks, scattered). Prints one JSON line: each configuration's time and the K/V read rate it

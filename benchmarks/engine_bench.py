@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks._bandwidth import copy_bandwidth, read_bandwidth  # noqa: E402
-from engines.model_builder import make_model  # noqa: E402
-from engines.torch import TorchEngine  # noqa: E402
+from engines.models.model_builder import make_model  # noqa: E402
+from engines.builtin import TorchEngine  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -280,7 +280,7 @@ def main() -> None:
         kv_per_token = 2 * cfg.kv_layers * cfg.num_kv_heads * cfg.head_dim * 2  # full-attention layers' KV
         state_per_seq = 0
         if cfg.hybrid:  # a linear-attention layer reads each sequence's recurrent state (float32) and conv state
-            from engines.torch.state_pool import StatePool
+            from engines.builtin.state_pool import StatePool
 
             state_per_seq = StatePool(cfg, 1, torch.device("cpu"), torch.bfloat16).row_bytes()
             result["state_mb_per_seq"] = round(state_per_seq / 1e6, 2)

@@ -39,7 +39,7 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from engines.interface import GenerateResult, encode_rendered  # noqa: E402
-from engines.model_builder import make_model  # noqa: E402
+from engines.models.model_builder import make_model  # noqa: E402
 from relay import Actor, endpoint, this_host  # noqa: E402
 from reward.client import GenRMClient  # noqa: E402
 from reward.judge import freeze_startup_objects, start_judge_service  # noqa: E402

@@ -43,7 +43,7 @@ def device_flags(device: str) -> list[str]:
 
 def build_models(cache: str, device: str, judge_steps: int | None, logs: str) -> None:
     """The demo's data, base models, judge (SFT) and warm policy (SFT) under ``cache/demo``."""
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
     from launcher.demo_task import write_demo_data
 
     root = os.path.join(cache, "demo")

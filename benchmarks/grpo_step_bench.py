@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 
 
 def build(cache: str, size: str, device: str, arch: str = "qwen3", layers: int | None = None) -> tuple[str, str, dict]:
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
     from launcher.demo_task import write_demo_data
 
     dtype = "bfloat16" if device == "cuda" else "float32"

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engines.linear_attention import chunked_delta_rule  # noqa: E402
-from engines.linear_kernels import chunked_prefill  # noqa: E402
+from engines.models.linear_attention import chunked_delta_rule  # noqa: E402
+from engines.kernels.linear_kernels import chunked_prefill  # noqa: E402
 
 
 def _ms(fn, iters: int, device: str) -> float:

@@ -1,4 +1,4 @@
-"""The one-pass sampling kernels (engines/sample_kernels.py ``sample_pairs``) at a decode
+"""The one-pass sampling kernels (engines/builtin/sample_kernels.py ``sample_pairs``) at a decode
 batch's shape: greedy rows (the decode graph's picker) and seeded rows at T = 1 (a GRPO
 rollout), GPU time per call, this tree's kernel at its settings and at each of a sweep of
 (chunk, block, warps), beside a baseline tree's kernel (``--baseline DIR``: a checkout, e.g.
@@ -26,7 +26,7 @@ from engines import sample_kernels  # noqa: E402
 
 
 def load_baseline(root: str):
-    """``engines.sample_kernels`` of another checkout, as a package of its own name."""
+    """``engines.builtin.sample_kernels`` of another checkout, as a package of its own name."""
     init = os.path.join(root, "engines", "__init__.py")
     spec = importlib.util.spec_from_file_location("baseline_engines", init,
                                                   submodule_search_locations=[os.path.dirname(init)])

@@ -1,4 +1,4 @@
-"""The few-rows projection kernel (engines/skinny_gemm.py) against cuBLAS (``F.linear``) on a
+"""The few-rows projection kernel (engines/kernels/skinny_gemm.py) against cuBLAS (``F.linear``) on a
 decode step's weight shapes, side by side in one run, with the measured read bandwidth.
 
 Each candidate runs once per layer over ``--layers`` distinct weights of the shape (as a
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._bandwidth import graph_time, read_bandwidth  # noqa: E402
 from engines import skinny_gemm  # noqa: E402
-from engines.kernels import rms_norm, silu_mul  # noqa: E402
+from engines.kernels.paged_attention import rms_norm, silu_mul  # noqa: E402
 
 # Qwen3-0.6B: hidden 1024, 16 x 128 query heads, 8 x 128 KV heads, MLP 3072, vocabulary 151,936
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),

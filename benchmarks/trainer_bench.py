@@ -251,7 +251,7 @@ def main() -> None:
     ap.add_argument("--anchor", action="store_true", help="also time transformers (SDPA) on the same rows")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "relay-trainer-bench"))
     args = ap.parse_args()
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
 
     dtype = "bfloat16" if args.bf16 else "float32"
     positions = max(4096, max(row_lengths(args)))  # the model's positions cover the longest row

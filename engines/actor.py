@@ -7,7 +7,7 @@ import asyncio
 
 from relay import Actor, endpoint
 
-from .interface import TAGS, GenerateResult, RequestCancelled, backend_options, encode_rendered
+from engines.interface import TAGS, GenerateResult, RequestCancelled, backend_options, encode_rendered
 
 INLINE_TOKENIZE_CHARS = 1 << 16  # a batch with more text is tokenized off the event loop
 
@@ -26,18 +26,18 @@ class EngineActor(Actor):
 
     async def setup(self) -> None:
         if self.backend == "torch":
-            from .torch import TorchEngine
+            from engines.builtin import TorchEngine
 
             options = backend_options("torch", self.engine_kwargs)
             peers = options.pop("tp_peers", None)  # follower ranks of a tensor-parallel engine
             if peers:
-                from .torch.tp import start_engine
+                from engines.builtin.tp import start_engine
 
                 self.engine = await start_engine(self.model_path, peers, options)
             else:
                 self.engine = TorchEngine(self.model_path, **options)
         elif self.backend == "sglang":
-            from .sglang_engine import SGLangEngine
+            from engines.sglang.engine import SGLangEngine
 
             self.engine = SGLangEngine(self.model_path, **backend_options("sglang", self.engine_kwargs))
             await self.engine.start()

@@ -36,7 +36,7 @@ ENGINE_OPTIONS = ("device", "weights_mode", "offload", "mem_fraction_static", "k
 
 def backend_options(backend: str, options: dict) -> dict:
     """``options`` (keys of ENGINE_OPTIONS, plus a backend's own tuning keys) as ``backend``'s
-    constructor takes them. The SGLang adapter takes them all (``engines.sglang_args``). The
+    constructor takes them. The SGLang adapter takes them all (``engines.sglang.args``). The
     built-in engine can always sleep and spans several GPUs through follower ranks the
     launcher starts in those GPUs' workers (``tp_peers``, passed on), so it takes no
     ``gpu_ids``; ``offload`` (a colocated engine: the GPU's trainer and other engines share

@@ -25,7 +25,7 @@ WORKER_PRELOAD = (
     "megatron.core.optimizer",
     "megatron.core.distributed",
     "transformers.models.auto.tokenization_auto",
-    "engines.torch",
+    "engines.builtin",
 )
 
 

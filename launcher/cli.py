@@ -188,7 +188,7 @@ def port_number(lowest: int):
 def _make_model(args: argparse.Namespace) -> int:
     import functools
 
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
 
     if args.layers is not None and args.layers < 1:
         print(f"relay make-model: --layers must be at least 1, got {args.layers}", file=sys.stderr)
@@ -208,7 +208,7 @@ def _make_model(args: argparse.Namespace) -> int:
     if args.fp8_block:
         import tempfile
 
-        from engines.checkpoint import quantize_fp8
+        from engines.models.checkpoint import quantize_fp8
 
         with tempfile.TemporaryDirectory() as full:
             make_model(args.arch, args.size, full, seed=args.seed, dtype=args.dtype)

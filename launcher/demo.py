@@ -99,8 +99,8 @@ def shortfall(before: float, after: float, judged_after: float, run_dir: str) ->
 def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3") -> int:
     """The demo with a policy and a judge of architecture ``arch`` (:data:`DEMO_ARCHS`:
     ``qwen3_moe``: tiny Qwen3-MoE models, 4 experts, top 2); exit status 1 below the bar."""
-    from engines.model import ModelConfig
-    from engines.model_builder import make_model
+    from engines.models.model import ModelConfig
+    from engines.models.model_builder import make_model
 
     from .demo_task import write_demo_data
 

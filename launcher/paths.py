@@ -45,7 +45,7 @@ def job_inputs(cfg: JobConfig, mode: str) -> list[Input]:
 def model_problem(path: str) -> str | None:
     """Why ``path`` cannot be loaded here as a model (None: it holds a checkpoint's config.json,
     or ``ensure_model`` builds it on first use): "missing", or what the folder lacks."""
-    from engines.model_builder import builds_on_first_use
+    from engines.models.model_builder import builds_on_first_use
 
     if os.path.isfile(os.path.join(path, "config.json")) or builds_on_first_use(path):
         return None

@@ -33,8 +33,8 @@ import time
 
 import relay
 from engines.actor import EngineActor
-from engines.model_builder import ensure_model
-from engines.torch.tp import FollowerActor
+from engines.models.model_builder import ensure_model
+from engines.builtin.tp import FollowerActor
 from launcher.config import JobConfig
 from launcher.paths import judge_models, problems_here
 from relay import ProcMesh, job_secret, read_secret_file, write_secret_file

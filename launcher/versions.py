@@ -19,8 +19,8 @@ REQUIRED = {"torch": "2.6", "megatron-core": "0.16", "transformers": "4.45"}
 TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "megatron-core": ("0.16", "0.16"),
           "transformers": ("5.17", "5.25")}
 #: SGLang runs as its own server; the adapter speaks the pinned version's arguments and HTTP API
-#: (engines/sglang_protocol.json), tested against a fake of it only
-SGLANG_NOTE = ("SGLang: 0.5.15.post1's server arguments and HTTP API (engines/sglang_protocol.json); tested against "
+#: (engines/sglang/protocol.json), tested against a fake of it only
+SGLANG_NOTE = ("SGLang: 0.5.15.post1's server arguments and HTTP API (engines/sglang/protocol.json); tested against "
                "a fake server that follows it, not against a real SGLang server")
 
 

@@ -1,9 +1,9 @@
-"""Write engines/sglang_protocol.json from an SGLang wheel: the pinned version's server
+"""Write engines/sglang/protocol.json from an SGLang wheel: the pinned version's server
 arguments (ServerArgs fields and their CLI flags), HTTP routes and the request keys of the
 routes the adapter uses. Read with ``ast`` only (SGLang is never imported: it needs CUDA).
 
     pip download sglang==0.5.15.post1 --no-deps -d /tmp/sgl
-    python scripts/sglang_protocol.py /tmp/sgl/sglang-0.5.15.post1-*.whl engines/sglang_protocol.json
+    python scripts/sglang_protocol.py /tmp/sgl/sglang-0.5.15.post1-*.whl engines/sglang/protocol.json
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@
   :mod:`.transfer`: host data to the device without waiting for it.
 
 ``import torch`` in these modules is PyTorch: imports are absolute, and this package is
-only ever imported as ``engines.torch``.
+only ever imported as ``engines.builtin``.
 """
 
-from .engine import TorchEngine
+from engines.builtin.engine import TorchEngine
 
 __all__ = ["TorchEngine"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .sequence import Sequence
+from engines.builtin.sequence import Sequence
 
 
 class BlockManager:

@@ -25,7 +25,7 @@ import torch
 
 import relay
 
-from ..interface import (
+from engines.interface import (
     CONSTRAINTS,
     Engine,
     EngineFailed,
@@ -34,13 +34,13 @@ from ..interface import (
     check_tags,
     checked_sampling,
 )
-from .block_manager import BlockManager
-from .model_runner import ModelRunner
-from .prompts import encode_prompt
-from .sampler import Sampler
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .stepper import Stepper
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.model_runner import ModelRunner
+from engines.builtin.prompts import encode_prompt
+from engines.builtin.sampler import Sampler
+from engines.builtin.scheduler import Scheduler
+from engines.builtin.sequence import Sequence
+from engines.builtin.stepper import Stepper
 
 log = logging.getLogger("relay.engine")
 STEP_FAILURE_LOG_EVERY = 60.0  # seconds between two log lines about failed engine steps
@@ -70,12 +70,12 @@ class TorchEngine(Engine):
         lend_kv: bool = False,
     ):
         """``tp``: (address, port, size) of the tensor-parallel group whose rank 0 this engine
-        is (engines/torch/tp.py: :func:`~.tp.start_engine` starts the followers first).
+        is (engines/builtin/tp.py: :func:`~.tp.start_engine` starts the followers first).
         ``max_context_len``: prompt + max_new_tokens of a request at most (else it is refused
         with a ValueError naming the limit; the judge's ``engine_config.max_context_len``).
         ``ep_size``: a MoE model's experts in that many expert-parallel groups of the
-        engine's ranks (``engine_config.ep_size``; engines/moe.py). ``run_ahead``: launch
-        decode steps before the last one's tokens are read (engines/torch/stepper.py); default:
+        engine's ranks (``engine_config.ep_size``; engines/models/moe.py). ``run_ahead``: launch
+        decode steps before the last one's tokens are read (engines/builtin/stepper.py); default:
         on CUDA (on CPU the device is the host: nothing to overlap). ``lend_kv``: a sleep hands
         the KV cache's tensors, whole, to the next engine of this process that wakes on the
         GPU (engines/kv_pool.py) instead of freeing them — memory freed and asked for
@@ -98,7 +98,7 @@ class TorchEngine(Engine):
         self.blocks = BlockManager(block_size, max_running)
         self.tp = None
         if tp is not None and tp[2] > 1:
-            from .tp import TPGroup
+            from engines.builtin.tp import TPGroup
 
             self.tp = TPGroup(tp[0], tp[1], 0, tp[2], self.device)
         self.runner = ModelRunner(model_path, self.blocks, device=self.device, dtype=self.dtype,
@@ -350,7 +350,7 @@ class TorchEngine(Engine):
                                         timeout_s: float = 600.0) -> None:
         """Join the trainer's broadcast group as rank ``rank_offset`` (the trainer is rank 0);
         returns once every member joined, raises after ``timeout_s`` otherwise."""
-        from ..weight_sync import BroadcastGroup
+        from engines.weight_sync import BroadcastGroup
 
         if group_name in self.weights.groups:
             raise ValueError(f"{self.name}: weight-update group {group_name!r} exists; destroy it first")

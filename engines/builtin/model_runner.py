@@ -9,23 +9,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import kv_pool
-from ..fused_decode import pack_projections
-from ..hybrid_model import build_causal_lm
-from ..interface import SamplingParams
-from ..model import ModelConfig, _inv_freq
-from ..weight_names import load_weights
-from .block_manager import BlockManager
-from .sampler import greedy_pairs
-from .scheduler import StepPlan
-from .sequence import Sequence
-from .state_pool import StatePool
-from .transfer import host_tensor, to_device
-from .weights import Weights
+from engines import kv_pool
+from engines.kernels.fused_decode import pack_projections
+from engines.models.hybrid_model import build_causal_lm
+from engines.interface import SamplingParams
+from engines.models.model import ModelConfig, _inv_freq
+from engines.models.weight_names import load_weights
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.sampler import greedy_pairs
+from engines.builtin.scheduler import StepPlan
+from engines.builtin.sequence import Sequence
+from engines.builtin.state_pool import StatePool
+from engines.builtin.transfer import host_tensor, to_device
+from engines.builtin.weights import Weights
 
 
 class ModelRunner:
-    """With ``tp`` (engines/torch/tp.py), this rank's shard; rank 0 sends each operation on
+    """With ``tp`` (engines/builtin/tp.py), this rank's shard; rank 0 sends each operation on
     the model or the cache to the followers (:meth:`_mirror`) before it runs it, and a
     follower's runner is driven by those operations (its cache sized by rank 0)."""
 
@@ -427,7 +427,7 @@ class DecodeGraphs:
     def pick_greedy(self, b: int) -> torch.Tensor:
         """Each row's argmax of the last replay's logits at batch size ``b`` and its
         log-probability, [b, 2] float64, by a graph of its own (one launch for the ~8
-        kernels: the sampler's greedy rule, engines/torch/sampler.py); overwritten by the next."""
+        kernels: the sampler's greedy rule, engines/builtin/sampler.py); overwritten by the next."""
         if b not in self.pickers:
             logits = self.graphs[b][1]
             dev = self.runner.device

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .sequence import Sequence
-from .transfer import to_device
+from engines.builtin.sequence import Sequence
+from engines.builtin.transfer import to_device
 
 
 class PenaltyState:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import triton
+from engines.kernels.paged_attention import triton
 
 _K_SEED, _K_POS, _K_TOK = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xABC98388FB8FAC03
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

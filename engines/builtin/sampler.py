@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from ..interface import SamplingParams
-from ..kernels import triton_usable
-from ..sample_kernels import sample_pairs, seeded_gumbel_argmax, seeded_uniform
-from .penalties import apply_penalties, min_p_mask
-from .sequence import Sequence
-from .transfer import to_device
+from engines.interface import SamplingParams
+from engines.kernels.paged_attention import triton_usable
+from engines.builtin.sample_kernels import sample_pairs, seeded_gumbel_argmax, seeded_uniform
+from engines.builtin.penalties import apply_penalties, min_p_mask
+from engines.builtin.sequence import Sequence
+from engines.builtin.transfer import to_device
 
 
 def greedy_pairs(logits: torch.Tensor) -> torch.Tensor:
     """[B, 2] float64: each row's argmax (the first of equal ones) and its log-probability:
     the greedy rule, by :func:`sample_pairs` where Triton runs (so the decode graph's picker,
-    engines/torch/model_runner.py, and an eager step agree exactly), else by torch."""
+    engines/builtin/model_runner.py, and an eager step agree exactly), else by torch."""
     if triton_usable(logits.device):
         return sample_pairs(logits)
     logits = logits.float()

@@ -36,8 +36,8 @@ import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .sequence import Sequence
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.sequence import Sequence
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from ..interface import SamplingParams
+    from engines.interface import SamplingParams
 
 
 @dataclass(eq=False, slots=True)  # identity: requests are compared in list scans every step; slots: read every step
@@ -28,7 +28,7 @@ class Sequence:
     cached_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     text_before_stop: str | None = None  # the text, set when a stop (trimmed off it) ended the request
-    penalty: object | None = None  # a PenaltyState (engines/torch/penalties.py) when penalties are asked
+    penalty: object | None = None  # a PenaltyState (engines/builtin/penalties.py) when penalties are asked
     weight_version: int = 0  # the engine's weights when the request arrived (the oldest that generated it)
     cohort: int = 0  # the requests it runs with: 0 (all), or a quarantine group after a failed step (scheduler.py)
     step_failures: int = 0  # failed steps it was in

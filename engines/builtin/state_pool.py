@@ -1,4 +1,4 @@
-"""The per-sequence state of a hybrid model's linear-attention layers (engines/linear_attention.py),
+"""The per-sequence state of a hybrid model's linear-attention layers (engines/models/linear_attention.py),
 beside the paged KV cache that its full-attention layers use.
 
 A running request's state row is its block-table row (:class:`.block_manager.BlockManager`):
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linear_attention import state_shapes
+from engines.models.linear_attention import state_shapes
 
 
 class StatePool:

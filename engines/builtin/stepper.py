@@ -1,4 +1,4 @@
-"""The engine thread's steps (engines/torch/engine.py hands each hop of work to
+"""The engine thread's steps (engines/builtin/engine.py hands each hop of work to
 :meth:`Stepper.steps`): the scheduler plans a step, the model runner runs it, the sampler
 picks the tokens and the scheduler appends them; with ``run_ahead``, decode steps are
 launched before the tokens of the one before are read (:meth:`Stepper._run_ahead`), except
@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import torch
 
-from .model_runner import ModelRunner
-from .sampler import Sampler
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .transfer import to_device
+from engines.builtin.model_runner import ModelRunner
+from engines.builtin.sampler import Sampler
+from engines.builtin.scheduler import Scheduler
+from engines.builtin.sequence import Sequence
+from engines.builtin.transfer import to_device
 
 #: decode steps launched ahead (each before the last one's tokens are read) per scheduled step,
 #: at most; once a request finished, at most ``REPORT_WITHIN`` more (so that it is reported soon)

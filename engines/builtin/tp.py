@@ -44,7 +44,7 @@ class TPGroup:
 
     def __init__(self, address: str, port: int, rank: int, size: int, device: torch.device,
                  join_timeout: float = JOIN_TIMEOUT):
-        from ..weight_sync import BroadcastGroup
+        from engines.weight_sync import BroadcastGroup
 
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -121,7 +121,7 @@ class TPGroup:
 def follow(runner, tp: TPGroup) -> None:
     """A follower's loop: run rank 0's operations on its own ``runner`` (a
     :class:`~.model_runner.ModelRunner` of this rank's shard) until ``stop``."""
-    from ..weight_sync import unflatten
+    from engines.weight_sync import unflatten
 
     while True:
         op, args = tp.recv()
@@ -159,8 +159,8 @@ class Follower:
 
     def _run(self, model_path, address, port, rank, size, device, dtype, block_size, max_running, cpu_threads,
              runner_kwargs) -> None:
-        from .block_manager import BlockManager
-        from .model_runner import ModelRunner
+        from engines.builtin.block_manager import BlockManager
+        from engines.builtin.model_runner import ModelRunner
 
         try:
             dev = torch.device(device)
@@ -217,7 +217,7 @@ async def start_engine(model_path: str, peers: list, engine_kwargs: dict, timeou
     import asyncio
     import socket
 
-    from .engine import TorchEngine
+    from engines.builtin.engine import TorchEngine
 
     host = relay.settings().host
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -12,9 +12,9 @@ import uuid
 
 import torch
 
-from ..fused_decode import pack_projections, unpack_projections
-from ..model import ModelConfig
-from ..weight_names import copy_all, place_weight
+from engines.kernels.fused_decode import pack_projections, unpack_projections
+from engines.models.model import ModelConfig
+from engines.models.weight_names import copy_all, place_weight
 
 
 class Weights:
@@ -118,7 +118,7 @@ class Weights:
             raise RuntimeError(f"{self.name}: wake(['weights']) before update_weights()")
         self.backup_current = False  # the values change: the next sleep backs them up again
         if self.cfg.tp_size > 1 and self.cfg.tp_rank == 0:
-            from ..weight_sync import flatten
+            from engines.weight_sync import flatten
 
             items = list(items)
             buf, metas = flatten(items, self.device)
@@ -127,7 +127,7 @@ class Weights:
         params = dict(self.model.named_parameters())
         copies: list = []
         covered: set = set()
-        for name, tensor in items:  # per-expert or fused expert tensors, VL names: engines/weight_names.py
+        for name, tensor in items:  # per-expert or fused expert tensors, VL names: engines/models/weight_names.py
             covered.update(place_weight(self.model, params, name, tensor, "update_weights", copies))
         copy_all(copies)  # nothing is copied when a tensor is refused
         self.seen |= covered
@@ -148,7 +148,7 @@ class Weights:
 
     def sync_info(self) -> dict:
         """What a trainer needs to pick the transport: CUDA IPC needs the same physical GPU."""
-        from ..weight_sync import device_uuid
+        from engines.weight_sync import device_uuid
 
         return {"backend": "torch", "device_type": self.device.type, "uuid": device_uuid(self.device),
                 "pid": os.getpid(), "engine_id": self.engine_id, "tp_size": self.cfg.tp_size,
@@ -160,7 +160,7 @@ class Weights:
         after that). ``handle`` a dict: one flat bucket, ``metas`` ``(name, shape, dtype,
         offset)``; a list: storages shared in place, ``metas`` views of them
         (``weight_sync.share_in_place``). ``last`` completes ``version``."""
-        from ..weight_sync import open_ipc, open_views, unflatten
+        from engines.weight_sync import open_ipc, open_views, unflatten
 
         if self.device.type != "cuda" and not (handle and _in_process(handle)):
             raise RuntimeError(f"{self.name}: CUDA IPC weight sync needs a CUDA engine; this one runs on {self.device}")
@@ -181,7 +181,7 @@ class Weights:
         """Receive one bucket that the trainer broadcasts in ``group`` as one flat buffer
         laid out by ``weight_sync.metas_for``, and copy it in. ``last`` completes
         ``version``."""
-        from ..weight_sync import metas_for, unflatten
+        from engines.weight_sync import metas_for, unflatten
 
         metas, total = metas_for(names, dtypes, shapes)
         buf = torch.empty(total, dtype=torch.uint8, device=self.device)

@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import skinny_gemm
-from .kernels import paged_decode_attention, rms_norm, silu_mul, triton
-from .moe import SparseMoE
+from engines.kernels import skinny_gemm
+from engines.kernels.paged_attention import paged_decode_attention, rms_norm, silu_mul, triton
+from engines.models.moe import SparseMoE
 
 if triton is not None:
     import triton.language as tl
 
-    from .kernels import normed_rotated
+    from engines.kernels.paged_attention import normed_rotated
 
     @triton.jit
     def _qkv_rope_kernel(

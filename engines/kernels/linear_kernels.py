@@ -1,4 +1,4 @@
-"""Triton kernels of a Gated DeltaNet layer (engines/linear_attention.py). Decode: the
+"""Triton kernels of a Gated DeltaNet layer (engines/models/linear_attention.py). Decode: the
 short causal conv1d update of the conv state and the one-token gated delta rule on the
 recurrent state, both reading and writing the state rows ``rows`` (a device tensor) of the
 layer's pool in place. Nothing there waits on the device (no ``.item()``, no data-dependent
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import triton
+from engines.kernels.paged_attention import triton
 
 if triton is not None:
     import triton.language as tl
@@ -308,7 +308,7 @@ SCAN_LAUNCH = {"num_warps": 8, "num_stages": 2}
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                     tf32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunked_delta_rule`` (engines/linear_attention.py) in Triton: ``q, k`` [S, L, H, Dk],
+    """``chunked_delta_rule`` (engines/models/linear_attention.py) in Triton: ``q, k`` [S, L, H, Dk],
     ``v`` [S, L, H, Dv], ``beta, g`` [S, L, H], all float32, from a zero state. Returns
     (outputs [S, L, H, Dv], final states [S, H, Dk, Dv]), float32. Chunks of 64 positions.
     ``tf32``: the scan's matrix products on TF32 tensor cores (10-bit mantissas: for inputs

@@ -29,7 +29,7 @@ try:  # Triton ships with CUDA builds of torch; on CPU it is optional (interpret
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 if triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
-    from .triton_interpreter import skip_nested_language_patches
+    from engines.kernels.triton_interpreter import skip_nested_language_patches
 
     skip_nested_language_patches()
 

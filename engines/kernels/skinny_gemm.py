@@ -8,7 +8,7 @@ computes ``BLOCK_N`` outputs of every row from whole weight rows (loads issued t
 programs per SM), and the input may first go through
 
 - ``norm_weight`` (+ ``residual``): the RMSNorm of the decode layer (``rms_norm`` in
-  engines/kernels.py, same roundings), the sum ``x + residual`` written once for the next
+  engines/kernels/paged_attention.py, same roundings), the sum ``x + residual`` written once for the next
   layer: what was a kernel of its own before the q/k/v and gate/up projections;
 - ``silu_input``: ``silu(gate) * up`` of a packed gate/up row (``silu_mul``'s roundings),
   before the down projection.
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import multiprocessors, triton, triton_usable
+from engines.kernels.paged_attention import multiprocessors, triton, triton_usable
 
 #: the most rows the kernel serves
 KERNEL_ROWS = 8
-#: the decode batches that use it (engines/fused_decode.py): on an H200 it beat cuBLAS at 1 row
+#: the decode batches that use it (engines/kernels/fused_decode.py): on an H200 it beat cuBLAS at 1 row
 #: on every projection of a 0.6B model and lost at 4 and 8 (benchmarks/skinny_gemm_sweep.py)
 MAX_ROWS = 1
 #: weight elements one program holds at once

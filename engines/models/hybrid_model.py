@@ -1,11 +1,11 @@
 """Qwen3.5's hybrid text model (``qwen3_5_moe``) in the built-in engine: Gated DeltaNet
-linear-attention layers (engines/linear_attention.py; a per-sequence state in the engine's
+linear-attention layers (engines/models/linear_attention.py; a per-sequence state in the engine's
 state pool) between gated full-attention layers (the paged KV cache holds only these:
 cache layer ``j`` is the ``j``-th full-attention layer), MoE MLPs with a shared expert
-(engines/moe.py). On CUDA the decode step runs in Triton kernels (the linear-attention
-layers': engines/linear_kernels.py) and waits on nothing, so the runner captures it in CUDA
+(engines/models/moe.py). On CUDA the decode step runs in Triton kernels (the linear-attention
+layers': engines/kernels/linear_kernels.py) and waits on nothing, so the runner captures it in CUDA
 graphs; prefill's linear attention is the reference path (plain torch) on every device.
-Over several GPUs (engines/torch/tp.py) each rank holds its share of the attention heads, the
+Over several GPUs (engines/builtin/tp.py) each rank holds its share of the attention heads, the
 linear-attention heads (``shard_linear_tensor``), the experts and their state, and the
 outputs of each token mixer and MLP are summed over the ranks, as in :class:`CausalLM`.
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import paged_decode_attention
-from .model import Attention, CausalLM, ModelConfig, _rotate_half
+from engines.kernels.paged_attention import paged_decode_attention
+from engines.models.model import Attention, CausalLM, ModelConfig, _rotate_half
 
 
 def gated_qkv(cfg: ModelConfig, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

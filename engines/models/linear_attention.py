@@ -1,7 +1,7 @@
 """Gated DeltaNet, the linear-attention token mixer of Qwen3.5's hybrid models
 (``qwen3_5_moe``: most layers are this, every ``full_attention_interval``-th layer is gated
 full attention): the reference path (plain torch on any device, float32 recurrence) and, for
-decode on CUDA (or under Triton's interpreter), the Triton kernels of engines/linear_kernels.py.
+decode on CUDA (or under Triton's interpreter), the Triton kernels of engines/kernels/linear_kernels.py.
 
 A layer keeps, per sequence, a fixed-size state instead of a growing KV cache: the last
 ``K - 1`` inputs of its short causal convolution (``conv`` [C, K - 1], C the q/k/v channels)
@@ -19,7 +19,7 @@ maths in Triton, tested but not used: slower for batched prompts on an H200 so f
 rows of a prefill take ``beta = 0`` and ``g = 0``: they leave the state as the last real token
 left it.
 
-The state lives in the engine's state pool (engines/torch/state_pool.py), one slot per
+The state lives in the engine's state pool (engines/builtin/state_pool.py), one slot per
 running sequence; prefill writes a sequence's slot from scratch (a preempted sequence is
 prefilled again from its tokens, which recomputes it), decode reads and writes it.
 """
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import triton_usable
-from .linear_kernels import conv_decode, recurrent_decode
+from engines.kernels.paged_attention import triton_usable
+from engines.kernels.linear_kernels import conv_decode, recurrent_decode
 
 #: chunk length of the prefill's chunked delta rule
 CHUNK = 64
@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
     def decode(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One token per sequence, ``x`` [B, H]: outputs [B, H]; the states of rows ``rows``
         [B] of ``conv`` and ``rec`` read and advanced by that token. On CUDA (or under
-        Triton's interpreter) through the kernels of engines/linear_kernels.py, which wait on
+        Triton's interpreter) through the kernels of engines/kernels/linear_kernels.py, which wait on
         nothing (a CUDA graph can hold them); elsewhere the torch reference below."""
         if triton_usable(x.device):
             mixed = conv_decode(self.in_proj_qkv(x), conv, self.conv1d.weight, rows)

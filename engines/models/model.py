@@ -1,7 +1,7 @@
 """The built-in engine's own forward pass for the Qwen2, Qwen3 (qk-norm) and Llama dense
-families, Qwen3-MoE (mixture-of-experts MLPs: engines/moe.py) and the text model of Qwen3-VL
+families, Qwen3-MoE (mixture-of-experts MLPs: engines/models/moe.py) and the text model of Qwen3-VL
 (-MoE), over a paged KV cache. Parameter names are the HF checkpoint names (stacked experts
-aside: engines/weight_names.py maps checkpoint names onto the parameters, at load and in
+aside: engines/models/weight_names.py maps checkpoint names onto the parameters, at load and in
 weight updates).
 """
 
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import paged_decode_attention, triton_usable
-from .linear_attention import GatedDeltaNet, check_shardable, hybrid_fields, shard_linear_tensor
-from .moe import SparseMoE, check_moe_shardable, expert_names, shard_expert_tensor
+from engines.kernels.paged_attention import paged_decode_attention, triton_usable
+from engines.models.linear_attention import GatedDeltaNet, check_shardable, hybrid_fields, shard_linear_tensor
+from engines.models.moe import SparseMoE, check_moe_shardable, expert_names, shard_expert_tensor
 
 
 @dataclass
@@ -50,9 +50,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: tuple = ()
     router_aux_loss_coef: float = 0.0
-    ep_size: int = 1  # expert-parallel groups of an engine's ranks (shard_for; engines/moe.py)
+    ep_size: int = 1  # expert-parallel groups of an engine's ranks (shard_for; engines/models/moe.py)
     ep_rank: int = 0
-    # hybrid models (qwen3_5_moe; engines/linear_attention.py): each layer's token mixer,
+    # hybrid models (qwen3_5_moe; engines/models/linear_attention.py): each layer's token mixer,
     # "linear_attention" (Gated DeltaNet) or "full_attention"; () for a model of full attention only
     layer_types: tuple = ()
     linear_conv_kernel: int = 0
@@ -90,7 +90,7 @@ class ModelConfig:
         """This config for rank ``tp_rank`` of an engine over ``tp_size`` GPUs (Megatron-style:
         attention heads, the MLP's intermediate size and an untied vocabulary split across
         ranks; KV heads split too, or replicated when there are fewer than ranks), a MoE
-        model's experts in ``ep_size`` expert-parallel groups of ranks (engines/moe.py; a
+        model's experts in ``ep_size`` expert-parallel groups of ranks (engines/models/moe.py; a
         dense model ignores ``ep_size``, as SGLang does). Raises ValueError naming the
         dimension that does not divide."""
         import dataclasses
@@ -310,7 +310,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
-        self.tp = None  # the engine's tensor-parallel group (engines/torch/tp.py) when tp_size > 1
+        self.tp = None  # the engine's tensor-parallel group (engines/builtin/tp.py) when tp_size > 1
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of a row-parallel projection's partial output (in place)."""
@@ -408,8 +408,8 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         x = self.model.embed_tokens(input_ids)
         scale = cfg.head_dim**-0.5
-        if triton_usable(x.device):  # the per-layer work in few kernels: engines/fused_decode.py
-            from .fused_decode import decode_fused
+        if triton_usable(x.device):  # the per-layer work in few kernels: engines/kernels/fused_decode.py
+            from engines.kernels.fused_decode import decode_fused
 
             return decode_fused(self, x, positions, slots, block_tables, context_lens, k_cache, v_cache)
         cos, sin = self._rope(positions, x.dtype)
@@ -437,7 +437,7 @@ def shard_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Ten
     where it can be; the tensor itself without tensor parallelism."""
     if cfg.tp_size == 1:
         return tensor
-    if ".mlp.experts." in name or ".mlp.shared_expert." in name:  # engines/moe.py: by the experts' sizes
+    if ".mlp.experts." in name or ".mlp.shared_expert." in name:  # engines/models/moe.py: by the experts' sizes
         return shard_expert_tensor(cfg, name, tensor)
     if ".linear_attn." in name:  # a hybrid model's Gated DeltaNet layer
         return shard_linear_tensor(cfg, name, tensor)

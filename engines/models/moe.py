@@ -11,7 +11,7 @@ dtype. Experts are stored stacked, as transformers 5 holds them in memory:
 ``experts.down_proj`` [E, H, I]; checkpoints name them per expert
 (``mlp.experts.{e}.gate_proj.weight`` ...; what real Qwen3-MoE checkpoints and transformers'
 ``save_pretrained`` write) or fused (``mlp.experts.gate_up_proj``, Qwen3-VL-MoE checkpoints,
-there [E, H, 2 * I]): engines/weight_names.py maps both onto these tensors.
+there [E, H, 2 * I]): engines/models/weight_names.py maps both onto these tensors.
 
 Two paths compute the experts, same contract:
 
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import silu_mul, triton, triton_usable
+from engines.kernels.paged_attention import silu_mul, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl

@@ -1,5 +1,5 @@
 """HF checkpoint tensors into the built-in engine's parameters, by HF name: at load
-(``load_weights``) and in weight updates (``place_weight``, engines/torch/weights.py).
+(``load_weights``) and in weight updates (``place_weight``, engines/builtin/weights.py).
 
 - A VL checkpoint (Qwen3-VL, Qwen3-VL-MoE) stores its text model under
   ``model.language_model.`` (served as ``model.``) and its vision tower under
@@ -7,7 +7,7 @@
 - A Qwen3.5 checkpoint's multi-token-prediction head (``mtp.*``: a projection, norms and
   one extra layer, for speculative decoding) is skipped by name: the engine does not
   speculate, so it holds no MTP weights.
-- MoE experts are held stacked (engines/moe.py) and addressed by the names checkpoints
+- MoE experts are held stacked (engines/models/moe.py) and addressed by the names checkpoints
   use: per expert (``...mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``: real
   Qwen3-MoE checkpoints and what transformers' ``save_pretrained`` writes for them) or fused
   (``...mlp.experts.gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] as transformers 5
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import CausalLM, shard_tensor
-from .moe import FUSED, PER_EXPERT, expert_names, expert_tp, local_experts
+from engines.models.model import CausalLM, shard_tensor
+from engines.models.moe import FUSED, PER_EXPERT, expert_names, expert_tp, local_experts
 
 VL_TEXT_PREFIX = "model.language_model."
 VL_VISION_PREFIX = "model.visual."
@@ -115,8 +115,8 @@ def copy_all(copies: list) -> None:
 def load_weights(model: CausalLM, path: str) -> None:
     """Load every ``*.safetensors`` file of an HF checkpoint directory (strict names: every
     tensor known, every parameter covered; a block-FP8 checkpoint's weights dequantized:
-    engines/checkpoint.py)."""
-    from .checkpoint import checkpoint_tensors
+    engines/models/checkpoint.py)."""
+    from engines.models.checkpoint import checkpoint_tensors
 
     params = dict(model.named_parameters())
     seen = set()

@@ -1,7 +1,7 @@
 """The SGLang server's command line, computed from the engine options every backend takes
 (``engines.interface.ENGINE_OPTIONS``), as the original computes it (reference: relax
 ``_compute_genrm_server_args`` and slime ``_compute_server_args``), and the pinned SGLang
-version's protocol record (``engines/sglang_protocol.json``: its server arguments, HTTP
+version's protocol record (``engines/sglang/protocol.json``: its server arguments, HTTP
 routes and request keys; written by ``scripts/sglang_protocol.py`` from the wheel).
 
 Nothing here imports SGLang (it is CUDA-only): the adapter runs ``python -m
@@ -27,7 +27,7 @@ OWN = ("model_path", "host", "port")
 def protocol() -> dict:
     """The pinned SGLang version's record (``sglang_version``, ``server_args``, ``routes``,
     ``requests``, ``sampling_params``)."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_protocol.json")) as f:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol.json")) as f:
         return json.load(f)
 
 

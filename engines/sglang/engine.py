@@ -1,8 +1,8 @@
 """The SGLang adapter: the Engine interface over a ``python -m sglang.launch_server`` process
 spanning the engine's GPUs, driven through SGLang's HTTP API as pinned in
-``engines/sglang_protocol.json`` (sglang 0.5.15.post1; docs/engines.md, "The SGLang adapter").
+``engines/sglang/protocol.json`` (sglang 0.5.15.post1; docs/engines.md, "The SGLang adapter").
 Its command line comes from the engine options every backend takes
-(``engines.sglang_args.server_fields``); every request it sends is checked against the
+(``engines.sglang.args.server_fields``); every request it sends is checked against the
 pinned version's routes and request keys.
 
 Pitfalls it handles: release asserts the server is idle, so sleep first pauses (abort
@@ -29,8 +29,8 @@ import subprocess
 import sys
 import time
 
-from . import sglang_weights
-from .interface import (
+from engines.sglang import weights as sglang_weights
+from engines.interface import (
     CONSTRAINTS,
     TAGS,
     Engine,
@@ -40,7 +40,7 @@ from .interface import (
     check_tags,
     checked_sampling,
 )
-from .sglang_args import check_request, protocol, server_argv, server_env, server_fields
+from engines.sglang.args import check_request, protocol, server_argv, server_env, server_fields
 
 #: SamplingParams keys that SGLang's /generate takes under the same name and meaning.
 SGLANG_PASSTHROUGH = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_new_tokens",
@@ -67,7 +67,7 @@ class SGLangEngine(Engine):
     (``--max-total-tokens``), ``gpu_ids`` (the node's GPU ids it spans: ``--tp-size`` and
     ``--base-gpu-id``) and ``engine_config`` (dp/pp/ep sizes, context length and any other
     server argument of the pinned version; unknown keys are dropped with a warning). See
-    ``engines.sglang_args.server_fields``."""
+    ``engines.sglang.args.server_fields``."""
 
     def __init__(
         self,
@@ -325,7 +325,7 @@ class SGLangEngine(Engine):
         layout (``align`` 1); on CPU the relay path (``update_weights``)."""
         uuid = None
         if self.device == "cuda" and self.offload:  # the colocated trainer rank's process: CUDA is up already
-            from .weight_sync import device_uuid
+            from engines.weight_sync import device_uuid
 
             uuid = device_uuid("cuda")
         return {"backend": "sglang", "device_type": self.device, "uuid": uuid, "ranks": self.fields["tp_size"],

@@ -18,15 +18,16 @@ import threading
 import torch
 
 import relay
-from engines import kv_pool, weight_sync
+from engines import kv_pool
+from engines import weight_sync
 from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
 
-from . import batching, checkpoint_io
-from .batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
-from .dist_init import _init_process_group
-from .loss import LossConfig, policy_loss, token_weights
-from .train_batch import StepStats, TrainBatch
+from engines.trainer import batching, checkpoint_io
+from engines.trainer.batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
+from engines.trainer.dist_init import _init_process_group
+from engines.trainer.loss import LossConfig, policy_loss, token_weights
+from engines.trainer.train_batch import StepStats, TrainBatch
 
 MOE_TP_TRAINING = (
     "training a mixture-of-experts model with tensor parallelism needs Megatron's sequence parallelism, which "
@@ -106,12 +107,12 @@ class TrainerActor(Actor):
     def setup(self) -> None:
         import torch.distributed as dist
 
-        from engines.checkpoint import checkpoint_tensors
-        from engines.model import ModelConfig
+        from engines.models.checkpoint import checkpoint_tensors
+        from engines.models.model import ModelConfig
 
-        from . import cpu_shim
-        from .megatron_model import build_gpt, hf_to_megatron, shard_for_rank
-        from .moe_convert import select_local_experts
+        from engines.trainer import cpu_shim
+        from engines.trainer.megatron_model import build_gpt, hf_to_megatron, shard_for_rank
+        from engines.trainer.moe_convert import select_local_experts
 
         cpu_shim.install()
         self.device = (
@@ -139,7 +140,7 @@ class TrainerActor(Actor):
             raise KeyError(
                 f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {list(unexpected)[:3]}"
             )
-        from .optim import MegatronAdamW, TorchAdamW
+        from engines.trainer.optim import MegatronAdamW, TorchAdamW
 
         # auto: Megatron's distributed optimizer where it helps (DP > 1: optimizer state
         # sharded over DP) or is needed (bf16 params: fp32 master weights); else torch AdamW.
@@ -347,7 +348,7 @@ class TrainerActor(Actor):
         with ``copy=False`` (views of the params where TP = 1) use them inside the body.
         ``lazy``: q/k/v are views of the fused weight (``weight_sync.shaped``), for the
         in-place weight sync only."""
-        from .megatron_model import gather_full, megatron_to_hf
+        from engines.trainer.megatron_model import gather_full, megatron_to_hf
 
         with self.opt.params_present():
             full = gather_full(

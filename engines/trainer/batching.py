@@ -115,7 +115,7 @@ def logprobs(model, cfg, seqs: list, device, temperature: float, width: int | No
              pack: bool):
     """A micro-batch's log-probs (and entropies with ``entropy``) in the padded layout
     ``[rows, width - 1]``, from padded rows or one packed row (``pack``)."""
-    from .megatron_model import token_logprobs
+    from engines.trainer.megatron_model import token_logprobs
 
     width = width or max(len(s) for s in seqs)
     if pack:

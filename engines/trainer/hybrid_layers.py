@@ -5,17 +5,17 @@ modules of our own in them, since megatron-core 0.16's Gated DeltaNet needs
 flash-linear-attention (Triton; no CPU path) and its hybrid block spec TransformerEngine:
 
 - :class:`LinearAttention`: the Gated DeltaNet token mixer, the engine's module
-  (engines/linear_attention.py, HF parameter names) run over whole sequences from a zero
+  (engines/models/linear_attention.py, HF parameter names) run over whole sequences from a zero
   state (its chunked delta rule, differentiable);
 - :class:`GatedAttention`: full attention with the per-head output gate, q/k RMSNorm and
-  partial RoPE, the engine's maths (engines/hybrid_model.py ``gated_qkv``), causal SDPA;
+  partial RoPE, the engine's maths (engines/models/hybrid_model.py ``gated_qkv``), causal SDPA;
 - :class:`OffsetRMSNorm`: the zero-centred RMSNorm (scale ``1 + weight``) of every layer.
 
 Sequences are right-padded (engines/trainer/batching.py): a causal mixer's real tokens never
 see the padding after them. Positions are ``0 .. L - 1`` (RoPE is computed here; the
 GPTModel has no position embedding of its own). Under tensor parallel each rank's mixer
 holds its share of the heads, as the engine's does (the HF tensors sharded by
-engines/model.py ``shard_tensor``: :func:`shard_mixer`, gathered back by
+engines/models/model.py ``shard_tensor``: :func:`shard_mixer`, gathered back by
 :func:`unshard_mixer`): the input enters through Megatron's copy-to-TP region, the output
 projection's partial sums are reduced over TP, and the norms every head shares
 (``q_norm``, ``k_norm``, the gated norm) are marked ``tp_partial_grad`` (their gradients are
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.hybrid_model import gated_qkv
-from engines.linear_attention import GatedDeltaNet
-from engines.model import Attention, ModelConfig, _inv_freq
+from engines.models.hybrid_model import gated_qkv
+from engines.models.linear_attention import GatedDeltaNet
+from engines.models.model import Attention, ModelConfig, _inv_freq
 
 #: the text model's prefix in the VL-wrapped checkpoints (Qwen3_5MoeForConditionalGeneration)
 VL_TEXT = "model.language_model."
@@ -152,7 +152,7 @@ class GatedAttention(Attention):
 
 def check_hybrid(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError when the trainer cannot build this hybrid config."""
-    from engines.linear_attention import check_shardable
+    from engines.models.linear_attention import check_shardable
 
     if tp > 1:
         check_shardable(cfg, tp)  # the linear-attention heads
@@ -221,7 +221,7 @@ def _hf_name(cfg: ModelConfig, name: str) -> str:
 
 def shard_mixer(cfg: ModelConfig, name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """This TP rank's part of a token mixer's full tensor (the engine's sharding)."""
-    from engines.model import shard_tensor
+    from engines.models.model import shard_tensor
 
     return shard_tensor(_rank_config(cfg, tp, rank), _hf_name(cfg, name), tensor).clone()
 

@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from engines.model import ModelConfig
+from engines.models.model import ModelConfig
 
 
 def moe_options(cfg: ModelConfig, ep: int = 1, aux_loss_coeff: float | None = None) -> dict:
@@ -24,7 +24,7 @@ def moe_options(cfg: ModelConfig, ep: int = 1, aux_loss_coeff: float | None = No
     the allgather token dispatcher runs on gloo/CPU; experts are SequentialMLPs (no grouped GEMM)."""
     if not cfg.num_experts:
         return {}
-    from .moe_convert import moe_layer_pattern
+    from engines.trainer.moe_convert import moe_layer_pattern
 
     coeff = cfg.router_aux_loss_coef if aux_loss_coeff is None else aux_loss_coeff
     shared = cfg.shared_expert_intermediate_size
@@ -97,13 +97,13 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
         )
     config = transformer_config(cfg, tp, dtype, ep, aux_loss_coeff, recompute)
     if cfg.num_experts:
-        from .moe_convert import check_moe
+        from engines.trainer.moe_convert import check_moe
 
         check_moe(cfg, ep)
     elif ep != 1:
         raise ValueError(f"expert parallel size {ep} needs a mixture-of-experts model; {cfg.arch} is dense")
     if cfg.hybrid:
-        from .hybrid_layers import check_hybrid, hybrid_block_spec
+        from engines.trainer.hybrid_layers import check_hybrid, hybrid_block_spec
 
         check_hybrid(cfg, tp)
         spec = hybrid_block_spec(config, cfg)
@@ -112,7 +112,7 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm)
     if attention == "sdpa":  # a hybrid's gated attention is SDPA already (hybrid_layers.py)
-        from .attention import use_sdpa
+        from engines.trainer.attention import use_sdpa
 
         use_sdpa(spec)
     elif attention != "local":
@@ -175,7 +175,7 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
         if not cfg.is_moe_layer(i):
             pairs.append((h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"))
         if cfg.hybrid:
-            from .hybrid_layers import layer_renames
+            from engines.trainer.hybrid_layers import layer_renames
 
             pairs += layer_renames(cfg, i)
             continue
@@ -201,8 +201,8 @@ def hf_to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, t
     """HF tensor names -> the GPTModel state dict (TP=1; experts by global index: EP=1). A VL
     checkpoint's text model is read under ``cfg.text_prefix``; its vision tower and a Qwen3.5
     MTP head are not part of the model (engines/trainer/hybrid_layers.py ``NOT_TRAINED``)."""
-    from .hybrid_layers import text_names
-    from .moe_convert import hf_to_megatron_moe, per_expert
+    from engines.trainer.hybrid_layers import text_names
+    from engines.trainer.moe_convert import hf_to_megatron_moe, per_expert
 
     hf, _ = text_names(hf)
     if cfg.num_experts:
@@ -227,7 +227,7 @@ def megatron_to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor], lazy: bool = F
     experts under their per-expert checkpoint names; the text model under ``cfg.text_prefix``).
     ``lazy``: q/k/v as views of the fused weight (``weight_sync.shaped``; the in-place weight
     sync reads them), not copies."""
-    from .moe_convert import megatron_to_hf_moe
+    from engines.trainer.moe_convert import megatron_to_hf_moe
 
     out = {h: sd[m] for h, m in _renames(cfg)}
     for i in range(cfg.num_layers):
@@ -268,7 +268,7 @@ def shard_for_rank(sd: dict[str, torch.Tensor], tp: int, rank: int, cfg: ModelCo
                    ) -> dict[str, torch.Tensor]:
     """The TP=1 state dict -> this tensor-parallel rank's shard (a hybrid ``cfg``'s token
     mixers by heads: engines/trainer/hybrid_layers.py)."""
-    from .hybrid_layers import is_mixer, shard_mixer
+    from engines.trainer.hybrid_layers import is_mixer, shard_mixer
 
     if tp == 1:
         return sd
@@ -309,10 +309,10 @@ def gather_full(model, tp_group, copy: bool = True, ep_group=None, num_experts: 
     With ``copy=False`` unsharded tensors are the parameters themselves (read only)."""
     import torch.distributed as dist
 
-    from .hybrid_layers import is_mixer, unshard_mixer
+    from engines.trainer.hybrid_layers import is_mixer, unshard_mixer
 
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
-        from .moe_convert import gather_experts
+        from engines.trainer.moe_convert import gather_experts
 
         return gather_experts(gather_full(model, tp_group, copy, cfg=cfg), num_experts, ep_group)
 

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from . import cpu_shim
+from engines.trainer import cpu_shim
 
 
 def sum_tp_partial_grads(model, attr: str = "grad") -> None:

@@ -218,7 +218,7 @@ def open_views(handles: list, metas: list, device) -> list:
             if torch.Size(target).numel() != view.numel():
                 raise ValueError(f"weight sync: {name} of shape {shape} cannot become shape {target}")
             # not expressible as a view of that shape: marked, and copied into a view of
-            # the destination (engines/weight_names.py place_weight), not reshaped here
+            # the destination (engines/models/weight_names.py place_weight), not reshaped here
             view = view.view(target) if view.is_contiguous() else shaped(view, target)
         out.append((name, view))
     return out

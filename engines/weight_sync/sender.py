@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import (
+from engines.weight_sync import (
     ALIGN,
     BroadcastGroup,
     buckets,

@@ -108,10 +108,10 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
 
 async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocate: bool,
                                 offload: bool | None = None) -> relay.ActorMesh:
-    """A built-in engine over its slice's GPUs (engines/torch/tp.py): a follower rank on each
+    """A built-in engine over its slice's GPUs (engines/builtin/tp.py): a follower rank on each
     worker of the slice but the first, then the engine itself (rank 0) on the first. Returns
     its mesh once every rank loaded its shard (the ranks' pids and devices in ``engine.place``)."""
-    from engines.torch.tp import FollowerActor
+    from engines.builtin.tp import FollowerActor
 
     followers = [ProcMesh.attach([p], name=f"{claim.label()}-e{engine.index}-tp{rank}")
                  .spawn(f"engine-tp{rank}-{claim.role}-{engine.index}", FollowerActor)

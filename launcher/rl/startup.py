@@ -37,7 +37,7 @@ class Roles:
 
 async def ensure_models(cfg) -> None:
     """Build the tiny configs' random models when they are missing (no-op for real paths)."""
-    from engines.model_builder import ensure_model
+    from engines.models.model_builder import ensure_model
 
     await asyncio.to_thread(ensure_model, cfg.hf_checkpoint, 1)
     for instance in cfg.genrm.values():

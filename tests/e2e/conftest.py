@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
 
     ``RELAY_E2E_CACHE=DIR`` (for developers iterating on e2e tests; CI leaves it unset) keeps
     the models in DIR and reuses them when a complete earlier build is there."""
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
     from launcher.demo_task import write_demo_data
 
     cache = os.environ.get("RELAY_E2E_CACHE") or str(tmp_path_factory.mktemp("e2e-cache"))

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from engines.model_builder import first_use_arch
+from engines.models.model_builder import first_use_arch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300, func_only=True)]
 
 
 def test_grpo_trains_a_moe_policy_with_expert_parallelism(data, tmp_path):
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
 
     policy = make_model("qwen3_moe", "tiny", str(tmp_path / "moe-policy"), seed=2)
     run_dir = str(tmp_path / "run")

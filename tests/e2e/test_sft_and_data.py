@@ -26,7 +26,7 @@ def test_relay_sft_learns_and_writes_a_loadable_checkpoint(trained):
 
     import transformers
 
-    from engines.torch import TorchEngine
+    from engines.builtin import TorchEngine
     from launcher.demo_task import JUDGE_TEMPLATE
     from reward.dapo_genrm import judge_messages, parse_verdict
 

@@ -2,7 +2,7 @@
 start one SGLang server per engine, spanning its GPUs, with the arguments the original
 computes, and drive them through SGLang's own routes. The server is the protocol-faithful
 fake (tests/engines/fake_sglang.py: same arguments, routes and shapes as the pinned sglang
-version of engines/sglang_protocol.json), started by the adapter in place of
+version of engines/sglang/protocol.json), started by the adapter in place of
 ``python -m sglang.launch_server`` (``RELAY_SGLANG_LAUNCH``); it records every request to a
 file (``FAKE_SGLANG_RECORD``) that these tests read. Its tokens are deterministic, not a
 model's: what is tested is the launcher path, the arguments and the call sequence."""
@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from engines.sglang_args import protocol
+from engines.sglang.args import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -28,7 +28,7 @@ RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console sc
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
     from launcher.demo_task import write_demo_data
 
     root = tmp_path_factory.mktemp("sglang-e2e")

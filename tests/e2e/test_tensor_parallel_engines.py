@@ -1,7 +1,7 @@
 """End to end: ``relay train`` with engines that span GPUs (``--rollout-num-gpus-per-engine``,
 ``--genrm-num-gpus-per-engine``): in colocate Split on 4 virtual bundles, one rollout engine
 over bundles 0-1 and one judge engine over 2-3, each a tensor-parallel built-in engine
-(engines/torch/tp.py) whose follower rank lives in the other bundle's worker. The step
+(engines/builtin/tp.py) whose follower rank lives in the other bundle's worker. The step
 trains, every sync reaches the engine (rank 0 broadcasts to its follower) and the judge's
 verdicts vary within groups."""
 

@@ -1,5 +1,5 @@
 """A protocol-faithful stand-in for ``python -m sglang.launch_server`` (SGLang cannot be
-installed on CPU machines), for the pinned version of ``engines/sglang_protocol.json``.
+installed on CPU machines), for the pinned version of ``engines/sglang/protocol.json``.
 The adapter starts it in place of SGLang when ``RELAY_SGLANG_LAUNCH=tests.engines.fake_sglang``
 (relay's setting naming the module the adapter runs with ``python -m``), also under
 ``relay train`` and ``relay judge``, whose workers inherit the variable.
@@ -46,7 +46,7 @@ import time
 
 from aiohttp import web
 
-from engines.sglang_args import protocol
+from engines.sglang.args import protocol
 
 SGLANG_SAMPLING_KEYS = set(protocol()["sampling_params"])
 SAFE_PREFIXES = ("builtins.", "collections.", "copyreg.", "functools.", "torch.", "torch._tensor.",

@@ -9,8 +9,8 @@ import torch
 import transformers
 
 from engines.interface import EngineFailed, RequestFault, SamplingParams
-from engines.model_builder import make_model
-from engines.torch import TorchEngine
+from engines.models.model_builder import make_model
+from engines.builtin import TorchEngine
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -588,7 +588,7 @@ def test_a_cancelled_caller_frees_its_place_in_the_batch(models):
 def test_seeded_sampling_is_batch_independent_and_follows_the_distribution(models):
     """A seeded request yields the same tokens alone or amid other requests, and the seeded
     sampler's frequencies match softmax probabilities."""
-    from engines.sample_kernels import seeded_uniform
+    from engines.builtin.sample_kernels import seeded_uniform
 
     async def main():
         eng = TorchEngine(models["qwen3"], kv_cache_tokens=8192)

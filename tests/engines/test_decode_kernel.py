@@ -1,4 +1,4 @@
-"""The paged decode-attention kernel (engines/kernels.py) against its torch reference, run
+"""The paged decode-attention kernel (engines/kernels/paged_attention.py) against its torch reference, run
 under Triton's interpreter on CPU (``TRITON_INTERPRET=1`` must be set before Triton loads,
 so each check runs in a fresh interpreter), and a whole engine decoding through it."""
 
@@ -38,7 +38,7 @@ def test_kernel_matches_reference_across_shapes():
     block sizes 8 and 16; lengths from 1 to a full table; scattered, repeated blocks."""
     out = _interpret("""
         import torch
-        from engines.kernels import _triton_decode, paged_decode_attention_ref
+        from engines.kernels.paged_attention import _triton_decode, paged_decode_attention_ref
         torch.manual_seed(0)
         worst = 0.0
         for (b, h, kvh, d, page, blocks, width) in [(3, 4, 4, 16, 16, 9, 3), (5, 4, 2, 24, 8, 40, 6),
@@ -63,7 +63,7 @@ def test_split_context_kernel_matches_reference():
     that split are the ones ``decode_splits`` names."""
     out = _interpret("""
         import torch
-        from engines.kernels import DECODE_SPLITS, _triton_decode, decode_splits, paged_decode_attention_ref
+        from engines.kernels.paged_attention import DECODE_SPLITS, _triton_decode, decode_splits, paged_decode_attention_ref
         torch.manual_seed(5)
         worst = 0.0
         for (b, h, kvh, d, page, blocks, width) in [(1, 4, 2, 16, 16, 20, 12), (3, 6, 2, 24, 8, 40, 20)]:
@@ -87,7 +87,7 @@ def test_kernel_ignores_context_past_each_length():
     """Keys and values past a sequence's length (stale cache contents) do not leak in."""
     out = _interpret("""
         import torch
-        from engines.kernels import _triton_decode
+        from engines.kernels.paged_attention import _triton_decode
         torch.manual_seed(1)
         q = torch.randn(2, 4, 16)
         k, v = torch.randn(6, 16, 2, 16), torch.randn(6, 16, 2, 16)
@@ -108,8 +108,8 @@ def test_engine_decoding_through_the_kernel_equals_transformers(tmp_path):
     transformers' greedy tokens, for a batch of prompts of different lengths."""
     out = _interpret(f"""
         import asyncio, json, torch, transformers
-        from engines.model_builder import make_model
-        from engines.torch import TorchEngine
+        from engines.models.model_builder import make_model
+        from engines.builtin import TorchEngine
         path = make_model("qwen3", "tiny", {str(tmp_path / "m")!r}, seed=3)
         prompts = [[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)]
         async def main():
@@ -134,7 +134,7 @@ def test_engine_decoding_through_the_kernel_equals_transformers(tmp_path):
     import asyncio
     import json
 
-    from engines.torch import TorchEngine
+    from engines.builtin import TorchEngine
 
     ours, ref, seeded = json.loads(out.strip().splitlines()[-1])
     assert ours == ref
@@ -157,7 +157,7 @@ def test_seeded_gumbel_kernel_matches_the_torch_hash():
     of the tile."""
     out = _interpret("""
         import torch
-        from engines.sample_kernels import seeded_gumbel_argmax, seeded_uniform
+        from engines.builtin.sample_kernels import seeded_gumbel_argmax, seeded_uniform
         torch.manual_seed(0)
         r, v = 8, 3001
         logits = torch.randn(r, v) * 3
@@ -181,7 +181,7 @@ def test_one_pass_sampling_kernel_matches_the_torch_rules():
     with the hash's noise and with the unseeded rows' Philox noise)."""
     out = _interpret("""
         import torch
-        from engines.sample_kernels import PICK_CHUNK, sample_pairs, seeded_uniform
+        from engines.builtin.sample_kernels import PICK_CHUNK, sample_pairs, seeded_uniform
         torch.manual_seed(0)
         r, v = 6, 2 * PICK_CHUNK + 11
         logits = torch.randn(r, v) * 3
@@ -232,7 +232,7 @@ def test_one_pass_seeded_rows_decide_near_ties_in_float64():
     thousands) too."""
     out = _interpret("""
         import torch
-        from engines.sample_kernels import PICK_BLOCK, sample_pairs, seeded_uniform
+        from engines.builtin.sample_kernels import PICK_BLOCK, sample_pairs, seeded_uniform
         v = 3 * PICK_BLOCK + 5
         # within float32's rounding at 5 (4.8e-7 apart) the float32 keys tie or flip; further, they agree
         deltas = [k * 2.5e-8 for k in range(-40, 41)] + [3e-5, -3e-5, 4e-4, -4e-4, 1e-2]
@@ -294,8 +294,8 @@ def test_sampler_takes_one_pass_rows_through_the_kernel_whatever_the_other_rows(
     out = _interpret("""
         import torch
         from engines.interface import SamplingParams
-        from engines.torch.sampler import Sampler
-        from engines.torch.sequence import Sequence
+        from engines.builtin.sampler import Sampler
+        from engines.builtin.sequence import Sequence
 
         def seq(i, **kw):
             sp = SamplingParams(max_new_tokens=8, **kw)
@@ -313,7 +313,7 @@ def test_sampler_takes_one_pass_rows_through_the_kernel_whatever_the_other_rows(
         same = bool((alone == mixed[:2]).all())
         argmax = logits[3:5].argmax(-1).double()
         greedy_like = bool((mixed[2:4, 0] == argmax).all())
-        import engines.torch.sampler as sampler_module
+        import engines.builtin.sampler as sampler_module
         read, kernel = [], sampler_module.sample_pairs
         sampler_module.sample_pairs = lambda x, *a: (read.append(x.dtype), kernel(x, *a))[1]
         half = logits.bfloat16()  # a decode graph's logits: the one-pass rows read them so, beside any rows
@@ -331,8 +331,8 @@ def test_fused_ops_match_the_torch_modules():
     out = _interpret("""
         import torch
         import torch.nn.functional as F
-        from engines.kernels import norm_rope, rms_norm, silu_mul
-        from engines.model import RMSNorm, _rotate_half
+        from engines.kernels.paged_attention import norm_rope, rms_norm, silu_mul
+        from engines.models.model import RMSNorm, _rotate_half
         torch.manual_seed(2)
         worst = 0.0
         norm = RMSNorm(48, 1e-6)
@@ -359,14 +359,14 @@ def test_fused_ops_match_the_torch_modules():
 
 
 def test_qkv_rope_write_matches_norm_rope_and_the_cache_writes():
-    """The fused q/k/v kernel of a decode step (engines/fused_decode.py) against the separate
+    """The fused q/k/v kernel of a decode step (engines/kernels/fused_decode.py) against the separate
     kernels and cache writes it replaces: queries as ``norm_rope``, each token's k (normed,
     rotated) and v in its cache slot, every other slot untouched; with and without q/k norm,
     GQA groups 2 and 3, head dims 16 and 24."""
     out = _interpret("""
         import torch
-        from engines.fused_decode import qkv_rope_write
-        from engines.kernels import norm_rope
+        from engines.kernels.fused_decode import qkv_rope_write
+        from engines.kernels.paged_attention import norm_rope
         torch.manual_seed(4)
         worst, untouched = 0.0, True
         for h, kvh, d, norm in [(4, 2, 16, True), (6, 2, 24, False), (3, 1, 16, True)]:
@@ -395,7 +395,7 @@ def test_qkv_rope_write_matches_norm_rope_and_the_cache_writes():
 
 
 def test_under_the_interpreter_a_launch_patches_the_language_once_not_once_a_helper_call():
-    """engines/triton_interpreter.py: Triton's interpreter re-patched triton.language at every
+    """engines/kernels/triton_interpreter.py: Triton's interpreter re-patched triton.language at every
     @triton.jit helper call (normed_rotated, tl.sum: per program), a fifth of an interpreted
     decode step. Counted through Triton's own patch function: a qkv_rope launch of 5 x 6
     programs (each calling helpers) patches at most twice (the launch, tl.core for tl.sum's
@@ -408,8 +408,8 @@ def test_under_the_interpreter_a_launch_patches_the_language_once_not_once_a_hel
         calls = []
         triton_patch = interpreter._patch_lang
         interpreter._patch_lang = lambda fn: calls.append(fn.__name__) or triton_patch(fn)
-        from engines.fused_decode import qkv_rope_write  # installs the skip over the counting patch
-        from engines.kernels import norm_rope
+        from engines.kernels.fused_decode import qkv_rope_write  # installs the skip over the counting patch
+        from engines.kernels.paged_attention import norm_rope
         torch.manual_seed(4)
         b, h, kvh, d = 5, 4, 2, 16
         qkv = torch.randn(b, (h + 2 * kvh) * d)
@@ -439,8 +439,8 @@ def test_packed_projections_follow_loads_updates_and_sleep(tmp_path):
 
     import torch
 
-    from engines.model_builder import make_model
-    from engines.torch import TorchEngine
+    from engines.models.model_builder import make_model
+    from engines.builtin import TorchEngine
 
     path = make_model("qwen2", "tiny", str(tmp_path / "m"), seed=1)  # q/k/v biases too
 
@@ -480,8 +480,8 @@ def test_an_uninitialised_cache_never_reaches_the_output(tmp_path):
     here and through the Triton kernels under the interpreter."""
     code = f"""
         import asyncio, json, torch
-        from engines.model_builder import make_model
-        from engines.torch import TorchEngine
+        from engines.models.model_builder import make_model
+        from engines.builtin import TorchEngine
         path = make_model("qwen3", "tiny", {str(tmp_path / "m")!r}, seed=5)
         prompts = [[5 + (i * 7 + n) % 90 for i in range(n)] for n in (3, 11, 20, 37)]
         greedy = {{"temperature": 0, "max_new_tokens": 9, "ignore_eos": True}}
@@ -519,8 +519,8 @@ def test_a_padded_graph_batch_runs_the_attention_as_the_eager_batch_does():
     the same rows does (the graph-vs-eager GPU test compares them exactly)."""
     import torch
 
-    from engines.kernels import decode_config, decode_splits
-    from engines.torch.model_runner import BUCKETS, bucket
+    from engines.kernels.paged_attention import decode_config, decode_splits
+    from engines.builtin.model_runner import BUCKETS, bucket
 
     cpu = torch.device("cpu")  # 4 "SMs": both configurations occur below 256 rows
     seen = set()

@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from engines.actor import EngineActor
-from engines.model_builder import make_model
+from engines.models.model_builder import make_model
 from relay import ActorError, this_host
 from tests.helpers import run
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from engines.model_builder import make_model
-from engines.torch import TorchEngine
+from engines.models.model_builder import make_model
+from engines.builtin import TorchEngine
 from tests.helpers import run
 
 pytestmark = [
@@ -131,7 +131,7 @@ def test_bf16_output_close_to_transformers(model_06b):
 def test_decode_kernel_bf16_matches_reference():
     """The Triton paged decode attention on a Qwen3-0.6B-like head layout (16 query heads, 8
     KV heads, head dim 128) in bf16 against the float32 reference, contexts up to 700."""
-    from engines.kernels import _triton_decode, paged_decode_attention_ref
+    from engines.kernels.paged_attention import _triton_decode, paged_decode_attention_ref
 
     torch.manual_seed(0)
     b, blocks, page = 64, 3000, 16
@@ -213,7 +213,7 @@ def test_one_pass_sampling_at_a_real_vocabulary():
     seeded rows at temperatures from 0.05 to 2 give the torch hash's Gumbel-max token (float64
     scores: the kernel's float32 shortlist and GPU logs must not change a token) and its
     log-probability at that temperature."""
-    from engines.sample_kernels import sample_pairs, seeded_uniform
+    from engines.builtin.sample_kernels import sample_pairs, seeded_uniform
 
     torch.manual_seed(0)
     rows, vocab = 256, 151936

@@ -1,5 +1,5 @@
-"""Qwen3-MoE and the Qwen3-VL(-MoE) text model in the built-in engine (engines/moe.py,
-engines/weight_names.py) against transformers on tiny random models (fp32, CPU): logits
+"""Qwen3-MoE and the Qwen3-VL(-MoE) text model in the built-in engine (engines/models/moe.py,
+engines/models/weight_names.py) against transformers on tiny random models (fp32, CPU): logits
 through prefill and decode, greedy generation, a VL checkpoint's text answers, the checkpoint
 layouts of experts, TP shards, sleep/wake and expert weight updates; the Triton grouped-GEMM
 path under Triton's interpreter."""
@@ -17,11 +17,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engines.model import CausalLM, ModelConfig
-from engines.model_builder import build_tokenizer, hf_config, make_model
-from engines.moe import SparseMoE, moe_align
-from engines.torch import TorchEngine
-from engines.weight_names import load_weights, place_weight
+from engines.models.model import CausalLM, ModelConfig
+from engines.models.model_builder import build_tokenizer, hf_config, make_model
+from engines.models.moe import SparseMoE, moe_align
+from engines.builtin import TorchEngine
+from engines.models.weight_names import load_weights, place_weight
 from tests.engines.test_decode_kernel import _interpret
 from tests.helpers import run
 
@@ -175,7 +175,7 @@ def test_triton_grouped_gemm_moe_equals_the_reference_under_the_interpreter(tmp_
     path = make_model("qwen3_moe", "tiny", str(tmp_path / "m"), seed=5)
     out = _interpret(f"""
         import json, torch, transformers
-        from engines.moe import fused_moe, moe_reference
+        from engines.models.moe import fused_moe, moe_reference
         from tests.engines.test_moe import _our_block, _qwen2_moe_block, engine_model, worst_diff
         torch.manual_seed(0)
         worst = 0.0

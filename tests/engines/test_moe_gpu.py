@@ -9,8 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from engines.model_builder import make_model
-from engines.torch import TorchEngine
+from engines.models.model_builder import make_model
+from engines.builtin import TorchEngine
 from tests.helpers import run
 
 pytestmark = [
@@ -23,7 +23,7 @@ pytestmark = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 64, 1000])
 def test_grouped_gemm_moe_matches_the_reference_at_30b_a3b_expert_shapes(dtype, tokens):
-    from engines.moe import fused_moe, moe_reference
+    from engines.models.moe import fused_moe, moe_reference
 
     torch.manual_seed(0)
     e, h, i, k = 128, 2048, 768, 8
@@ -39,7 +39,7 @@ def test_grouped_gemm_moe_matches_the_reference_at_30b_a3b_expert_shapes(dtype, 
 
 
 def test_grouped_gemm_moe_is_captured_by_a_cuda_graph():
-    from engines.moe import fused_moe
+    from engines.models.moe import fused_moe
 
     torch.manual_seed(1)
     e, h, i, k, t = 16, 256, 128, 4, 24

@@ -19,12 +19,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engines.hybrid_model import HybridCausalLM, build_causal_lm
-from engines.linear_attention import CHUNK, state_shapes
-from engines.model import ModelConfig
-from engines.model_builder import hf_config, make_model
-from engines.torch import TorchEngine
-from engines.weight_names import load_weights
+from engines.models.hybrid_model import HybridCausalLM, build_causal_lm
+from engines.models.linear_attention import CHUNK, state_shapes
+from engines.models.model import ModelConfig
+from engines.models.model_builder import hf_config, make_model
+from engines.builtin import TorchEngine
+from engines.models.weight_names import load_weights
 from tests.helpers import run
 
 RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console script a user types
@@ -279,7 +279,7 @@ def test_the_cuda_paths_of_the_other_layers_under_the_triton_interpreter(models)
     from tests.engines.test_decode_kernel import _interpret
 
     out = _interpret(f"""
-        from engines.kernels import triton_usable
+        from engines.kernels.paged_attention import triton_usable
         from tests.engines.test_qwen35 import worst_diff
         import torch
         assert triton_usable(torch.device("cpu"))

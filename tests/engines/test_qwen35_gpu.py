@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.linear_attention import GatedDeltaNet
-from engines.torch import TorchEngine
+from engines.models.linear_attention import GatedDeltaNet
+from engines.builtin import TorchEngine
 from tests.engines.test_qwen35 import GREEDY, hf_greedy, hf_model, hybrid_model
 from tests.helpers import run
 
@@ -85,8 +85,8 @@ def test_prefill_kernels_match_the_reference_at_35b_a3b_layer_shape():
     head dims 128): four prompts of 1000, 777, 64 and 1 tokens, right-padded; outputs and
     final states within 1e-4 with float32 products, 2e-3 with TF32 products."""
     torch.manual_seed(0)
-    from engines.linear_attention import chunked_delta_rule
-    from engines.linear_kernels import chunked_prefill
+    from engines.models.linear_attention import chunked_delta_rule
+    from engines.kernels.linear_kernels import chunked_prefill
 
     s, length, h, d = 4, 1000, 32, 128
     q = torch.nn.functional.normalize(torch.randn(s, length, h, d, device="cuda"), dim=-1) * d**-0.5

@@ -1,5 +1,5 @@
-"""The Triton kernels of a Gated DeltaNet layer's decode step (engines/linear_kernels.py)
-against the torch reference (engines/linear_attention.py), under Triton's interpreter on CPU
+"""The Triton kernels of a Gated DeltaNet layer's decode step (engines/kernels/linear_kernels.py)
+against the torch reference (engines/models/linear_attention.py), under Triton's interpreter on CPU
 (``TRITON_INTERPRET=1`` must be set before Triton loads, so each check runs in a fresh
 interpreter): the chunked prefill rule; the conv1d state update and the one-token gated delta rule for several shapes
 (key heads fewer than value heads, head dims not powers of two, conv kernels 3 and 4), state
@@ -27,8 +27,8 @@ triton = pytest.importorskip(
 LAYER = """
     import torch
     from types import SimpleNamespace
-    from engines.linear_attention import GatedDeltaNet, recurrent_step
-    from engines.linear_kernels import conv_decode, recurrent_decode
+    from engines.models.linear_attention import GatedDeltaNet, recurrent_step
+    from engines.kernels.linear_kernels import conv_decode, recurrent_decode
 
     def layer(hk, hv, dk, dv, kernel, dtype, hidden=32):
         cfg = SimpleNamespace(hidden_size=hidden, linear_num_key_heads=hk, linear_num_value_heads=hv,
@@ -142,8 +142,8 @@ def test_chunked_prefill_equals_the_reference_rule():
     right padding (beta = g = 0 past a prompt's length), strong decay and beta near 1."""
     out = _interpret("""
     import torch
-    from engines.linear_attention import chunked_delta_rule
-    from engines.linear_kernels import chunked_prefill
+    from engines.models.linear_attention import chunked_delta_rule
+    from engines.kernels.linear_kernels import chunked_prefill
     torch.manual_seed(0)
     worst, scale = 0.0, 0.0
     for s, length, h, dk, dv, decay in [(2, 10, 2, 16, 16, 0.5), (3, 70, 3, 24, 8, 0.5), (1, 130, 2, 32, 80, 0.1),
@@ -177,7 +177,7 @@ def test_a_tiny_qwen3_5_moe_decodes_through_the_kernels_as_the_reference_does(tm
     code = f"""
     import json
     from tests.engines.test_qwen35 import PROMPTS, Harness, engine_model
-    from engines.kernels import triton_usable
+    from engines.kernels.paged_attention import triton_usable
     import torch
     assert triton_usable(torch.device("cpu"))
     h = Harness(engine_model({path!r}), len(PROMPTS))
@@ -211,7 +211,7 @@ def test_the_engine_generates_transformers_greedy_tokens_through_the_kernels(tmp
     path = hybrid_model(str(tmp_path / "m"), 6)
     out = _interpret(f"""
         import asyncio, json
-        from engines.torch import TorchEngine
+        from engines.builtin import TorchEngine
         from tests.engines.test_qwen35 import GREEDY, PROMPTS
         async def main(prompts):
             eng = TorchEngine({path!r}, kv_cache_tokens=2048, block_size=16)

@@ -13,8 +13,8 @@ import asyncio
 
 import pytest
 
-from engines.model_builder import make_model
-from engines.torch import TorchEngine
+from engines.models.model_builder import make_model
+from engines.builtin import TorchEngine
 from tests.engines.test_qwen35 import hybrid_model
 from tests.helpers import run
 
@@ -125,7 +125,7 @@ def test_a_steps_tokens_reach_the_host_through_a_contiguous_view_of_the_pinned_b
 
     import torch
 
-    from engines.torch.sampler import Sampled, Sampler
+    from engines.builtin.sampler import Sampled, Sampler
 
     # no CUDA here: the copy's completion event is a stand-in (the copy itself is synchronous on CPU)
     monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None,
@@ -147,7 +147,7 @@ def test_long_chains_run_ahead_and_a_finished_request_is_reported_within_a_few_s
     """While nothing finishes, one scheduled step runs up to RUN_AHEAD decode steps ahead (the
     pipeline drains only between scheduled steps); once a request finished, the chain stops
     within REPORT_WITHIN steps, so its caller hears soon."""
-    from engines.torch import stepper as stepper_module
+    from engines.builtin import stepper as stepper_module
 
     seen = {"calls": 0, "long_at_report": None}
 

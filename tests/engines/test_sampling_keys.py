@@ -12,11 +12,11 @@ import torch
 import transformers
 
 from engines.interface import MAX_INT64, MAX_N, SamplingParams, checked_sampling, fan_out, generate_n
-from engines.model_builder import make_model
-from engines.sample_kernels import seeded_uniform
-from engines.torch import TorchEngine
-from engines.torch.penalties import apply_penalties, min_p_mask
-from engines.torch.sequence import Sequence
+from engines.models.model_builder import make_model
+from engines.builtin.sample_kernels import seeded_uniform
+from engines.builtin import TorchEngine
+from engines.builtin.penalties import apply_penalties, min_p_mask
+from engines.builtin.sequence import Sequence
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

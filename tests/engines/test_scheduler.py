@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.interface import SamplingParams
-from engines.torch.block_manager import BlockManager
-from engines.torch.scheduler import Scheduler, StepPlan
-from engines.torch.sequence import Sequence
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.scheduler import Scheduler, StepPlan
+from engines.builtin.sequence import Sequence
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines.interface import EngineFailed, EngineStepError
-from engines.sglang_engine import SGLangEngine
+from engines.sglang.engine import SGLangEngine
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -134,7 +134,7 @@ def test_distributed_weight_update_joins_the_trainers_group_and_receives_flatten
     """The server joins a group the trainer builds as SGLang does (engines.weight_sync,
     protocol "sglang") and receives each bucket as one flat buffer, tensors back to back;
     a live engine is paused (retract) from the first bucket of a version to the last."""
-    from engines.sglang_engine import _free_port as free_port
+    from engines.sglang.engine import _free_port as free_port
     from engines.weight_sync import BroadcastGroup, flatten
 
     a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
@@ -176,7 +176,7 @@ def test_distributed_bucket_contents_arrive_intact(tmp_path, monkeypatch):
     """The record the fake writes holds each tensor's sum as received over the group."""
     import json
 
-    from engines.sglang_engine import _free_port as free_port
+    from engines.sglang.engine import _free_port as free_port
     from engines.weight_sync import BroadcastGroup, flatten
 
     monkeypatch.setenv("FAKE_SGLANG_RECORD", str(tmp_path))
@@ -226,7 +226,7 @@ def test_rendered_chats_are_tokenized_by_the_actor_and_sent_as_input_ids(tmp_pat
     from transformers import AutoTokenizer
 
     from engines.actor import EngineActor
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
     from relay import this_host
 
     judge = make_model("qwen3", "tiny", str(tmp_path / "j"), seed=3)

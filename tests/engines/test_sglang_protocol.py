@@ -1,4 +1,4 @@
-"""The SGLang adapter speaks the pinned version's protocol (engines/sglang_protocol.json,
+"""The SGLang adapter speaks the pinned version's protocol (engines/sglang/protocol.json,
 sglang 0.5.15.post1, read from its wheel): every server argument it emits is a ServerArgs
 field of that version, given with that version's flag, and every request it sends is a
 route of that version with keys its request type takes. And the launcher computes the
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from engines.sglang_args import check_request, protocol, server_argv, server_fields
-from engines.sglang_engine import SGLangEngine
+from engines.sglang.args import check_request, protocol, server_argv, server_fields
+from engines.sglang.engine import SGLangEngine
 from launcher.allocator import make_plan
 from launcher.config import load_config
 from launcher.rl.engine_pool import Engine, engine_gpus, engine_options
@@ -131,7 +131,7 @@ def test_check_request_refuses_what_the_pinned_version_does_not_take():
 
 def test_every_request_the_adapter_sends_is_a_route_and_key_of_the_pinned_version(tmp_path, monkeypatch):
     """Every control path of the adapter, against the fake, which records each request."""
-    from engines.sglang_engine import _free_port
+    from engines.sglang.engine import _free_port
     from engines.weight_sync import BroadcastGroup, flatten
 
     monkeypatch.setenv("RELAY_SGLANG_LAUNCH", "tests.engines.fake_sglang")
@@ -188,7 +188,7 @@ def test_the_cuda_ipc_payload_rebuilds_each_tensor_from_the_trainers_handle_by_g
     import io
     import pickle
 
-    from engines.sglang_weights import by_ipc_handle
+    from engines.sglang.weights import by_ipc_handle
 
     handle = {"nbytes": 1024, "pid": 1, "token": "t", "handle": b"\x01ipc", "size": 4096, "offset": 512,
               "ref_counter_handle": b"\x02rc", "ref_counter_offset": 8, "event_handle": b"\x03ev",
@@ -221,7 +221,7 @@ def test_the_trainer_pushes_into_an_sglang_engine_by_broadcast_and_by_relay(tmp_
     TP rank) and broadcasts back-to-back buckets it receives intact; the group is kept for
     the next push; ``auto`` on CPU goes by value through /update_weights_from_tensor."""
     from engines.actor import EngineActor
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
     from engines.trainer.actor import TrainerActor
     from relay import setup_torch_distributed, this_host
 

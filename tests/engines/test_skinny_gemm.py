@@ -1,5 +1,5 @@
-"""The few-rows projection kernel (engines/skinny_gemm.py) and the decode step built on it
-(engines/fused_decode.py ``_decode_few_rows``), under Triton's interpreter on CPU."""
+"""The few-rows projection kernel (engines/kernels/skinny_gemm.py) and the decode step built on it
+(engines/kernels/fused_decode.py ``_decode_few_rows``), under Triton's interpreter on CPU."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def test_skinny_linear_matches_torch_with_each_prologue():
     out = _interpret("""
         import torch
         import torch.nn.functional as F
-        from engines.kernels import rms_norm, silu_mul
-        from engines.skinny_gemm import skinny_linear
+        from engines.kernels.paged_attention import rms_norm, silu_mul
+        from engines.kernels.skinny_gemm import skinny_linear
         torch.manual_seed(0)
         worst, sums = 0.0, 0.0
         for rows, n, k, block in [(1, 37, 48, None), (3, 64, 80, (2, 16, 4)), (8, 19, 33, (4, 32, 4)),
@@ -48,7 +48,7 @@ def test_a_rows_output_does_not_depend_on_the_other_rows():
     padded with other rows; an eager step runs it unpadded)."""
     out = _interpret("""
         import torch
-        from engines.skinny_gemm import skinny_linear
+        from engines.kernels.skinny_gemm import skinny_linear
         torch.manual_seed(1)
         x, r, nw, w = torch.randn(6, 64), torch.randn(6, 64), torch.randn(64), torch.randn(40, 64)
         batch, _ = skinny_linear(x, w, norm_weight=nw, residual=r, eps=1e-6)
@@ -67,8 +67,8 @@ def test_the_few_rows_decode_step_equals_the_fused_one(tmp_path):
     out = _interpret(f"""
         import torch
         from engines import fused_decode, skinny_gemm
-        from engines.model_builder import make_model
-        from engines.torch import TorchEngine
+        from engines.models.model_builder import make_model
+        from engines.builtin import TorchEngine
         eng = TorchEngine(make_model("qwen2", "tiny", {str(tmp_path / "m")!r}, seed=2), kv_cache_tokens=256)
         r, model = eng.runner, eng.runner.model
         r.k.zero_(), r.v.zero_()  # the context slots before each row's own are read too (not written here)

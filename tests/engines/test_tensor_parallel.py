@@ -1,4 +1,4 @@
-"""The built-in engine over several GPUs (tensor parallel, engines/torch/tp.py): each rank is
+"""The built-in engine over several GPUs (tensor parallel, engines/builtin/tp.py): each rank is
 its own process with its shard of the model and KV cache (gloo on CPU); the engine answers
 as the same model on one GPU does, through prefill, shared-prefix samples, decode, sleep,
 wake and a weight update."""
@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from engines.actor import EngineActor
-from engines.model import ModelConfig, shard_tensor
-from engines.model_builder import make_model
-from engines.torch.tp import FollowerActor
+from engines.models.model import ModelConfig, shard_tensor
+from engines.models.model_builder import make_model
+from engines.builtin.tp import FollowerActor
 from relay import this_host
 from tests.helpers import run
 

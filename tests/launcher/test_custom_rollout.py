@@ -88,7 +88,7 @@ class EnginePool:
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
 
     path = str(tmp_path_factory.mktemp("policy") / "m")
     make_model("qwen3", "tiny", path, seed=1)
@@ -96,7 +96,7 @@ def policy(tmp_path_factory):
 
 
 def test_the_rollout_engines_answer_sglangs_generate(policy):
-    from engines.torch.engine import TorchEngine
+    from engines.builtin.engine import TorchEngine
 
     async def main():
         http = RolloutHTTP(EnginePool(TorchEngine(policy, kv_cache_tokens=512)), policy)

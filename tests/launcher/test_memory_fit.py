@@ -95,7 +95,7 @@ def test_relay_plan_refuses_the_layout_before_anything_starts(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_5_moe"])
 def test_the_estimate_from_config_json_is_within_a_tenth_of_real_checkpoints(tmp_path, arch):
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
 
     path = make_model(arch, "tiny", str(tmp_path / arch), dtype="bfloat16")
     measured = model_size(path)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.model_builder import make_model
+from engines.models.model_builder import make_model
 
 
 @pytest.fixture(scope="session")

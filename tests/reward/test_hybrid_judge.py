@@ -39,7 +39,7 @@ def transformers_answers(path: str, new_tokens: int) -> list[str]:
 
 
 def test_relay_judge_serves_a_qwen35_hybrid_judge_as_transformers_answers(tmp_path):
-    from engines.model_builder import make_model
+    from engines.models.model_builder import make_model
 
     judge = make_model("qwen3_5_moe", "tiny", str(tmp_path / "q35-judge"), seed=7)
     port = free_port()

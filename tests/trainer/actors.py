@@ -17,7 +17,7 @@ class MegatronCheck(Actor):
         import transformers
         from safetensors.torch import load_file
 
-        from engines.model import ModelConfig
+        from engines.models.model import ModelConfig
         from engines.trainer import cpu_shim
         from engines.trainer.hybrid_layers import NOT_TRAINED
         from engines.trainer.megatron_model import (
@@ -74,7 +74,7 @@ class LongContextCheck(Actor):
         import torch.distributed as dist
         from safetensors.torch import load_file
 
-        from engines.model import ModelConfig
+        from engines.models.model import ModelConfig
         from engines.trainer import cpu_shim, megatron_model
         from engines.trainer.megatron_model import build_gpt, causal_mask, hf_to_megatron, token_logprobs
 
@@ -120,7 +120,7 @@ class TPTrainer(Actor):
         import torch.distributed as dist
         from safetensors.torch import load_file
 
-        from engines.model import ModelConfig
+        from engines.models.model import ModelConfig
         from engines.trainer import cpu_shim
         from engines.trainer.megatron_model import build_gpt, hf_to_megatron, shard_for_rank
 

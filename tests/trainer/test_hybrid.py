@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from engines.checkpoint import checkpoint_tensors
-from engines.linear_attention import CHUNK
-from engines.model_builder import make_model
+from engines.models.checkpoint import checkpoint_tensors
+from engines.models.linear_attention import CHUNK
+from engines.models.model_builder import make_model
 from engines.trainer.hybrid_layers import NOT_TRAINED
 from engines.trainer.train_batch import TrainBatch
 from relay import this_host

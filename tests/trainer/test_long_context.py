@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.model_builder import make_model
+from engines.models.model_builder import make_model
 from relay import setup_torch_distributed, this_host
 from tests.helpers import run
 from tests.trainer.actors import LongContextCheck

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from engines.checkpoint import checkpoint_tensors
-from engines.model_builder import make_model
-from engines.torch import TorchEngine
+from engines.models.checkpoint import checkpoint_tensors
+from engines.models.model_builder import make_model
+from engines.builtin import TorchEngine
 from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host
 from tests.helpers import run
@@ -316,7 +316,7 @@ def test_aux_loss_coefficient_adds_the_load_balancing_gradient(moe):
 def test_fused_expert_layouts_convert_like_per_expert_ones(tmp_path):
     """Checkpoints holding experts fused (transformers 5: ``experts.gate_up_proj`` [E, 2I, H],
     ``experts.down_proj`` [E, H, I]; Qwen3-VL-MoE: transposed) give the same Megatron tensors."""
-    from engines.model import ModelConfig
+    from engines.models.model import ModelConfig
     from engines.trainer.megatron_model import hf_to_megatron
 
     path = make_model("qwen3_moe", "tiny", str(tmp_path / "m"), seed=1, moe_intermediate_size=16)  # 2I != H

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.model_builder import make_model
+from engines.models.model_builder import make_model
 from engines.trainer.train_batch import TrainBatch
 from relay import setup_torch_distributed, this_host
 from tests.helpers import run

@@ -12,8 +12,8 @@ import torch
 
 from engines import weight_sync
 from engines.actor import EngineActor
-from engines.model_builder import make_model
-from engines.torch import TorchEngine
+from engines.models.model_builder import make_model
+from engines.builtin import TorchEngine
 from engines.trainer.actor import TrainerActor
 from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host
@@ -134,7 +134,7 @@ def test_an_engine_takes_weights_shared_in_place_as_from_update_weights(policy):
     engine copies into views of its own parameters."""
     from safetensors.torch import load_file
 
-    from engines.model import ModelConfig
+    from engines.models.model import ModelConfig
     from engines.trainer.megatron_model import _qkv_rows, _split_qkv
 
     cfg = ModelConfig.from_dir(policy)
