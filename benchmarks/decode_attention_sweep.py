@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks._bandwidth import _timed, read_bandwidth  # noqa: E402
-from engines import kernels  # noqa: E402
+from engines.kernels import paged_attention as kernels  # noqa: E402
 
 
 def _case(batch: int, context: int, heads: int, kv_heads: int, dim: int, page: int, head_major: bool) -> dict:

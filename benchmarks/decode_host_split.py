@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engines.models.model_builder import make_model  # noqa: E402
 from engines.builtin import TorchEngine  # noqa: E402
 from engines.builtin import sampler as sampler_module  # noqa: E402
 from engines.builtin import stepper as stepper_module  # noqa: E402
+from engines.models.model_builder import make_model  # noqa: E402
 
 
 class Clock:

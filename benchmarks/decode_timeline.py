@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engines.models.model_builder import make_model  # noqa: E402
 from engines.builtin import TorchEngine  # noqa: E402
+from engines.models.model_builder import make_model  # noqa: E402
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 

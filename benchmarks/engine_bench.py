@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks._bandwidth import copy_bandwidth, read_bandwidth  # noqa: E402
-from engines.models.model_builder import make_model  # noqa: E402
 from engines.builtin import TorchEngine  # noqa: E402
+from engines.models.model_builder import make_model  # noqa: E402
 
 
 def sync(device: str) -> None:

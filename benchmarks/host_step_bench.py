@@ -32,8 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 async def _measure(batches: list[int], new: int) -> dict:
     import torch
 
-    from engines.models.model_builder import make_model
     from engines.builtin import TorchEngine
+    from engines.models.model_builder import make_model
 
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory(prefix="host-step-")

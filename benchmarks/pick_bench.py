@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks._bandwidth import graph_time  # noqa: E402
-from engines import sample_kernels  # noqa: E402
+from engines.builtin import sample_kernels  # noqa: E402
 
 
 def load_baseline(root: str):

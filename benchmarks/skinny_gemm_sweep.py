@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._bandwidth import graph_time, read_bandwidth  # noqa: E402
-from engines import skinny_gemm  # noqa: E402
+from engines.kernels import skinny_gemm  # noqa: E402
 from engines.kernels.paged_attention import rms_norm, silu_mul  # noqa: E402
 
 # Qwen3-0.6B: hidden 1024, 16 x 128 query heads, 8 x 128 KV heads, MLP 3072, vocabulary 151,936

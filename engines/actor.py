@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from relay import Actor, endpoint
-
 from engines.interface import TAGS, GenerateResult, RequestCancelled, backend_options, encode_rendered
+from relay import Actor, endpoint
 
 INLINE_TOKENIZE_CHARS = 1 << 16  # a batch with more text is tokenized off the event loop
 

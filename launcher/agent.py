@@ -77,10 +77,10 @@ class NodeAgent(Actor):
 
     @endpoint
     async def check_paths(self, inputs: list, run_dir: str | None = None) -> dict:
-        """Which of ``inputs`` ([flag, path, kind], see launcher/paths.py) are missing on this
+        """Which of ``inputs`` ([flag, path, kind], see launcher/config/paths.py) are missing on this
         node, resolved against this agent's working directory, and why ``run_dir`` cannot be
         written here (None: it can): {"host", "missing": [[flag, path, why]], "unwritable"}."""
-        from .paths import missing_here, unwritable_here
+        from .config.paths import missing_here, unwritable_here
 
         return {"host": socket.gethostname(), "missing": missing_here(inputs),
                 "unwritable": unwritable_here(run_dir) if run_dir else None}

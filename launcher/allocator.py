@@ -180,18 +180,7 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
                 f"In colocated mode, rollout must use the actor's GPUs: --rollout-num-gpus ({rollout}) must equal the "
                 f"actor total ({actor})"
             )
-        claims.append(
-            Claim(
-                "rollout",
-                "",
-                "actor",
-                0,
-                rollout,
-                ("generate",),
-                cfg.rollout_num_gpus_per_engine,
-                cfg.sglang_mem_fraction_static,
-            )
-        )
+        claims.append(_rollout_claim(cfg))
         return Plan("colocate", nnodes, cfg.gpus_per_node, cfg.device, pools, claims, warnings)
 
     judge = cfg.genrm_gpus
@@ -213,18 +202,7 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
             f"total={actor})"
         )
     deferred = mode == "shared" and _check_defer_flags(cfg)
-    claims.append(
-        Claim(
-            "rollout",
-            "",
-            "actor",
-            0,
-            rollout,
-            ("generate",),
-            cfg.rollout_num_gpus_per_engine,
-            cfg.sglang_mem_fraction_static,
-        )
-    )
+    claims.append(_rollout_claim(cfg))
     offset = rollout if mode == "split" else 0
     for inst in genrm.values():  # instances by prefix sums
         claims.append(
@@ -241,27 +219,41 @@ def _colocate(cfg: JobConfig, defer: bool) -> Plan:
         )
         offset += inst.num_gpus
     if mode == "shared" and not deferred:
-        for inst in genrm.values():
-            judge_mf = inst.mem_fraction_static
-            given = "mem_fraction_static"
-            if judge_mf is None:  # the original's default: the rollout's fraction
-                judge_mf, given = cfg.sglang_mem_fraction_static, "no mem_fraction_static: the rollout's, by default"
-            total = cfg.sglang_mem_fraction_static + judge_mf
-            if total >= 1.0:
-                raise PlanError(
-                    f"Shared co-resident layout: rollout (--sglang-mem-fraction-static "
-                    f"{cfg.sglang_mem_fraction_static}) and judge "
-                    f"{inst.name!r} ({given} {judge_mf}) reserve {total:.2f} of each GPU; they must sum "
-                    f"below 1.0 (<= 0.9 leaves room for activations): set the judge's "
-                    "engine_config.mem_fraction_static (e.g. 0.5 + 0.3), or use defer-swap"
-                )
-            if total > 0.9:
-                warnings.append(
-                    f"rollout + judge {inst.name!r} memory fractions sum to {total:.2f} (> 0.9): little room is left "
-                    f"for activations and CUDA graphs"
-                )
+        warnings += _co_resident_fractions(cfg)
     name = {"split": "colocate-split", "shared": "colocate-defer" if deferred else "colocate-shared"}[mode]
     return Plan(name, nnodes, cfg.gpus_per_node, cfg.device, pools, claims, warnings)
+
+
+def _rollout_claim(cfg: JobConfig) -> Claim:
+    """Colocated rollout engines on the actor's GPUs from 0."""
+    return Claim("rollout", "", "actor", 0, cfg.rollout_gpus, ("generate",), cfg.rollout_num_gpus_per_engine,
+                 cfg.sglang_mem_fraction_static)
+
+
+def _co_resident_fractions(cfg: JobConfig) -> list[str]:
+    """Co-resident (shared, not deferred): the rollout's and each judge's memory fractions
+    must sum below 1.0 (PlanError with the arithmetic); warnings past 0.9."""
+    warnings = []
+    for inst in cfg.genrm.values():
+        judge_mf = inst.mem_fraction_static
+        given = "mem_fraction_static"
+        if judge_mf is None:  # the original's default: the rollout's fraction
+            judge_mf, given = cfg.sglang_mem_fraction_static, "no mem_fraction_static: the rollout's, by default"
+        total = cfg.sglang_mem_fraction_static + judge_mf
+        if total >= 1.0:
+            raise PlanError(
+                f"Shared co-resident layout: rollout (--sglang-mem-fraction-static "
+                f"{cfg.sglang_mem_fraction_static}) and judge "
+                f"{inst.name!r} ({given} {judge_mf}) reserve {total:.2f} of each GPU; they must sum "
+                f"below 1.0 (<= 0.9 leaves room for activations): set the judge's "
+                "engine_config.mem_fraction_static (e.g. 0.5 + 0.3), or use defer-swap"
+            )
+        if total > 0.9:
+            warnings.append(
+                f"rollout + judge {inst.name!r} memory fractions sum to {total:.2f} (> 0.9): little room is left "
+                f"for activations and CUDA graphs"
+            )
+    return warnings
 
 
 def _dedicated(cfg: JobConfig) -> Plan:

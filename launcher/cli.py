@@ -32,7 +32,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from launcher.allocator import make_plan, render_plan
     from launcher.config import ConfigError, load_config
-    from launcher.job_checks import check_job
+    from launcher.config.checks import check_job
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -49,35 +49,59 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_config(args: argparse.Namespace, prog: str, sft: bool = False):
+    """The job's config from ``--config`` and the config flags, checked as a start checks it
+    (after the package versions); None when something is wrong (printed with ``prog``)."""
+    from launcher.config import ConfigError, load_config
+    from launcher.config.checks import check_job
+    from launcher.job import versions_ok
+
+    if not versions_ok(prog):
+        return None
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_job(cfg, sft=sft)  # before any process starts: a bad hook fails here, not after start-up
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+    return cfg
+
+
 def _train(args: argparse.Namespace) -> int:
-    from launcher.job import main as job_main
+    from launcher.job import run_job
     from launcher.supervisor import GENERATION_ENV, supervise
 
     if args.dry_run:
         return _dry_run(args)
+    cfg = _job_config(args, "relay train")
+    if cfg is None:
+        return 2
+    if cfg.fault_tolerant and GENERATION_ENV not in os.environ:  # not already the supervised job itself
+        argv = ((["--config", args.config] if args.config else []) + (["--hold", str(args.hold)] if args.hold else [])
+                + args.overrides)
+        return supervise(argv, cfg.run_dir, cfg.max_global_restart, resume=cfg.resume)
+    return run_job(cfg, prog="relay train", single_node=True, hold=args.hold)
 
-    argv = (
-        (["--config", args.config] if args.config else [])
-        + (["--hold", str(args.hold)] if args.hold else [])
-        + args.overrides
-    )
-    if GENERATION_ENV not in os.environ:  # not already the supervised job itself
-        from launcher.config import ConfigError, load_config
 
-        try:
-            cfg = load_config(args.config, args.overrides)
-        except ConfigError:
-            cfg = None  # the job reports it
-        if cfg is not None and cfg.fault_tolerant:
-            return supervise(argv, cfg.run_dir, cfg.max_global_restart, resume=cfg.resume)
-    return job_main(argv, prog="relay train", single_node=True)
+def torchrun_main(argv: list[str]) -> int:
+    """``python -m launcher [--sft] --config X.yaml [--hold S] [--flag value ...]`` under torchrun:
+    ``relay train``'s arguments (``--sft``: ``relay sft``'s job), run on every rank."""
+    from launcher.job import run_job
+
+    sft = "--sft" in argv
+    args, rest = build_parser().parse_known_args(["train", *(a for a in argv if a != "--sft")])
+    args.overrides = rest
+    cfg = _job_config(args, "python -m launcher", sft=sft)
+    if cfg is None:
+        return 2
+    return run_job(cfg, prog="python -m launcher", single_node=False, hold=args.hold, sft=sft)
 
 
 def _dry_run(args: argparse.Namespace) -> int:
     from launcher.allocator import PlanError
     from launcher.config import ConfigError, load_config
+    from launcher.config.checks import check_job
     from launcher.dry_run import dry_run
-    from launcher.job_checks import check_job
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -93,10 +117,12 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from launcher.job import main as job_main
+    from launcher.job import run_job
 
-    argv = (["--config", args.config] if args.config else []) + ["--sft"] + args.overrides
-    return job_main(argv, prog="relay sft", single_node=True)
+    cfg = _job_config(args, "relay sft", sft=True)
+    if cfg is None:
+        return 2
+    return run_job(cfg, prog="relay sft", single_node=True, sft=True)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -122,7 +148,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _sbatch(args: argparse.Namespace) -> int:
     from launcher.allocator import PlanError, make_plan
     from launcher.config import ConfigError, load_config, parse_overrides
-    from launcher.job_checks import check_job
+    from launcher.config.checks import check_job
     from launcher.sbatch import render_sbatch
 
     try:
@@ -233,7 +259,7 @@ def _judge(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.engine == "torch":  # what the built-in engine makes of each judge's engine_config, as relay train
-            from launcher.job_checks import check_builtin_engine_config
+            from launcher.config.checks import check_builtin_engine_config
 
             check_builtin_engine_config(cfg)
     except ConfigError as e:
@@ -264,7 +290,7 @@ def _judge(args: argparse.Namespace) -> int:
 
 def config_flags_help(width: int = 100) -> str:
     """Every config key as its flag, with its help, allowed values and default (from
-    ``launcher/config.py``), for the epilog of the subcommands that take config flags."""
+    ``launcher/config/schema.py``), for the epilog of the subcommands that take config flags."""
     from launcher.config import FIELDS
 
     metavars = {"bool": "[true|false]", "int": "INT", "float": "FLOAT", "dict": "JSON", "str": "TEXT"}
@@ -309,8 +335,6 @@ def _config_command(sub, name: str, help: str, description: str = "") -> argpars
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import relay
-
     p = argparse.ArgumentParser(
         prog="relay",
         description="GRPO post-training with an LLM judge (GenRM) over a Monarch-style ZeroMQ actor runtime.",
@@ -318,6 +342,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     v = sub.add_parser("version", help="print the version")
     v.set_defaults(func=_version)
+    _add_demo(sub)
+    _add_job_commands(sub)
+    pt = sub.add_parser("plot", help="write PNG curves (reward, accuracy, eval, phase times) of a run directory")
+    pt.add_argument("run_dir", help="the run directory (--run-dir of the job)")
+    pt.set_defaults(func=_plot)
+    _add_sbatch(sub)
+    _add_judge(sub)
+    _add_make_model(sub)
+    return p
+
+
+def _add_demo(sub) -> None:
     d = sub.add_parser(
         "demo",
         help="the main demo: a tiny judge and policy, then GRPO with the judge through the whole stack (CPU, minutes)",
@@ -338,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--procs", type=int_at_least(2, 64), default=4,
                    help="--runtime: number of worker processes, 2-64 (default 4)")
     d.set_defaults(func=_demo)
+
+
+def _add_job_commands(sub) -> None:
+    """plan, train and sft: a config and its flags."""
     pl = _config_command(
         sub,
         "plan",
@@ -372,9 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
     st.set_defaults(func=_sft, takes_overrides=True)
-    pt = sub.add_parser("plot", help="write PNG curves (reward, accuracy, eval, phase times) of a run directory")
-    pt.add_argument("run_dir", help="the run directory (--run-dir of the job)")
-    pt.set_defaults(func=_plot)
+
+
+def _add_sbatch(sub) -> None:
     sb = _config_command(
         sub,
         "sbatch",
@@ -412,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sb.add_argument("--output", "-o", default="-", help="where to write the script (default: stdout)")
     sb.set_defaults(func=_sbatch, takes_overrides=True)
+
+
+def _add_judge(sub) -> None:
     jd = _config_command(
         sub,
         "judge",
@@ -430,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     jd.add_argument("--token-file", default=None, help="read the bearer token from this file (its first line)")
     jd.set_defaults(func=_judge, takes_overrides=True)
+
+
+def _add_make_model(sub) -> None:
     mm = sub.add_parser(
         "make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)"
     )
@@ -451,7 +497,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "ship (the real ones use 128)")
     mm.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     mm.set_defaults(func=_make_model)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,13 @@ from relay import Actor, MeshFailure, ProcMesh, ProcRef, endpoint, this_proc
 from .agent import BundleProbe, BundleSpec, NodeAgent, worker_log
 from .allocator import Plan, make_plan, render_plan
 from .config import JobConfig
+from .config.paths import check_inputs_on_every_node
 from .exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
-from .paths import check_inputs_on_every_node
 from .rendezvous import Rendezvous, node_address
 from .rl.checkpoints import CHECKPOINT_DIR, StoppedWithCheckpoint
 from .supervisor import earlier_checkpoints
+
+NO_TIMEOUT = 10 * 24 * 3600.0  # seconds: waiting for the next failure report (a job may run for days)
 
 
 @dataclass
@@ -51,24 +53,25 @@ class JobFailed(Exception):
 
 
 class ControllerSink(Actor):
-    """Receives reports from agents (hosted in the controller process)."""
+    """Failure reports for the controller (hosted in its process): the agents' dead workers
+    and the runtime's unhandled failures, queued here until the controller takes the next
+    (:meth:`next_failure`)."""
 
     def __init__(self):
-        self.queue: asyncio.Queue = _failures()
+        self.queue: asyncio.Queue = asyncio.Queue()
 
-    @endpoint
+    @endpoint(concurrent=True)
     async def worker_failed(self, node: int, bundle: int, failure: MeshFailure) -> None:
         self.queue.put_nowait(("worker", node, bundle, failure))
 
+    @endpoint(concurrent=True)
+    async def runtime_failed(self, failure: MeshFailure) -> None:
+        self.queue.put_nowait(("runtime", -1, -1, failure))
 
-_queue: asyncio.Queue | None = None
-
-
-def _failures() -> asyncio.Queue:
-    global _queue
-    if _queue is None:
-        _queue = asyncio.Queue()
-    return _queue
+    @endpoint(concurrent=True)
+    async def next_failure(self) -> tuple:
+        """(kind "worker" | "runtime", node, bundle, failure): the next report, once there is one."""
+        return await self.queue.get()
 
 
 def _roles_by_bundle(plan: Plan) -> dict[int, list[str]]:
@@ -101,61 +104,99 @@ async def run_controller(
             f"the plan needs {plan.nnodes} node(s) but the job has {world_size}: launch torchrun with "
             f"--nnodes {plan.nnodes}, or set --nnodes / --gpus-per-node to match"
         )
-    rdzv = Rendezvous()
-    run_dir = os.path.abspath(cfg.run_dir)
-    cfg = _restarted(cfg, rdzv, run_dir, out)
-    _prepare_process_env(0)
-    os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
-    os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
-    rdzv.set("secret", {"secret": relay.settings().job_secret, "job_id": relay.settings().job_id})
+    controller = Controller(cfg, plan, world_size, out, mode)
+    await controller.start()
+    work = asyncio.ensure_future(controller.place_and_run(hold))
+    code, message = await controller.supervise(work)
+    return await controller.shut_down(code, message)
 
-    failures = _failures()
-    relay.set_unhandled_fault_hook(lambda f: failures.put_nowait(("runtime", -1, -1, f)))
-    loop = asyncio.get_running_loop()
-    stop_signal = asyncio.Event()
-    got_signal: list[str] = []
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        loop.add_signal_handler(sig, lambda s=sig: (got_signal.append(signal.Signals(s).name), stop_signal.set()))
 
-    here = this_proc()
-    sink = here.spawn("controller", ControllerSink)
-    local_agent = here.spawn("agent", NodeAgent, 0, cfg.device)
-    await asyncio.gather(sink.initialized(), local_agent.initialized())
-    rdzv.set("controller", {"addr": relay.inbox_address(), "hb": relay.heartbeat_address()})
+class Controller:
+    """One job on rank 0, in phases: :meth:`start` (rendezvous, signals, this node's agent),
+    :meth:`place_and_run` (every node's workers, the placement report, then the job),
+    :meth:`supervise` (until the job ends, fails or is signalled), :meth:`shut_down`."""
 
-    print(render_plan(plan), file=out, flush=True)
-    agents: dict[int, relay.ActorMesh] = {0: local_agent}
-    agent_refs: dict[int, ProcRef] = {}
-    roles = _roles_by_bundle(plan)
-    code = 0
-    jobs: list = []
+    def __init__(self, cfg: JobConfig, plan: Plan, world_size: int, out, mode: str):
+        self.cfg, self.plan, self.world_size, self.out, self.mode = cfg, plan, world_size, out, mode
+        self.rdzv = Rendezvous()
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.agents: dict[int, relay.ActorMesh] = {}
+        self.agent_refs: dict[int, ProcRef] = {}
+        self.jobs: list = []  # the GRPO loop or SFT job, once it runs
+        self.stop_signal = asyncio.Event()
+        self.got_signal: list[str] = []
+        self.sink: relay.ActorMesh | None = None
 
-    async def body() -> None:
-        for r in range(1, world_size):
-            info = await rdzv.get(f"agent/{r}")
+    async def start(self) -> None:
+        """Resume after a restart, the job's secret, signal handlers, this process's sink and agent."""
+        self.cfg = _restarted(self.cfg, self.rdzv, self.run_dir, self.out)
+        _prepare_process_env(0)
+        os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
+        os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
+        self.rdzv.set("secret", {"secret": relay.settings().job_secret, "job_id": relay.settings().job_id})
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            loop.add_signal_handler(sig, lambda s=sig: (self.got_signal.append(signal.Signals(s).name),
+                                                        self.stop_signal.set()))
+        here = this_proc()
+        self.sink = here.spawn("controller", ControllerSink)
+        local_agent = here.spawn("agent", NodeAgent, 0, self.cfg.device)
+        await asyncio.gather(self.sink.initialized(), local_agent.initialized())
+        relay.set_unhandled_fault_hook(lambda f: self.sink.runtime_failed.call_one(f))
+        self.rdzv.set("controller", {"addr": relay.inbox_address(), "hb": relay.heartbeat_address()})
+        self.agents[0] = local_agent
+        print(render_plan(self.plan), file=self.out, flush=True)
+
+    async def place_and_run(self, hold: float) -> None:
+        """Attach every node's agent, check inputs, start the workers and report where each
+        runs; then hold (``--hold``) and run the job (GRPO, SFT, or nothing to train)."""
+        cfg, plan = self.cfg, self.plan
+        for r in range(1, self.world_size):
+            info = await self.rdzv.get(f"agent/{r}")
             ref = ProcRef(f"agent{r}", info["addr"], "agents", r, info["host"], info["pid"])
-            agent_refs[r] = ref
+            self.agent_refs[r] = ref
             relay.watch_heartbeats(ref)  # silence for the heartbeat timeout stops the job
-            agents[r] = ProcMesh.attach([ref], name=f"agent{r}").actors("agent", NodeAgent)
-        missing = await check_inputs_on_every_node(cfg, mode, agents, run_dir)  # before any worker starts
+            self.agents[r] = ProcMesh.attach([ref], name=f"agent{r}").actors("agent", NodeAgent)
+        missing = await check_inputs_on_every_node(cfg, self.mode, self.agents, self.run_dir)  # before any worker
         if missing:
             raise JobFailed(missing)
         grpo = None
-        if mode != "sft" and cfg.prompt_data:
+        if self.mode != "sft" and cfg.prompt_data:
             from .rl.loop import GRPOLoop
 
-            grpo = GRPOLoop(cfg, plan, out,
-                            respawn=lambda node, bundle: agents[node].respawn_worker.call_one(bundle).result(180))
+            grpo = GRPOLoop(cfg, plan, self.out, respawn=lambda node, bundle: self.agents[node].respawn_worker.call_one(
+                bundle).result(180))
             grpo.prepare()  # while the workers start
-        t0 = time.monotonic()
+        workers = await self._start_workers()
+        if hold > 0:
+            print(f"holding the job for {hold:g} s", file=self.out, flush=True)
+            await asyncio.sleep(hold)
+        if self.mode == "sft":
+            from .sft import SFTJob
+
+            job = SFTJob(cfg, plan, workers, self.out)
+            self.jobs.append(job)
+            await job.start()
+            await job.run()
+        elif grpo is not None:
+            self.jobs.append(grpo)
+            await grpo.start(workers)
+            await grpo.run()
+        else:
+            print("no --prompt-data: the job was placed; nothing to train", file=self.out, flush=True)
+
+    async def _start_workers(self) -> list:
+        """One worker per bundle on every node, torch.distributed for the actor's, a probe
+        actor on each; prints where each runs. Returns the workers in bundle order."""
+        plan, out, t0 = self.plan, self.out, time.monotonic()
+        roles = _roles_by_bundle(plan)
         specs: dict[int, list[BundleSpec]] = {n: [] for n in range(plan.nnodes)}
         for idx in sorted(roles):
             node, gpu = divmod(idx, plan.gpus_per_node)
             specs[node].append(BundleSpec(idx, gpu, roles[idx]))
-        env = {"RELAY_JOB_RUN_DIR": run_dir}
-        per_node = await asyncio.gather(
-            *(agents[n].spawn_workers.call_one(specs[n], sink, env).result(180) for n in range(plan.nnodes))
-        )
+        env = {"RELAY_JOB_RUN_DIR": self.run_dir}
+        per_node = await asyncio.gather(*(self.agents[n].spawn_workers.call_one(specs[n], self.sink, env).result(180)
+                                          for n in range(plan.nnodes)))
         workers = sorted((w for ws in per_node for w in ws), key=lambda w: w.bundle)
         procs = ProcMesh.attach([w.proc for w in workers], name="bundles", dims={"bundles": len(workers)})
         # Every role's workers get MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK for its group.
@@ -164,122 +205,100 @@ async def run_controller(
             await relay.setup_torch_distributed(
                 ProcMesh.attach(actor_bundles, name="actor-group", dims={"ranks": len(actor_bundles)})
             )
-        probes = procs.spawn("probe", BundleProbe)
-        where = (await probes.where.call().result(120)).values()
+        where = (await procs.spawn("probe", BundleProbe).where.call().result(120)).values()
         print(f"\nplaced a probe actor on every bundle in {time.monotonic() - t0:.2f} s:", file=out)
-        print(
-            f"{'bundle':>6}  {'node':>4}  {'host/address':<24} {'pid':>7}  {'CUDA_VISIBLE_DEVICES':<20} "
-            f"{'actor rank':<10} roles",
-            file=out,
-        )
+        print(f"{'bundle':>6}  {'node':>4}  {'host/address':<24} {'pid':>7}  {'CUDA_VISIBLE_DEVICES':<20} "
+              f"{'actor rank':<10} roles", file=out)
         for w, info in zip(workers, where):
             cvd = info["cuda_visible_devices"] or "(cpu)"
-            print(
-                f"{w.bundle:>6}  {w.node:>4}  {info['host']:<24} {info['pid']:>7}  {cvd:<20} {info['rank'] or '-':<10} "
-                f"{', '.join(w.roles)}",
-                file=out,
-            )
-        print(
-            f"workers' own output (library warnings, native logs): {os.path.join(run_dir, 'logs')}/",
-            file=out,
-            flush=True,
-        )
-        if hold > 0:
-            print(f"holding the job for {hold:g} s", file=out, flush=True)
-            await asyncio.sleep(hold)
-        if mode == "sft":
-            from .sft import SFTJob
+            print(f"{w.bundle:>6}  {w.node:>4}  {info['host']:<24} {info['pid']:>7}  {cvd:<20} "
+                  f"{info['rank'] or '-':<10} {', '.join(w.roles)}", file=out)
+        print(f"workers' own output (library warnings, native logs): {os.path.join(self.run_dir, 'logs')}/", file=out,
+              flush=True)
+        return workers
 
-            job = SFTJob(cfg, plan, workers, out)
-            jobs.append(job)
-            await job.start()
-            await job.run()
-        elif grpo is not None:
-            jobs.append(grpo)
-            await grpo.start(workers)
-            await grpo.run()
-        else:
-            print("no --prompt-data: the job was placed; nothing to train", file=out, flush=True)
-
-    task = asyncio.ensure_future(body())
-    waiter = asyncio.ensure_future(failures.get())
-    stopper = asyncio.ensure_future(stop_signal.wait())
-    checkpointing = False
-    while True:
-        done, _ = await asyncio.wait({task, waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if waiter in done and jobs and _taken_over(jobs[0], waiter.result()):  # --use-fault-tolerance
-            waiter = asyncio.ensure_future(failures.get())
-            continue
-        # SIGTERM / SIGUSR1 while GRPO trains (slurm's warning before preemption or the time
-        # limit): finish the step in progress, write a checkpoint, then stop. Repeats are
-        # expected (slurm signals the launcher and torchrun, which forwards it again) and
-        # ignored; SIGINT (Ctrl-C) stops at once.
-        if stopper in done and len(done) == 1 and got_signal[-1] in ("SIGTERM", "SIGUSR1"):
-            if checkpointing:
-                print(
-                    f"relay: {got_signal[-1]} again: still finishing the step and its checkpoint (SIGINT stops at "
-                    f"once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            elif jobs and getattr(jobs[0], "request_stop", lambda: False)():
-                checkpointing = True
-                print(
-                    f"relay: {got_signal[-1]}: writing a checkpoint after the step in progress, then stopping "
-                    f"(exit code {EXIT_CHECKPOINTED_ON_SIGNAL}; SIGINT stops at once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if checkpointing:
-                stop_signal.clear()
-                stopper = asyncio.ensure_future(stop_signal.wait())
+    async def supervise(self, work: asyncio.Future) -> tuple[int, str | None]:
+        """Wait for ``work`` to end, a failure report or a signal: (exit code, what to say).
+        A failure the job takes over (``--use-fault-tolerance``) is not the end; SIGTERM /
+        SIGUSR1 while GRPO trains (slurm's warning before preemption or the time limit)
+        finishes the step, writes a checkpoint, then stops (repeats, which slurm and torchrun
+        send, are ignored); SIGINT stops at once."""
+        failure = asyncio.ensure_future(self.sink.next_failure.call_one().result(NO_TIMEOUT))
+        stopper = asyncio.ensure_future(self.stop_signal.wait())
+        checkpointing = False
+        while True:
+            done, _ = await asyncio.wait({work, failure, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if failure in done and self.jobs and _taken_over(self.jobs[0], failure.result()):
+                failure = asyncio.ensure_future(self.sink.next_failure.call_one().result(NO_TIMEOUT))
                 continue
-        break
-    message = None
-    if task in done and isinstance(task.exception(), StoppedWithCheckpoint):
-        message = f"{got_signal[0]}: {task.exception()}"
-        code = EXIT_CHECKPOINTED_ON_SIGNAL
-    elif waiter in done:
-        message = _describe(waiter.result(), plan, agent_refs, run_dir)
-        code = 1
-    elif stopper in done:
-        message = f"stopped by {got_signal[-1] if got_signal else 'a signal'}; shutting down"
-        code = 130 if got_signal and got_signal[-1] == "SIGINT" else 143
-    elif task.exception() is not None:
+            if stopper in done and len(done) == 1 and self.got_signal[-1] in ("SIGTERM", "SIGUSR1"):
+                checkpointing = self._checkpoint_on_signal(checkpointing)
+                if checkpointing:
+                    self.stop_signal.clear()
+                    stopper = asyncio.ensure_future(self.stop_signal.wait())
+                    continue
+            break
+        try:
+            return await self._outcome(work, failure, stopper, done)
+        finally:
+            for f in (work, failure, stopper):
+                if not f.done():
+                    f.cancel()
+
+    def _checkpoint_on_signal(self, checkpointing: bool) -> bool:
+        """SIGTERM / SIGUSR1: ask the job to stop after a checkpoint; whether it is doing so."""
+        sig = self.got_signal[-1]
+        if checkpointing:
+            print(f"relay: {sig} again: still finishing the step and its checkpoint (SIGINT stops at once)",
+                  file=sys.stderr, flush=True)
+        elif self.jobs and getattr(self.jobs[0], "request_stop", lambda: False)():
+            checkpointing = True
+            print(f"relay: {sig}: writing a checkpoint after the step in progress, then stopping (exit code "
+                  f"{EXIT_CHECKPOINTED_ON_SIGNAL}; SIGINT stops at once)", file=sys.stderr, flush=True)
+        return checkpointing
+
+    async def _outcome(self, work, failure, stopper, done) -> tuple[int, str | None]:
+        """What ended the job: (exit code, message or None)."""
+        plan, refs = self.plan, self.agent_refs
+        if work in done and isinstance(work.exception(), StoppedWithCheckpoint):
+            return EXIT_CHECKPOINTED_ON_SIGNAL, f"{self.got_signal[0]}: {work.exception()}"
+        if failure in done:
+            return 1, _describe(failure.result(), plan, refs, self.run_dir)
+        if stopper in done:
+            last = self.got_signal[-1] if self.got_signal else None
+            return (130 if last == "SIGINT" else 143), f"stopped by {last or 'a signal'}; shutting down"
+        if work.exception() is None:
+            return 0, None
         # A start-up step failed; if it failed because a process died, the supervision
         # report says so more precisely (it may arrive a moment later).
         try:
-            message = _describe(await asyncio.wait_for(asyncio.shield(waiter), 1.0), plan, agent_refs, run_dir)
+            return 1, _describe(await asyncio.wait_for(asyncio.shield(failure), 1.0), plan, refs, self.run_dir)
         except asyncio.TimeoutError:
-            exc = task.exception()
+            exc = work.exception()
             message = str(exc) if isinstance(exc, JobFailed) else f"{type(exc).__name__}: {exc}"
             # e.g. a collective failed because another node died: name the node whose agent is
             # gone (its heartbeat timeout may not have passed yet)
-            silent = await _silent_agents(agents, agent_refs)
+            silent = await _silent_agents(self.agents, refs)
             if silent:
-                message = (
-                    "; ".join(
-                        f"node {r} agent (host {agent_refs[r].host}, pid {agent_refs[r].pid}) {why}; its workers "
-                        f"(bundles {_bundles_of_node(plan, r)}) are lost"
-                        for r, why in silent.items()
-                    )
-                    + f" (first error seen: {message})"
-                )
-        code = 1
-    for f in (task, waiter, stopper):
-        if not f.done():
-            f.cancel()
-    if message:
-        print(f"relay: job {'failed' if code == 1 else 'stopped'}: {message}", file=sys.stderr, flush=True)
-    for job in jobs:
-        try:
-            await asyncio.wait_for(job.close(graceful=code in (0, EXIT_CHECKPOINTED_ON_SIGNAL)), 90)
-        except Exception as e:  # noqa: BLE001 (the workers are stopped next in any case)
-            print(f"relay: closing the job: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    await _shutdown(agents, agent_refs, exit_code=code)
-    if code == 0:
-        print("shut down cleanly", file=out, flush=True)
-    return code
+                message = "; ".join(
+                    f"node {r} agent (host {refs[r].host}, pid {refs[r].pid}) {why}; its workers (bundles "
+                    f"{_bundles_of_node(plan, r)}) are lost" for r, why in silent.items()
+                ) + f" (first error seen: {message})"
+            return 1, message
+
+    async def shut_down(self, code: int, message: str | None) -> int:
+        """Say why it ended, close the job (gracefully when it ended well), stop every node."""
+        if message:
+            print(f"relay: job {'failed' if code == 1 else 'stopped'}: {message}", file=sys.stderr, flush=True)
+        for job in self.jobs:
+            try:
+                await asyncio.wait_for(job.close(graceful=code in (0, EXIT_CHECKPOINTED_ON_SIGNAL)), 90)
+            except Exception as e:  # noqa: BLE001 (the workers are stopped next in any case)
+                print(f"relay: closing the job: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        await _shutdown(self.agents, self.agent_refs, exit_code=code)
+        if code == 0:
+            print("shut down cleanly", file=self.out, flush=True)
+        return code
 
 
 def _taken_over(job, item: tuple) -> bool:

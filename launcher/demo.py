@@ -120,6 +120,30 @@ def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3")
     layers = ModelConfig.from_dir(os.path.join(root, "policy-base")).num_layers
     print(f"built the tiny tokenizer, policy and judge (random {arch} shapes, {layers} layers, hidden 64)", flush=True)
 
+    judge_acc = _teach_judge(root, logs)
+
+    for d in ("policy-warm", os.path.join("runs", "policy-sft"), os.path.join("runs", "grpo")):
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    _run(
+        "2/3 warm the policy up (brief SFT on 'What is N mod 10?')",
+        ["sft", "--config", "demo-policy-sft",
+         *(["--sft-steps", str(WARMUP_STEPS[arch])] if arch in WARMUP_STEPS else [])],
+        os.path.join(logs, "policy-sft.log"),
+        root,
+    )
+    extra = ["--num-rollout", str(steps)] if steps else []
+    _run(
+        "3/3 GRPO with --rm-type dapo-genrm, colocate Split (rollout engine | judge engine; trainer on both)",
+        ["train", "--config", "demo-grpo", *extra],
+        os.path.join(logs, "grpo.log"),
+        root,
+    )
+
+    return _report(root, judge_acc, t0)
+
+
+def _teach_judge(root: str, logs: str) -> float | None:
+    """Step 1/3: the judge's SFT (reused when a trained judge is there); its held-out accuracy."""
     judge_acc = _last_eval(os.path.join(root, "runs", "judge-sft"))
     if judge_acc is None or not os.path.exists(os.path.join(root, "judge", "config.json")):
         shutil.rmtree(os.path.join(root, "runs", "judge-sft"), ignore_errors=True)
@@ -142,24 +166,11 @@ def run_demo(fresh: bool = False, steps: int | None = None, arch: str = "qwen3")
             f"noisier",
             flush=True,
         )
+    return judge_acc
 
-    for d in ("policy-warm", os.path.join("runs", "policy-sft"), os.path.join("runs", "grpo")):
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    _run(
-        "2/3 warm the policy up (brief SFT on 'What is N mod 10?')",
-        ["sft", "--config", "demo-policy-sft",
-         *(["--sft-steps", str(WARMUP_STEPS[arch])] if arch in WARMUP_STEPS else [])],
-        os.path.join(logs, "policy-sft.log"),
-        root,
-    )
-    extra = ["--num-rollout", str(steps)] if steps else []
-    _run(
-        "3/3 GRPO with --rm-type dapo-genrm, colocate Split (rollout engine | judge engine; trainer on both)",
-        ["train", "--config", "demo-grpo", *extra],
-        os.path.join(logs, "grpo.log"),
-        root,
-    )
 
+def _report(root: str, judge_acc: float | None, t0: float) -> int:
+    """The result of the GRPO run: held-out accuracy before and after, judge figures; 1 below the bar."""
     from .metrics import plot, read_metrics
 
     run_dir = os.path.join(root, "runs", "grpo")

@@ -1,8 +1,9 @@
-"""Entry points shared by ``python -m launcher`` (torchrun) and ``relay train`` (one node)."""
+"""Running a job from its config (:func:`run_job`), shared by ``relay train`` / ``relay sft``
+(one node) and ``python -m launcher`` (torchrun); the command line (launcher/cli.py) parses
+the arguments and loads the config."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import os
@@ -10,27 +11,9 @@ import sys
 import time
 
 from .allocator import PlanError
-from .config import ConfigError, load_config
+from .config import ConfigError
 from .controller import JobFailed, run_agent, run_controller
-from .job_checks import check_job
 from .rendezvous import Rank, torchrun_rank, use_network_interface
-
-
-def _parser(prog: str) -> argparse.ArgumentParser:
-    from .cli import config_flags_help
-
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Run a job from a config; any config key can be overridden with its flag.",
-        epilog=config_flags_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
-    p.add_argument(
-        "--hold", type=float, default=0.0, help="keep the placed job up this many seconds before shutting down"
-    )
-    p.add_argument("--sft", action="store_true", help="supervised fine-tuning (relay sft) instead of GRPO")
-    return p
 
 
 def install_uvloop() -> None:
@@ -96,16 +79,11 @@ def versions_ok(prog: str) -> bool:
     return True
 
 
-def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = False) -> int:
-    args, rest = _parser(prog).parse_known_args(argv)
-    if not versions_ok(prog):
-        return 2
-    try:
-        cfg = load_config(args.config, rest)
-        check_job(cfg, sft=args.sft)  # before any process starts: a bad hook fails here, not after start-up
-    except ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+def run_job(cfg, *, prog: str, single_node: bool, hold: float = 0.0, sft: bool = False) -> int:
+    """Run the job of ``cfg`` (a :class:`~launcher.config.JobConfig`, loaded and checked by
+    the caller) on this node: the controller on rank 0 (and its node's agent), an agent on
+    every other torchrun rank; ``single_node``: ``relay train`` / ``relay sft`` (rank 0 of 1).
+    Returns the exit code; errors are printed with ``prog``."""
     if cfg.network_interface:
         try:
             use_network_interface(cfg.network_interface)
@@ -118,7 +96,7 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
             print(f"{prog}: {problem}", file=sys.stderr)
             return 2
     rank = Rank(0, 1) if single_node else (torchrun_rank() or Rank(0, 1))
-    if rank.rank == 0 and not args.sft:
+    if rank.rank == 0 and not sft:
         problem = gateway_port_taken(cfg)
         if problem:
             print(f"{prog}: {problem}", file=sys.stderr)
@@ -136,7 +114,7 @@ def main(argv: list[str], prog: str = "python -m launcher", single_node: bool = 
                 )
                 return 2
             return asyncio.run(
-                run_controller(cfg, rank.world_size, hold=args.hold, mode="sft" if args.sft else "train")
+                run_controller(cfg, rank.world_size, hold=hold, mode="sft" if sft else "train")
             )
         return asyncio.run(run_agent(cfg, rank.rank))
     except PlanError as e:

@@ -81,42 +81,11 @@ def render_sbatch(
     after ``--config CONFIG --nnodes NODES --gpus-per-node GPUS``; ``max_restarts`` > 0 is
     torchrun's ``--max-restarts`` (``--use-fault-tolerance``: the job's --max-global-restart).
     Raises ValueError for arguments slurm cannot take (the message names the option)."""
-    if nodes < 1:
-        raise ValueError("--nodes must be at least 1")
-    if gpus_per_node < 1:
-        raise ValueError("--gpus-per-node must be at least 1")
-    if port is not None and not 0 < port < 65536:
-        raise ValueError(f"--port must be a TCP port (1-65535), got {port}")
-    if signal_grace < 0:
-        raise ValueError(f"--signal-grace must be >= 0 seconds, got {signal_grace}")
-    log_dir = os.path.abspath(log_dir)
-    if any(c.isspace() or c == "%" for c in log_dir):
-        raise ValueError(
-            f"--log-dir {log_dir!r}: slurm's --output cannot take spaces or '%' in a path; choose another directory"
-        )
+    log_dir = _checked(nodes, gpus_per_node, port, signal_grace, log_dir)
     config_path = os.path.abspath(config) if os.path.exists(config) else config
     launcher_args = ["--config", config_path, "--nnodes", str(nodes), "--gpus-per-node", str(gpus_per_node), *overrides]
     q = shlex.quote
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-    ]
-    if device == "cuda":
-        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
-    lines += [
-        "#SBATCH --exclusive",
-        f"#SBATCH --output={log_dir}/%x-%j.out",
-        "#SBATCH --open-mode=append",
-        "#SBATCH --requeue",
-    ]
-    if signal_grace:
-        lines.append(f"#SBATCH --signal=TERM@{signal_grace}")
-    if partition:
-        lines.append(f"#SBATCH --partition={partition}")
-    if time:
-        lines.append(f"#SBATCH --time={time}")
+    lines = _directives(job_name, nodes, device, gpus_per_node, log_dir, signal_grace, partition, time)
     pick_port = f"{port}" if port is not None else f"$(python3 - <<'PY'\n{PICK_PORT}PY\n)"
     lines += [
         "",
@@ -173,3 +142,47 @@ def render_sbatch(
         "",
     ]
     return "\n".join(lines)
+
+
+def _checked(nodes: int, gpus_per_node: int, port: int | None, signal_grace: int, log_dir: str) -> str:
+    """ValueError naming the option slurm cannot take; else ``log_dir`` made absolute."""
+    if nodes < 1:
+        raise ValueError("--nodes must be at least 1")
+    if gpus_per_node < 1:
+        raise ValueError("--gpus-per-node must be at least 1")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"--port must be a TCP port (1-65535), got {port}")
+    if signal_grace < 0:
+        raise ValueError(f"--signal-grace must be >= 0 seconds, got {signal_grace}")
+    log_dir = os.path.abspath(log_dir)
+    if any(c.isspace() or c == "%" for c in log_dir):
+        raise ValueError(
+            f"--log-dir {log_dir!r}: slurm's --output cannot take spaces or '%' in a path; choose another directory"
+        )
+    return log_dir
+
+
+def _directives(job_name: str, nodes: int, device: str, gpus_per_node: int, log_dir: str, signal_grace: int,
+                partition: str | None, time: str | None) -> list[str]:
+    """The script's ``#SBATCH`` lines."""
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if device == "cuda":
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    lines += [
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={log_dir}/%x-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+    ]
+    if signal_grace:
+        lines.append(f"#SBATCH --signal=TERM@{signal_grace}")
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if time:
+        lines.append(f"#SBATCH --time={time}")
+    return lines

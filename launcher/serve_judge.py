@@ -33,10 +33,10 @@ import time
 
 import relay
 from engines.actor import EngineActor
-from engines.models.model_builder import ensure_model
 from engines.builtin.tp import FollowerActor
+from engines.models.model_builder import ensure_model
 from launcher.config import JobConfig
-from launcher.paths import judge_models, problems_here
+from launcher.config.paths import judge_models, problems_here
 from relay import ProcMesh, job_secret, read_secret_file, write_secret_file
 from reward.judge import start_judge_service
 

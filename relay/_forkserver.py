@@ -29,6 +29,8 @@ from ._transport import remove_reader
 #: shows its environment in the memory the fork server's occupies: relay/_zygote.py retitle).
 #: One variable can be at most 128 KiB (the kernel's MAX_ARG_STRLEN).
 ROOM_BYTES = 96 * 1024
+#: The padding variable that reserves room for a worker's environment (relay/_zygote.py's ``retitle``).
+ROOM_VARIABLE = "RELAY_ENVIRON_ROOM"
 
 
 def start_worker(env: dict) -> subprocess.Popen:
@@ -120,7 +122,6 @@ class ForkServer:
         # (torch.cuda.is_available() asks NVML, not the CUDA driver, which a fork cannot share)
         child_env = dict(env, RELAY_PRELOAD=",".join(modules), OPENBLAS_NUM_THREADS="1",
                          PYTORCH_NVML_BASED_CUDA_CHECK="1", RELAY_ZYGOTE_PARENT=str(os.getpid()))
-        from ._zygote import ROOM_VARIABLE  # not at import: `python -m relay._zygote` imports relay first
 
         child_env.pop(ROOM_VARIABLE, None)
         child_env[ROOM_VARIABLE] = "x" * ROOM_BYTES  # last: a worker writes its environment over it

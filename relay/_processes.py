@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,16 +75,15 @@ def stopped(addr: str, why: str, ref: ProcRef | None = None) -> MeshFailure:
 
 
 def _default_fault_hook(failure: MeshFailure) -> None:
-    from ._runtime import all_runtimes
-
     sys.stderr.write(f"relay: unhandled failure, stopping the job:\n  {failure}\n")
     sys.stderr.flush()
-    for rt in all_runtimes():
-        rt.kill_all()
+    for procs in list(_ALL):
+        procs.kill_all()
     os._exit(1)
 
 
 _fault_hook: Callable[[MeshFailure], Any] = _default_fault_hook
+_ALL: weakref.WeakSet = weakref.WeakSet()  # every Processes of this process (one per runtime)
 
 
 def set_unhandled_fault_hook(hook: Callable[[MeshFailure], Any]) -> Callable[[MeshFailure], Any]:
@@ -101,6 +101,7 @@ class Processes:
     """The processes a runtime owns or watches."""
 
     def __init__(self, rt: Runtime):
+        _ALL.add(self)  # the default fault hook kills every runtime's processes
         self._rt = rt
         self._loop = rt.loop
         self._owned: dict[str, Owned] = {}  # proc_id -> owned process

@@ -55,8 +55,6 @@ def threads() -> int:
         return threading.active_count()
 
 
-#: The padding variable that reserves room for a worker's environment (see :func:`retitle`).
-ROOM_VARIABLE = "RELAY_ENVIRON_ROOM"
 
 
 def _areas() -> tuple[tuple[int, int], tuple[int, int]]:
@@ -88,6 +86,8 @@ def retitle(env: dict, argv: list[str]) -> str:
     the fork server had come first, in its order, then the worker's others, then padding
     (``RELAY_ENVIRON_ROOM=...``) to fill the area. Returns what could not be done ('' if all)."""
     import ctypes
+
+    from relay._forkserver import ROOM_VARIABLE
 
     try:
         libc = ctypes.CDLL(None)

@@ -24,7 +24,13 @@ import time
 import torch
 
 import relay
-
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.model_runner import ModelRunner
+from engines.builtin.prompts import encode_prompt
+from engines.builtin.sampler import Sampler
+from engines.builtin.scheduler import Scheduler
+from engines.builtin.sequence import Sequence
+from engines.builtin.stepper import Stepper
 from engines.interface import (
     CONSTRAINTS,
     Engine,
@@ -34,13 +40,6 @@ from engines.interface import (
     check_tags,
     checked_sampling,
 )
-from engines.builtin.block_manager import BlockManager
-from engines.builtin.model_runner import ModelRunner
-from engines.builtin.prompts import encode_prompt
-from engines.builtin.sampler import Sampler
-from engines.builtin.scheduler import Scheduler
-from engines.builtin.sequence import Sequence
-from engines.builtin.stepper import Stepper
 
 log = logging.getLogger("relay.engine")
 STEP_FAILURE_LOG_EVERY = 60.0  # seconds between two log lines about failed engine steps
@@ -98,7 +97,7 @@ class TorchEngine(Engine):
         self.blocks = BlockManager(block_size, max_running)
         self.tp = None
         if tp is not None and tp[2] > 1:
-            from engines.builtin.tp import TPGroup
+            from engines.builtin.tp_group import TPGroup
 
             self.tp = TPGroup(tp[0], tp[1], 0, tp[2], self.device)
         self.runner = ModelRunner(model_path, self.blocks, device=self.device, dtype=self.dtype,

@@ -10,11 +10,6 @@ import numpy as np
 import torch
 
 from engines import kv_pool
-from engines.kernels.fused_decode import pack_projections
-from engines.models.hybrid_model import build_causal_lm
-from engines.interface import SamplingParams
-from engines.models.model import ModelConfig, _inv_freq
-from engines.models.weight_names import load_weights
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.sampler import greedy_pairs
 from engines.builtin.scheduler import StepPlan
@@ -22,6 +17,11 @@ from engines.builtin.sequence import Sequence
 from engines.builtin.state_pool import StatePool
 from engines.builtin.transfer import host_tensor, to_device
 from engines.builtin.weights import Weights
+from engines.interface import SamplingParams
+from engines.models.fused_decode import pack_projections
+from engines.models.hybrid_model import build_causal_lm
+from engines.models.model import ModelConfig, _inv_freq
+from engines.models.weight_names import load_weights
 
 
 class ModelRunner:

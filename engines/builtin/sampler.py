@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from engines.interface import SamplingParams
-from engines.kernels.paged_attention import triton_usable
-from engines.builtin.sample_kernels import sample_pairs, seeded_gumbel_argmax, seeded_uniform
 from engines.builtin.penalties import apply_penalties, min_p_mask
+from engines.builtin.sample_kernels import sample_pairs, seeded_gumbel_argmax, seeded_uniform
 from engines.builtin.sequence import Sequence
 from engines.builtin.transfer import to_device
+from engines.interface import SamplingParams
+from engines.kernels.paged_attention import triton_usable
 
 
 def greedy_pairs(logits: torch.Tensor) -> torch.Tensor:

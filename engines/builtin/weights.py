@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-from engines.kernels.fused_decode import pack_projections, unpack_projections
+from engines.models.fused_decode import pack_projections, unpack_projections
 from engines.models.model import ModelConfig
 from engines.models.weight_names import copy_all, place_weight
 

@@ -25,7 +25,7 @@ from engines.kernels.paged_attention import multiprocessors, triton, triton_usab
 
 #: the most rows the kernel serves
 KERNEL_ROWS = 8
-#: the decode batches that use it (engines/kernels/fused_decode.py): on an H200 it beat cuBLAS at 1 row
+#: the decode batches that use it (engines/models/fused_decode.py): on an H200 it beat cuBLAS at 1 row
 #: on every projection of a 0.6B model and lost at 4 and 8 (benchmarks/skinny_gemm_sweep.py)
 MAX_ROWS = 1
 #: weight elements one program holds at once

@@ -14,8 +14,7 @@ log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``, each token does
 then ``o`` goes through an RMSNorm gated by ``silu(z)`` and ``out_proj``. Decode runs that
 recurrence for one token (:func:`recurrent_step`); prefill runs it chunk by chunk
 (:func:`chunked_delta_rule`: inside a chunk the updates are solved at once as a triangular
-system, the state carried between chunks; ``linear_kernels.chunked_prefill`` is the same
-maths in Triton, tested but not used: slower for batched prompts on an H200 so far). Padding
+system, the state carried between chunks). Padding
 rows of a prefill take ``beta = 0`` and ``g = 0``: they leave the state as the last real token
 left it.
 
@@ -30,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.kernels.paged_attention import triton_usable
 from engines.kernels.linear_kernels import conv_decode, recurrent_decode
+from engines.kernels.paged_attention import triton_usable
 
 #: chunk length of the prefill's chunked delta rule
 CHUNK = 64
@@ -191,8 +190,6 @@ class GatedDeltaNet(nn.Module):
         q, k, v, beta, g = self._heads(mixed, x)
         real = (torch.arange(length, device=x.device)[None, :] < lens[:, None])[..., None]  # [S, L, 1]
         beta, g = beta * real, g * real  # padding: no update, no decay
-        # (linear_kernels.chunked_prefill computes the same in Triton; not used: on an H200 it is
-        # slower than this for batched prompts so far, docs/PERFORMANCE.md)
         o, state = chunked_delta_rule(q, k, v, beta, g)
         rec.index_copy_(0, rows, state.to(rec.dtype))
         return self._out(o, x)

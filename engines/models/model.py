@@ -408,8 +408,8 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         x = self.model.embed_tokens(input_ids)
         scale = cfg.head_dim**-0.5
-        if triton_usable(x.device):  # the per-layer work in few kernels: engines/kernels/fused_decode.py
-            from engines.kernels.fused_decode import decode_fused
+        if triton_usable(x.device):  # the per-layer work in few kernels: engines/models/fused_decode.py
+            from engines.models.fused_decode import decode_fused
 
             return decode_fused(self, x, positions, slots, block_tables, context_lens, k_cache, v_cache)
         cos, sin = self._rope(positions, x.dtype)

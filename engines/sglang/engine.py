@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 
-from engines.sglang import weights as sglang_weights
 from engines.interface import (
     CONSTRAINTS,
     TAGS,
@@ -40,6 +39,7 @@ from engines.interface import (
     check_tags,
     checked_sampling,
 )
+from engines.sglang import weights as sglang_weights
 from engines.sglang.args import check_request, protocol, server_argv, server_env, server_fields
 
 #: SamplingParams keys that SGLang's /generate takes under the same name and meaning.

@@ -18,16 +18,14 @@ import threading
 import torch
 
 import relay
-from engines import kv_pool
-from engines import weight_sync
-from engines.weight_sync.sender import WeightSender
-from relay import Actor, endpoint
-
+from engines import kv_pool, weight_sync
 from engines.trainer import batching, checkpoint_io
 from engines.trainer.batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
 from engines.trainer.dist_init import _init_process_group
 from engines.trainer.loss import LossConfig, policy_loss, token_weights
 from engines.trainer.train_batch import StepStats, TrainBatch
+from engines.weight_sync.sender import WeightSender
+from relay import Actor, endpoint
 
 MOE_TP_TRAINING = (
     "training a mixture-of-experts model with tensor parallelism needs Megatron's sequence parallelism, which "
@@ -109,7 +107,6 @@ class TrainerActor(Actor):
 
         from engines.models.checkpoint import checkpoint_tensors
         from engines.models.model import ModelConfig
-
         from engines.trainer import cpu_shim
         from engines.trainer.megatron_model import build_gpt, hf_to_megatron, shard_for_rank
         from engines.trainer.moe_convert import select_local_experts

@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
+from engines.builtin import TorchEngine
 from engines.interface import EngineFailed, RequestFault, SamplingParams
 from engines.models.model_builder import make_model
-from engines.builtin import TorchEngine
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -63,7 +63,8 @@ def test_split_context_kernel_matches_reference():
     that split are the ones ``decode_splits`` names."""
     out = _interpret("""
         import torch
-        from engines.kernels.paged_attention import DECODE_SPLITS, _triton_decode, decode_splits, paged_decode_attention_ref
+        from engines.kernels.paged_attention import (DECODE_SPLITS, _triton_decode, decode_splits,
+                                                     paged_decode_attention_ref)
         torch.manual_seed(5)
         worst = 0.0
         for (b, h, kvh, d, page, blocks, width) in [(1, 4, 2, 16, 16, 20, 12), (3, 6, 2, 24, 8, 40, 20)]:
@@ -266,7 +267,7 @@ def test_the_sampling_kernels_compile_for_an_h200_without_one(greedy, dtype):
     for bf16 and float32 logits, without spilling to local memory."""
     from triton.compiler import ASTSource
 
-    from engines import sample_kernels as sk
+    from engines.builtin import sample_kernels as sk
     from tests.helpers import compile_for_h200
 
     consts = {"K_SEED": sk._K_SEED, "K_POS": sk._K_POS, "K_TOK": sk._K_TOK, "MIX1": sk._MIX1, "MIX2": sk._MIX2,
@@ -359,13 +360,13 @@ def test_fused_ops_match_the_torch_modules():
 
 
 def test_qkv_rope_write_matches_norm_rope_and_the_cache_writes():
-    """The fused q/k/v kernel of a decode step (engines/kernels/fused_decode.py) against the separate
+    """The fused q/k/v kernel of a decode step (engines/models/fused_decode.py) against the separate
     kernels and cache writes it replaces: queries as ``norm_rope``, each token's k (normed,
     rotated) and v in its cache slot, every other slot untouched; with and without q/k norm,
     GQA groups 2 and 3, head dims 16 and 24."""
     out = _interpret("""
         import torch
-        from engines.kernels.fused_decode import qkv_rope_write
+        from engines.models.fused_decode import qkv_rope_write
         from engines.kernels.paged_attention import norm_rope
         torch.manual_seed(4)
         worst, untouched = 0.0, True
@@ -408,7 +409,7 @@ def test_under_the_interpreter_a_launch_patches_the_language_once_not_once_a_hel
         calls = []
         triton_patch = interpreter._patch_lang
         interpreter._patch_lang = lambda fn: calls.append(fn.__name__) or triton_patch(fn)
-        from engines.kernels.fused_decode import qkv_rope_write  # installs the skip over the counting patch
+        from engines.models.fused_decode import qkv_rope_write  # installs the skip over the counting patch
         from engines.kernels.paged_attention import norm_rope
         torch.manual_seed(4)
         b, h, kvh, d = 5, 4, 2, 16
@@ -439,8 +440,8 @@ def test_packed_projections_follow_loads_updates_and_sleep(tmp_path):
 
     import torch
 
-    from engines.models.model_builder import make_model
     from engines.builtin import TorchEngine
+    from engines.models.model_builder import make_model
 
     path = make_model("qwen2", "tiny", str(tmp_path / "m"), seed=1)  # q/k/v biases too
 
@@ -519,8 +520,8 @@ def test_a_padded_graph_batch_runs_the_attention_as_the_eager_batch_does():
     the same rows does (the graph-vs-eager GPU test compares them exactly)."""
     import torch
 
-    from engines.kernels.paged_attention import decode_config, decode_splits
     from engines.builtin.model_runner import BUCKETS, bucket
+    from engines.kernels.paged_attention import decode_config, decode_splits
 
     cpu = torch.device("cpu")  # 4 "SMs": both configurations occur below 256 rows
     seen = set()

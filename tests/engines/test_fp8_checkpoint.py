@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engines.builtin import TorchEngine
 from engines.models.checkpoint import checkpoint_tensors, fp8_block
 from engines.models.model_builder import make_model
-from engines.builtin import TorchEngine
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from engines.models.model_builder import make_model
 from engines.builtin import TorchEngine
+from engines.models.model_builder import make_model
 from tests.helpers import run
 
 pytestmark = [

@@ -17,10 +17,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from engines.builtin import TorchEngine
 from engines.models.model import CausalLM, ModelConfig
 from engines.models.model_builder import build_tokenizer, hf_config, make_model
 from engines.models.moe import SparseMoE, moe_align
-from engines.builtin import TorchEngine
 from engines.models.weight_names import load_weights, place_weight
 from tests.engines.test_decode_kernel import _interpret
 from tests.helpers import run

@@ -19,11 +19,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from engines.builtin import TorchEngine
 from engines.models.hybrid_model import HybridCausalLM, build_causal_lm
 from engines.models.linear_attention import CHUNK, state_shapes
 from engines.models.model import ModelConfig
 from engines.models.model_builder import hf_config, make_model
-from engines.builtin import TorchEngine
 from engines.models.weight_names import load_weights
 from tests.helpers import run
 

@@ -13,8 +13,8 @@ import asyncio
 
 import pytest
 
-from engines.models.model_builder import make_model
 from engines.builtin import TorchEngine
+from engines.models.model_builder import make_model
 from tests.engines.test_qwen35 import hybrid_model
 from tests.helpers import run
 

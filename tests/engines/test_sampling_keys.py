@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers
 
-from engines.interface import MAX_INT64, MAX_N, SamplingParams, checked_sampling, fan_out, generate_n
-from engines.models.model_builder import make_model
-from engines.builtin.sample_kernels import seeded_uniform
 from engines.builtin import TorchEngine
 from engines.builtin.penalties import apply_penalties, min_p_mask
+from engines.builtin.sample_kernels import seeded_uniform
 from engines.builtin.sequence import Sequence
+from engines.interface import MAX_INT64, MAX_N, SamplingParams, checked_sampling, fan_out, generate_n
+from engines.models.model_builder import make_model
 from tests.helpers import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.interface import SamplingParams
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
+from engines.interface import SamplingParams
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -1,5 +1,5 @@
 """The few-rows projection kernel (engines/kernels/skinny_gemm.py) and the decode step built on it
-(engines/kernels/fused_decode.py ``_decode_few_rows``), under Triton's interpreter on CPU."""
+(engines/models/fused_decode.py ``_decode_few_rows``), under Triton's interpreter on CPU."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def test_the_few_rows_decode_step_equals_the_fused_one(tmp_path):
     ``MAX_ROWS`` rows it is not used."""
     out = _interpret(f"""
         import torch
-        from engines import fused_decode, skinny_gemm
+        from engines.kernels import skinny_gemm
+        from engines.models import fused_decode
         from engines.models.model_builder import make_model
         from engines.builtin import TorchEngine
         eng = TorchEngine(make_model("qwen2", "tiny", {str(tmp_path / "m")!r}, seed=2), kv_cache_tokens=256)

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from engines.actor import EngineActor
+from engines.builtin.tp import FollowerActor
 from engines.models.model import ModelConfig, shard_tensor
 from engines.models.model_builder import make_model
-from engines.builtin.tp import FollowerActor
 from relay import this_host
 from tests.helpers import run
 

@@ -85,9 +85,9 @@ def test_the_original_systems_error_for_other_colocate_allocations():
 def test_fully_async_pools_checks_and_roles_without_effect(caplog):
     """The original's fully-async line names actor_fwd and advantages: accepted, with a
     notice once, and left out of the plan (no GPUs reserved); critic is refused."""
-    import launcher.config_rules
+    import launcher.config.rules
 
-    launcher.config_rules._noticed.clear()
+    launcher.config.rules._noticed.clear()
     with caplog.at_level("WARNING", logger="relay.config"):
         for _ in range(2):
             p = plan(

@@ -200,7 +200,7 @@ def test_the_original_systems_flags_are_accepted_with_their_meaning_or_a_notice(
     --eval-prompt-data, its data keys; the ones that change nothing here say so once, why."""
     import logging
 
-    from launcher.config_rules import NO_EFFECT_FLAGS, _noticed_flags
+    from launcher.config.rules import NO_EFFECT_FLAGS, _noticed_flags
 
     _noticed_flags.clear()
     argv = ["--num-gpus-per-node", "4", "--hybrid", "--offload-train", "--offload-rollout", "false", "--log-passrate",
@@ -339,7 +339,7 @@ def test_the_originals_training_math_flags_are_taken_with_their_meaning():
 
 
 def test_training_that_would_learn_nothing_or_miscount_steps_is_refused_at_start():
-    from launcher.job_checks import check_training_math
+    from launcher.config.checks import check_training_math
 
     with pytest.raises(ConfigError, match="--rollout-temperature 0 .* every advantage is 0"):
         check_training_math(cfg(rollout_temperature=0.0))

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from launcher.config import ConfigError, load_config
-from launcher.job_checks import check_job
+from launcher.config.checks import check_job
 
 pytestmark = pytest.mark.unit
 RELAY = os.path.join(os.path.dirname(sys.executable), "relay")

@@ -339,7 +339,8 @@ def test_a_run_dir_that_cannot_be_written_stops_the_job_before_any_worker_starts
         "choose a directory this user can create and write on every node\n" in err
     ), err[-3000:]
     # past the check (patched out here), a worker that dies before its hello is named by its bundle and roles
-    code = ("import sys, launcher.paths as p; p.unwritable_here = lambda d: None; from launcher.cli import main; "
+    code = ("import sys, launcher.config.paths as p; p.unwritable_here = lambda d: None; "
+            "from launcher.cli import main; "
             f"sys.exit(main(['train', '--config', 'tiny-cpu-split', '--run-dir', {str(run_dir)!r}]))")
     p = subprocess.Popen([PY, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=120)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from launcher.config import FIELDS, ConfigError, load_config
-from launcher.job_checks import check_job, user_code_flags
+from launcher.config.checks import check_job, user_code_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the installed console script, exactly what a user types (not ``python -m launcher.cli``)

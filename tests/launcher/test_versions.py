@@ -38,7 +38,7 @@ def test_untested_versions_warn_with_the_tested_range_and_bounds_compare_by_thei
 def test_a_job_checks_versions_before_anything_else():
     """A job entry point checks versions before anything else: here a faked old torch."""
     code = ("import sys, launcher.versions as v; v.installed = lambda: {'torch': '2.0.0'}; "
-            "from launcher.job import main; sys.exit(main(['--config', 'tiny-cpu-split'], prog='relay train'))")
+            "from launcher.cli import main; sys.exit(main(['train', '--config', 'tiny-cpu-split']))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "relay train: torch 2.0.0 is installed; this code needs torch >= 2.6" in p.stderr
 

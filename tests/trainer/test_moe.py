@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
+from engines.builtin import TorchEngine
 from engines.models.checkpoint import checkpoint_tensors
 from engines.models.model_builder import make_model
-from engines.builtin import TorchEngine
 from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host
 from tests.helpers import run

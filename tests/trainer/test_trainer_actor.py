@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engines.models.model_builder import make_model
 from engines.builtin import TorchEngine
+from engines.models.model_builder import make_model
 from engines.trainer.actor import TrainerActor
 from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host

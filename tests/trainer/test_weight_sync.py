@@ -12,8 +12,8 @@ import torch
 
 from engines import weight_sync
 from engines.actor import EngineActor
-from engines.models.model_builder import make_model
 from engines.builtin import TorchEngine
+from engines.models.model_builder import make_model
 from engines.trainer.actor import TrainerActor
 from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host

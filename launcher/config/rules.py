@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, get_args, get_origin
 from reward.protocol import DEFAULT_ROUTE, SAMPLING_DEFAULTS
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from launcher.config.schema import JobConfig
 
 log = logging.getLogger("relay.config")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import os
 
-from .config import JobConfig
-from .config_rules import RESERVED_INSTANCE
+from launcher.config.rules import RESERVED_INSTANCE
+from launcher.config.schema import JobConfig
 
 #: An input: [flag, path, kind], kind "model" (every node) or "data" (node 0).
 Input = list[str]

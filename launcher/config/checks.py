@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from .config import FIELDS, ConfigError, JobConfig
+from launcher.config.rules import ConfigError
+from launcher.config.schema import FIELDS, JobConfig
 
 log = logging.getLogger("relay.config")
 
