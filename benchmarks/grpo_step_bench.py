@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from engines.settings import settings as engines_settings
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -179,7 +181,6 @@ def _started_s(output: str) -> float | None:
 
 
 def main() -> None:
-    import relay
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -193,7 +194,7 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=256)
     ap.add_argument("--modes", default="split,defer", help="comma-separated: split, shared (co-resident), defer")
     ap.add_argument("--train-args", default="", help="extra `relay train` flags, e.g. '--bf16'")
-    ap.add_argument("--cache", default=relay.settings().cache + "/grpo-bench")
+    ap.add_argument("--cache", default=engines_settings().cache + "/grpo-bench")
     args = ap.parse_args()
     cache = os.path.abspath(args.cache)
     policy, judge, data = build(cache, args.size, args.device, args.arch, args.layers)

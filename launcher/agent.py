@@ -10,6 +10,8 @@ import socket
 from dataclasses import dataclass
 
 import relay
+from engines.settings import settings as engines_settings
+from launcher.settings import settings as launcher_settings
 from relay import Actor, MeshFailure, ProcRef, endpoint
 
 #: What every worker imports (a trainer shard, engines, the judge service): the node's fork
@@ -68,7 +70,7 @@ class NodeAgent(Actor):
         self.controller = None
         self.done = asyncio.Event()
         self.exit_code = 0  # the job's, from the controller's shutdown: this node's process exits with it
-        if relay.settings().fork_server:
+        if launcher_settings().fork_server:
             relay.prefork(WORKER_PRELOAD)
 
     @endpoint
@@ -175,8 +177,8 @@ class BundleProbe(Actor):
     @endpoint
     async def where(self) -> dict:
         return {
-            "bundle": relay.settings().bundle,
-            "node": relay.settings().node,
+            "bundle": engines_settings().bundle,
+            "node": engines_settings().node,
             "host": f"{socket.gethostname()}/{relay.settings().host}",  # name / address others reach it at
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),

@@ -60,6 +60,28 @@ class Claim:
         return f"{self.role}[{self.instance}]" if self.instance else self.role
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a plan's roles share GPUs (its ``mode``), asked in one place. ``colocated``: the
+    engines live on the trainer's GPUs and sleep while it trains (Split, Co-resident,
+    Defer-swap, and colocate without a judge); ``judge_takes_turns``: Defer-swap, where the
+    judge wakes only after the rollout slept and scores a whole batch at once (elsewhere it
+    scores as samples come)."""
+
+    mode: str  # colocate-split | colocate-shared | colocate-defer | colocate | fully-async | dedicated
+
+    @property
+    def colocated(self) -> bool:
+        return self.mode.startswith("colocate")
+
+    @property
+    def judge_takes_turns(self) -> bool:
+        return self.mode == "colocate-defer"
+
+    def __str__(self) -> str:
+        return self.mode
+
+
 @dataclass
 class Plan:
     mode: str  # colocate-split | colocate-shared | colocate-defer | colocate | fully-async | dedicated
@@ -69,6 +91,10 @@ class Plan:
     pools: dict[str, Pool]
     claims: list[Claim]
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.mode)
     memory: list[str] = field(default_factory=list)  # the engines' memory fit (launcher/memory_fit.py)
 
     def bundles_of(self, claim: Claim) -> list[Bundle]:

@@ -10,10 +10,10 @@ import sys
 import textwrap
 
 import relay
+from reward.settings import settings as reward_settings
 
 
 def _version(_: argparse.Namespace) -> int:
-    import relay
 
     print(f"relay {relay.__version__}")
     return 0
@@ -467,7 +467,7 @@ def _add_judge(sub) -> None:
     jd.add_argument("--port", type=port_number(0), default=8000, help="port (default 8000; 0: any free port)")
     jd.add_argument(
         "--token",
-        default=relay.settings().genrm_token or None,
+        default=reward_settings().genrm_token or None,
         help="require 'Authorization: Bearer TOKEN' on every route (default: $RELAY_GENRM_TOKEN; "
         "a token given here is visible to other users in ps: prefer the variable or --token-file)",
     )
@@ -500,8 +500,10 @@ def _add_make_model(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:  # every RELAY_* variable, checked before any work starts (relay/_settings.py)
-        relay.settings()
+    try:  # every RELAY_* variable of every layer, checked before any work starts (launcher/settings.py)
+        from launcher.settings import check_all
+
+        check_all()
     except ValueError as e:
         print(f"relay: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 import relay
+from launcher.settings import settings as launcher_settings
 from relay import Actor, MeshFailure, ProcMesh, ProcRef, endpoint, this_proc
 
 from .agent import BundleProbe, BundleSpec, NodeAgent, worker_log
@@ -397,7 +398,7 @@ async def run_agent(cfg: JobConfig, rank: int) -> int:
         return 1
     os.environ["RELAY_JOB_SECRET"] = creds["secret"]
     os.environ["RELAY_JOB_ID"] = creds["job_id"]
-    os.environ["RELAY_PARENT_TIMEOUT"] = f"{relay.settings().agent_timeout:g}"  # for this agent and its workers
+    os.environ["RELAY_PARENT_TIMEOUT"] = f"{launcher_settings().agent_timeout:g}"  # for this agent and its workers
     _prepare_process_env(rank)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # the controller decides (it checkpoints first)

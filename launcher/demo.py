@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-import relay
+from engines.settings import settings as engines_settings
 
 #: the issue's bar: held-out accuracy must rise by at least this much (absolute)
 TARGET_RISE = 0.10
@@ -46,7 +46,7 @@ def _root(arch: str = "qwen3") -> str:
     """The demo's folder: ``$RELAY_CACHE/demo``; another architecture's demo lives apart, in
     ``$RELAY_CACHE/<arch>/demo`` (its jobs run with that ``RELAY_CACHE``, so the demo configs'
     paths land there)."""
-    base = relay.settings().cache if arch == "qwen3" else os.path.join(relay.settings().cache, arch)
+    base = engines_settings().cache if arch == "qwen3" else os.path.join(engines_settings().cache, arch)
     return os.path.abspath(os.path.join(base, "demo"))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-import relay
+from launcher.settings import settings as launcher_settings
 
 #: The controller wrote a complete checkpoint after SIGTERM (slurm's preemption or time-limit
 #: warning) and stopped the job: requeue it and continue with ``--resume``. 75 is EX_TEMPFAIL.
@@ -27,7 +27,7 @@ def record_exit_code(code: int) -> None:
 
     The file appears whole or not at all (written aside, then renamed). A failure to write
     is reported on stderr and otherwise ignored: the exit code itself is unaffected."""
-    path = relay.settings().exit_code_file
+    path = launcher_settings().exit_code_file
     if not path:
         return
     tmp = f"{path}.tmp{os.getpid()}"

@@ -35,7 +35,7 @@ from ._mesh import (
 )
 from ._processes import ProcRef, set_unhandled_fault_hook
 from ._runtime import current_runtime as _current_runtime
-from ._settings import Settings, settings
+from ._settings import Layer, Settings, Variable, settings
 from ._shape import Point
 from ._wire import RemoteException, register
 
@@ -112,9 +112,11 @@ __all__ = [
     "ProcMesh",
     "ProcRef",
     "RemoteException",
+    "Layer",
     "Settings",
     "SupervisionError",
     "ValueMesh",
+    "Variable",
     "context",
     "endpoint",
     "heartbeat_address",

@@ -1,18 +1,20 @@
-"""Every ``RELAY_*`` environment variable the repository reads, parsed in one place.
+"""relay's ``RELAY_*`` environment variables, and the shape every layer declares its own in.
 
 :func:`settings` gives a frozen :class:`Settings` for the current environment. It is parsed
 once and parsed again only when a ``RELAY_*`` variable changed (a launcher exports some
 before it starts the runtime; tests set some per test). Read it where a value is needed
 at construction time (a runtime, a heartbeat thread), not on a per-message path.
 
-``VARIABLES`` is the table (name, field, default, meaning) that docs/relay.md lists. Some
-variables are contracts rather than knobs: the spawner sets them for the processes it
-starts (``worker``), the launcher sets them for its workers or for user code (``launcher``);
-they are read here all the same, and written only where they are passed to children.
+``VARIABLES`` is relay's table (name, field, default, meaning). Some variables are contracts
+rather than knobs: the spawner sets them for the processes it starts (``worker``). The layers
+above declare theirs beside their code as a :class:`Layer` of :class:`Variable` (engines/
+settings.py, reward/settings.py, launcher/settings.py); docs/relay.md's table is
+:func:`markdown_table` over all four.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,34 +30,37 @@ class Variable(NamedTuple):
     meaning: str
 
 
-def _str(name: str, raw: str) -> str:
+def text(name: str, raw: str) -> str:
     return raw
 
 
-def _flag_on(name: str, raw: str) -> bool:  # "1" turns it on
+def flag_on(name: str, raw: str) -> bool:  # "1" turns it on
     return raw == "1"
 
 
-def _flag_off(name: str, raw: str) -> bool:  # "0" turns it off
+def flag_off(name: str, raw: str) -> bool:  # "0" turns it off
     return raw != "0"
+
+
+_str, _flag_on, _flag_off = text, flag_on, flag_off
 
 
 def _tcp(name: str, raw: str) -> bool:
     return raw == "tcp"
 
 
-def _int(name: str, raw: str) -> int:
+def integer(name: str, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _threads_from(minimum: int, meaning: str):
+def threads_from(minimum: int, meaning: str):
     """A parser of a number of threads >= ``minimum`` (``meaning``: what the least means)."""
 
     def parse(name: str, raw: str) -> int:
-        v = _int(name, raw)
+        v = integer(name, raw)
         if v < minimum:
             raise ValueError(f"{name} must be a number of threads {meaning}, got {raw!r}")
         return v
@@ -63,15 +68,10 @@ def _threads_from(minimum: int, meaning: str):
     return parse
 
 
-_threads = _threads_from(1, ">= 1")
-_threads_or_auto = _threads_from(0, "(0: chosen for you)")
+_int = integer
 
 
-def _opt_int(name: str, raw: str) -> int | None:
-    return _int(name, raw) if raw else None
-
-
-def _seconds(name: str, raw: str) -> float:
+def seconds(name: str, raw: str) -> float:
     """A positive number of seconds."""
     try:
         v = float(raw)
@@ -80,6 +80,9 @@ def _seconds(name: str, raw: str) -> float:
     if not v > 0:
         raise ValueError(f"{name} must be > 0, got {v}")
     return v
+
+
+_seconds = seconds
 
 
 def _seconds_or_zero(name: str, raw: str) -> float:
@@ -96,7 +99,7 @@ def _path_list(name: str, raw: str) -> tuple[str, ...]:
     return tuple(p for p in raw.split(os.pathsep) if p)
 
 
-_R, _W, _L = "relay", "worker", "launcher"
+_R, _W = "relay", "worker"
 
 VARIABLES: tuple[Variable, ...] = (
     # relay's knobs
@@ -142,34 +145,6 @@ VARIABLES: tuple[Variable, ...] = (
              "(/proc/PID/environ)"),
     Variable("RELAY_IGNORE_SIGTERM", "ignore_sigterm", False, _flag_on, _W,
              "`1`: the worker ignores SIGTERM and SIGUSR1; its spawner stops it (set by the launcher)"),
-    # set or read by the launcher, the engines and the reward code
-    Variable("RELAY_CACHE", "cache", ".cache", _str, _L, "models, data and demo runs are kept under this directory"),
-    Variable("RELAY_AGENT_TIMEOUT", "agent_timeout", 10.0, _seconds, _L,
-             "a node agent exits when the controller stops acking its beats for this many seconds"),
-    Variable("RELAY_JOB_RUN_DIR", "job_run_dir", "", _str, _L, "the job's run directory (workers' log files go there)"),
-    Variable("RELAY_BUNDLE", "bundle", -1, _int, _L, "the bundle a worker hosts (set for each worker)"),
-    Variable("RELAY_NODE", "node", -1, _int, _L, "the node a worker runs on (set for each worker)"),
-    Variable("RELAY_DIST_INIT_TIMEOUT", "dist_init_timeout", 60.0, _seconds, _L,
-             "seconds the trainer's torch.distributed rendezvous may take"),
-    Variable("RELAY_FORK_SERVER", "fork_server", True, _flag_off, _L,
-             "node agents fork each worker from a process that imported torch, transformers and Megatron "
-             "once (seconds faster to start); `0`: each worker starts as a new process"),
-    Variable("RELAY_ENGINE_CPU_THREADS", "engine_cpu_threads", 1, _threads, _L,
-             "intra-op threads of a CPU engine's step"),
-    Variable("RELAY_TRAINER_CPU_THREADS", "trainer_cpu_threads", 0, _threads_or_auto, _L,
-             "intra-op threads of each CPU trainer rank (0: 1 in relay train, whose workers share the cores; "
-             "the cores shared out among the ranks in relay sft)"),
-    Variable("RELAY_SGLANG_LAUNCH", "sglang_launch", "sglang.launch_server", _str, _L,
-             "the module the SGLang engine runs to start its server"),
-    Variable("RELAY_GENRM_ADDR", "genrm_addr", "", _str, _L,
-             "the judge service's relay address, for reward code (set by the launcher)"),
-    Variable("RELAY_GENRM_ACTOR", "genrm_actor", "genrm", _str, _L, "the judge service's actor name"),
-    Variable("RELAY_GENRM_URL", "genrm_url", "", _str, _L,
-             "the judge's HTTP gateway (`http://127.0.0.1:PORT/genrm`), for reward code (set by the launcher)"),
-    Variable("RELAY_GENRM_TOKEN", "genrm_token", "", _str, _L, "the bearer token `relay judge` requires by default"),
-    Variable("RELAY_USER_PATH", "user_path", "", _str, _L,
-             "the directory user code (`module.func` flags) imports from (set by the launcher)"),
-    Variable("RELAY_EXIT_CODE_FILE", "exit_code_file", "", _str, _L, "where `python -m launcher` writes its exit code"),
 )
 
 #: Read by shell scripts or tests only (documented, not parsed here).
@@ -208,25 +183,9 @@ class Settings:
     main_file: str = ""
     log_file: str = ""
     ignore_sigterm: bool = False
-    cache: str = ".cache"
-    agent_timeout: float = 10.0
-    job_run_dir: str = ""
-    bundle: int = -1
-    node: int = -1
-    dist_init_timeout: float = 60.0
-    fork_server: bool = True
     preload: str = ""
     zygote_parent: int = 0
     environ_room: str = ""
-    engine_cpu_threads: int = 1
-    trainer_cpu_threads: int = 0
-    sglang_launch: str = "sglang.launch_server"
-    genrm_addr: str = ""
-    genrm_actor: str = "genrm"
-    genrm_url: str = ""
-    genrm_token: str = field(default="", repr=False)
-    user_path: str = ""
-    exit_code_file: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -261,16 +220,43 @@ def settings() -> Settings:
     return value
 
 
-def markdown_table() -> str:
-    """The table of docs/relay.md's "Environment" section."""
+class Layer:
+    """The ``RELAY_*`` variables one layer reads, declared beside its code: ``layer()`` gives
+    their values (a named tuple of the variables' fields) for the current environment,
+    parsed again only when one of them changed; a value that does not parse raises
+    ValueError naming the variable."""
+
+    def __init__(self, name: str, setter: str, variables: tuple[Variable, ...]):
+        self.name, self.setter, self.variables = name, setter, variables
+        self._type = collections.namedtuple(f"{name.capitalize()}Settings", [v.field for v in variables])
+        self._cached: tuple | None = None
+
+    def parse(self, env: Mapping[str, str]):
+        return self._type(**{v.field: v.parse(v.name, env[v.name]) if env.get(v.name) else v.default
+                             for v in self.variables})
+
+    def __call__(self):
+        key = tuple(os.environ.get(v.name, "") for v in self.variables)
+        cached = self._cached
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        value = self.parse(os.environ)
+        self._cached = (key, value)
+        return value
+
+
+def markdown_table(layers: tuple[Layer, ...] = ()) -> str:
+    """The table of docs/relay.md's "Environment" section: relay's variables, then each of
+    ``layers``' (engines, reward, launcher: launcher/settings.py's ``LAYERS``)."""
     rows = ["| variable | set by | default | meaning |", "|---|---|---|---|"]
-    for v in VARIABLES:
+    entries = [(v, {"relay": "you", "worker": "relay's spawner"}[v.group]) for v in VARIABLES]
+    entries += [(v, layer.setter) for layer in layers for v in layer.variables]
+    for v, setter in entries:
         default = "unset" if v.default in ("", None, ()) or v.parse is _tcp else v.default
         if v.field == "shm_min_bytes":
             default = "4 MiB"
         elif isinstance(default, bool):
             default = int(default)
-        setter = {"relay": "you", "worker": "relay's spawner", "launcher": "launcher / you"}[v.group]
         rows.append(f"| `{v.name}` | {setter} | {default} | {v.meaning} |")
     for name, meaning in OTHER_VARIABLES:
         rows.append(f"| `{name}` | scripts / tests | unset | {meaning} |")

@@ -44,9 +44,9 @@ import itertools
 import os
 import uuid
 
-import relay
 from engines.interface import SamplingParams
 from relay import ActorError, AuthenticationError, CallTimeout, ProcMesh, ProcRef, SupervisionError
+from reward.settings import settings as reward_settings
 
 from .errors import JudgeAsleep, JudgeEngineError, JudgeUnavailable
 from .http_client import gather_all
@@ -251,11 +251,11 @@ class GenRMClient:
         """The job's HTTP gateway client (``RELAY_GENRM_URL``) when called on the client's own
         event-loop thread, which cannot wait for a relay answer; else None."""
         rt = self._procs._rt
-        if not (rt.loop.is_running() and rt.in_loop_thread() and relay.settings().genrm_url):
+        if not (rt.loop.is_running() and rt.in_loop_thread() and reward_settings().genrm_url):
             return None
         from .http_client import HTTPGenRMClient
 
-        return HTTPGenRMClient(relay.settings().genrm_url)
+        return HTTPGenRMClient(reward_settings().genrm_url)
 
     def _blocking(self, coro):
         """Run ``coro`` on the event loop of the client's relay runtime and wait for it."""
@@ -298,14 +298,14 @@ def get_genrm_client(address: str | None = None, actor: str | None = None, *, se
         if client is None:
             client = _clients[key] = HTTPGenRMClient(url, timeout or CALL_TIMEOUT)
         return client
-    address = address or relay.settings().genrm_addr
+    address = address or reward_settings().genrm_addr
     if not address:
         raise RuntimeError(f"no judge address: pass address=... (or service_url='http://...') or run inside a job "
                            f"(which sets {ENV_ADDR})")
     if not address.startswith(("tcp://", "ipc://")):
         raise ValueError(f"judge address {address!r}: a relay address is tcp://HOST:PORT or ipc://PATH; for the "
                          "HTTP gateway pass service_url='http://HOST:PORT/genrm'")
-    actor = actor or relay.settings().genrm_actor
+    actor = actor or reward_settings().genrm_actor
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:

@@ -22,7 +22,7 @@ import json
 import urllib.error
 import urllib.request
 
-import relay
+from reward.settings import settings as reward_settings
 
 from .errors import JudgeAsleep, JudgeEngineError, JudgeUnavailable
 
@@ -36,7 +36,7 @@ class HTTPGenRMClient:
         self.url = service_url.rstrip("/")
         self.timeout = timeout
         self.retries = retries
-        self.token = token if token is not None else relay.settings().genrm_token
+        self.token = token if token is not None else reward_settings().genrm_token
         self._session = None  # aiohttp's, made on the loop of the first call
         self._session_loop = None
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import relay
+from reward.settings import settings as reward_settings
 
 from . import dapo_genrm, math_grader
 
@@ -37,7 +37,7 @@ def use_working_directory() -> str:
     under the ``relay`` console script as under ``python -m launcher``. Processes started
     afterwards inherit it: relay workers through the spawner's ``sys.path``, any other
     process through ``PYTHONPATH`` (and ``RELAY_USER_PATH`` names the directory). Idempotent."""
-    cwd = relay.settings().user_path or os.getcwd()
+    cwd = reward_settings().user_path or os.getcwd()
     if not sys.path or sys.path[0] != cwd:
         if cwd in sys.path:
             sys.path.remove(cwd)

@@ -18,12 +18,12 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("relay", "engines", "reward", "launcher")
 #: concept -> the concepts it may import. engines' root holds the contract (interface.py,
-#: kv_pool.py) and its facade (actor.py: the engine behind relay, whichever backend).
+#: kv_pool.py, settings.py) and its facade (actor.py: the engine behind relay, whichever backend).
 CONCEPTS: dict[str, set[str]] = {
     "relay": set(),
     "engines.contract": {"relay"},
     "engines.kernels": set(),
-    "engines.models": {"relay", "engines.kernels"},
+    "engines.models": {"relay", "engines.contract", "engines.kernels"},
     "engines.weight_sync": {"relay", "engines.contract"},
     "engines.builtin": {"relay", "engines.contract", "engines.kernels", "engines.models", "engines.weight_sync"},
     "engines.sglang": {"relay", "engines.contract", "engines.weight_sync"},
@@ -59,7 +59,7 @@ TREES = {module: ast.parse(open(path).read(), path) for module, path in MODULES.
 
 
 def concept(module: str) -> str:
-    if module in ("engines", "engines.interface", "engines.kv_pool"):
+    if module in ("engines", "engines.interface", "engines.kv_pool", "engines.settings"):
         return "engines.contract"
     if module == "engines.actor":
         return "engines.facade"

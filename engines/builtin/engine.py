@@ -23,7 +23,6 @@ import time
 
 import torch
 
-import relay
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.model_runner import ModelRunner
 from engines.builtin.prompts import encode_prompt
@@ -40,6 +39,7 @@ from engines.interface import (
     check_tags,
     checked_sampling,
 )
+from engines.settings import settings as engines_settings
 
 log = logging.getLogger("relay.engine")
 STEP_FAILURE_LOG_EVERY = 60.0  # seconds between two log lines about failed engine steps
@@ -132,7 +132,7 @@ class TorchEngine(Engine):
             # thread). A decode step is hundreds of small ops: forking and joining an OpenMP
             # team around each costs more than it saves, and colocated CPU workers already
             # share the cores.
-            threads = cpu_threads or relay.settings().engine_cpu_threads
+            threads = cpu_threads or engines_settings().engine_cpu_threads
             self._exec.submit(torch.set_num_threads, threads).result()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None

@@ -32,6 +32,7 @@ import torch
 
 import relay
 from engines.builtin.tp_group import JOIN_TIMEOUT, TPGroup
+from engines.settings import settings as engines_settings
 from relay import Actor, endpoint
 
 log = logging.getLogger("relay.engine")
@@ -120,7 +121,7 @@ class FollowerActor(Actor):
         runner = {k: engine_kwargs.get(k, v) for k, v in _RUNNER_DEFAULTS.items()}
         own = {k: engine_kwargs[k] for k in ("device", "dtype", "block_size", "max_running", "cpu_threads")
                if engine_kwargs.get(k) is not None}
-        own.setdefault("cpu_threads", relay.settings().engine_cpu_threads)
+        own.setdefault("cpu_threads", engines_settings().engine_cpu_threads)
         self.follower = Follower(model_path, address, port, rank, size, **own, **runner)
 
     @endpoint

@@ -11,7 +11,7 @@ import json
 import os
 import string
 
-import relay
+from engines.settings import settings as engines_settings
 
 ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe")
 #: mixture-of-experts architectures (their sizes add MOE_SIZES' fields)
@@ -307,7 +307,7 @@ def _add_mtp_weights(out: str, text, seed: int) -> None:
 def builds_on_first_use(path: str) -> bool:
     """Whether :func:`ensure_model` builds a missing ``path``: it lies under the cache
     directory (``$RELAY_CACHE``, default ``.cache``, relative to the working directory)."""
-    cache = os.path.abspath(relay.settings().cache)
+    cache = os.path.abspath(engines_settings().cache)
     return os.path.abspath(path).startswith(cache + os.sep)
 
 
@@ -330,7 +330,7 @@ def ensure_model(path: str, seed: int = 7) -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     if not builds_on_first_use(path):
-        cache = os.path.abspath(relay.settings().cache)
+        cache = os.path.abspath(engines_settings().cache)
         raise FileNotFoundError(f"model {path!r} not found (only models under {cache} are built on first use)")
     tmp = path + f".tmp{os.getpid()}"
     make_model(first_use_arch(path), "tiny", tmp, seed=seed)

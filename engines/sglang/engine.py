@@ -39,6 +39,7 @@ from engines.interface import (
     check_tags,
     checked_sampling,
 )
+from engines.settings import settings as engines_settings
 from engines.sglang import weights as sglang_weights
 from engines.sglang.args import check_request, protocol, server_argv, server_env, server_fields
 
@@ -112,9 +113,8 @@ class SGLangEngine(Engine):
     async def start(self) -> None:
         import aiohttp
 
-        import relay
 
-        module = relay.settings().sglang_launch
+        module = engines_settings().sglang_launch
         self.proc = subprocess.Popen([sys.executable, "-m", module, *self.args], env=self.env, start_new_session=True)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
         deadline = time.monotonic() + self.start_timeout

@@ -17,8 +17,8 @@ import threading
 
 import torch
 
-import relay
 from engines import kv_pool, weight_sync
+from engines.settings import settings as engines_settings
 from engines.trainer import batching, checkpoint_io
 from engines.trainer.batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
 from engines.trainer.dist_init import _init_process_group
@@ -43,7 +43,7 @@ def _cpu_threads(requested: int | None) -> int:
     """A CPU rank's intra-op threads: ``RELAY_TRAINER_CPU_THREADS``, else ``requested`` (relay
     sft's ranks, alone on their cores, ask for cores // ranks), else 1: a CPU job's ranks and
     engines share the cores, and OpenMP teams spinning against each other made a step 3-6x slower."""
-    return relay.settings().trainer_cpu_threads or requested or 1
+    return engines_settings().trainer_cpu_threads or requested or 1
 
 
 def peak_rss() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import relay
+from engines.settings import settings as engines_settings
 
 
 def _init_process_group(dist, backend: str) -> None:
@@ -22,9 +23,9 @@ def _init_process_group(dist, backend: str) -> None:
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-    cfg = relay.settings()
+    cfg = engines_settings()
     limit = cfg.dist_init_timeout
-    me = f"bundle {cfg.bundle}, node {cfg.node}, host {cfg.host}"
+    me = f"bundle {cfg.bundle}, node {cfg.node}, host {relay.settings().host}"
     where = f"trainer rank {rank} of {world} ({me})"
     hint = (
         "Check that every node is up and reaches that address (RELAY_HOST / the network interface); "

@@ -9,46 +9,47 @@ from .rollout import group_seed, sampling_options
 from .sample import chunks, flatten, is_correct
 
 
-async def evaluate(loop, step: int) -> dict:
-    """Pass rate and pass@k of ``loop``'s policy (a :class:`~launcher.rl.loop.GRPOLoop`;
-    engines awake) on every eval set (``loop.eval_sets``: (name, rows)), as one ``eval``
+async def evaluate(cfg, eval_sets: list, step: int, *, timer, layout, group, scorer, judge_window) -> dict:
+    """Pass rate and pass@k of the policy (engines awake) on every eval set (``eval_sets``:
+    (name, rows)), sampled by ``group(row, k, sampling, seed, index, score=, dataset=)`` (the
+    loop's) and scored by ``scorer``, as one ``eval``
     metrics record: ``eval/<name>/<figure>`` per named set, and the first set's figures
-    unprefixed (``eval/accuracy``...). The configured reward scores them (Defer-swap: in one
-    judge window, after which the rollout gets its weights back). They are sampled at
+    unprefixed (``eval/accuracy``...). The configured reward scores them (when the judge takes
+    turns, ``layout.judge_takes_turns``: in one ``judge_window``, after which the rollout gets
+    its weights back). They are sampled at
     ``--eval-temperature`` (default: the rollout's, as the original; ``eval/temperature``).
     Figures: ``accuracy`` (the reward's), ``pass@k``, ``exact_accuracy`` (a rule-based check
     that needs no judge: the response's final answer, the text after the last "Answer:" else
     the whole reply, equals the label exactly after stripping whitespace),
     ``distinct_answers`` (the mean number of different answers per prompt: 1 when greedy) and
     ``samples``."""
-    cfg = loop.cfg
     k = cfg.n_samples_per_eval_prompt
-    started = loop.timer.clock()
+    started = timer.clock()
     sampling = sampling_options(cfg, evaluation=True)
 
     async def one_set(rows) -> list:
         return await asyncio.gather(*(
-            loop._group(row, k, sampling, group_seed(cfg.sampling_seed, -1, row.index), i, score=not loop.defer,
-                        dataset="eval")
+            group(row, k, sampling, group_seed(cfg.sampling_seed, -1, row.index), i,
+                  score=not layout.judge_takes_turns, dataset="eval")
             for i, row in enumerate(rows)))
 
-    per_set = await asyncio.gather(*(one_set(rows) for _, rows in loop.eval_sets))
-    if loop.defer:
+    per_set = await asyncio.gather(*(one_set(rows) for _, rows in eval_sets))
+    if layout.judge_takes_turns:
 
         async def score() -> None:
-            with loop.timer.phase("reward"):
+            with timer.phase("reward"):
                 for groups in per_set:
-                    await loop.scorer.score_batch(flatten(groups), k)
+                    await scorer.score_batch(flatten(groups), k)
 
-        await loop._judge_window(score, resume_rollout=True)
+        await judge_window(score, resume_rollout=True)
     record: dict = {"kind": "eval", "step": step, "eval/k": k, "eval/temperature": sampling["temperature"]}
-    for n, ((name, _), groups) in enumerate(zip(loop.eval_sets, per_set)):
+    for n, ((name, _), groups) in enumerate(zip(eval_sets, per_set)):
         figures = set_figures(groups, k)
         if n == 0:
             record.update({f"eval/{key}": value for key, value in figures.items()})
         if name != "eval":  # the default name: its figures are the unprefixed ones
             record.update({f"eval/{name}/{key}": value for key, value in figures.items()})
-    record["time/eval"] = loop.timer.clock() - started
+    record["time/eval"] = timer.clock() - started
     return record
 
 

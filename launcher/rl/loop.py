@@ -80,9 +80,7 @@ class GRPOLoop:
         self.plan = plan
         self.out = out
         self.workers_by_bundle: dict[int, WorkerInfo] = {}
-        self.mode = plan.mode
-        self.colocate = plan.mode.startswith("colocate")
-        self.defer = plan.mode == "colocate-defer"
+        self.layout = plan.layout  # colocated? does the judge take turns with the rollout?
         self.rows, self.eval_sets = job_datasets(cfg)  # eval sets: (name, rows) each
         self.order = PromptOrder(self.rows, cfg.sampling_seed, cfg.rollout_shuffle)
         self.eval_names = [name for name, _ in self.eval_sets]
@@ -98,7 +96,7 @@ class GRPOLoop:
         self.respawn = respawn
         self.recovery: EngineRecovery | None = None
         self._weights_lock = asyncio.Lock()  # held from training until the new weights are synced
-        self.swaps = GpuSwaps(self)
+        self.swaps = GpuSwaps(self.roles, self.timer, self.layout)
         self._prepared: asyncio.Future | None = None
 
     def prepare(self) -> None:
@@ -125,7 +123,7 @@ class GRPOLoop:
         self.workers_by_bundle = {w.bundle: w for w in workers}
         self.prepare()
         tokenizer, prompt_ids = await self._prepared
-        await start_roles(self.roles, cfg, self.plan, self.workers_by_bundle, self.colocate, self.defer,
+        await start_roles(self.roles, cfg, self.plan, self.workers_by_bundle,
                           self._restore, tokenizer, self.out)
         await self.roles.rollout.check_context(prompt_ids, prompt_datasets(cfg, self.rows, self.eval_sets))
         self.trainer, self.reference = self.roles.trainer, self.roles.reference
@@ -139,7 +137,7 @@ class GRPOLoop:
             await self._push_weights()
         print(f"started {len(self.rollout.engines)} rollout engine(s), {len(self.judge.engines)} judge engine(s) and a "
               f"{self.trainer.dp}x{self.trainer.tp} (DP x TP) trainer in {self.timer.clock() - started:.1f} s "
-              f"({self.mode})", file=self.out, flush=True)
+              f"({self.layout})", file=self.out, flush=True)
 
     async def _restore(self, trainer) -> None:
         """``--resume``: the newest complete checkpoint sets the next step and weight version."""
@@ -192,11 +190,11 @@ class GRPOLoop:
         try:
             self._training = True
             check = await self.integrity.self_check(self.start_step,
-                                                    lambda work: self._judge_window(work, resume_rollout=True))
+                                                    lambda work: self.judge_window(work, resume_rollout=True))
             if check is not None:
                 log.write(check)
             if self.eval_sets and not cfg.skip_eval_before_train and self.start_step == 0:
-                record = await evaluate(self, 0)
+                record = await self.evaluate(0)
                 log.write(record)
                 print("\n".join(eval_lines(record, self.eval_names, "before training")), file=self.out, flush=True)
             if cfg.fully_async:
@@ -217,17 +215,17 @@ class GRPOLoop:
         timer.begin_step()
         judge_before = await self.judge.counts()
         with timer.phase("rollout"):
-            samples = await self._generate_batch(step, score_inline=not self.defer)
+            samples = await self._generate_batch(step, score_inline=not self.layout.judge_takes_turns)
         memory = {"mem/rollout_bytes_generating": await self.rollout.device_bytes()}
         await self._record_gpu_use("generating", memory)
 
         async def judge_work() -> dict:  # the judge is awake (Defer-swap: woken for this)
-            if self.defer:
+            if self.layout.judge_takes_turns:
                 with timer.phase("reward"):
                     await self.scorer.score_batch(samples, cfg.n_samples_per_prompt)
             return await self.integrity.canaries_due(step)
 
-        canaries = await self._judge_window(judge_work)
+        canaries = await self.judge_window(judge_work)
         check_judged(samples, f"step {step + 1}")
         judge_after = await self.judge.counts()
         batch = training_batch(samples, cfg, cfg.n_samples_per_prompt)
@@ -235,9 +233,9 @@ class GRPOLoop:
             await self.swaps.free_for_training(memory)
             with timer.phase("train"):
                 train_stats = await self.trainer.train_rl(batch, cfg.global_batch_size, self.reference,
-                                                          self.colocate)
+                                                          self.layout.colocated)
             await self._record_gpu_use("training", memory)
-            if self.colocate:
+            if self.layout.colocated:
                 memory["mem/trainer"] = await self.trainer.allocated_bytes()
             trainer_resident = await self.swaps.wake_rollout_weights()
             with timer.phase("sync"):
@@ -264,7 +262,8 @@ class GRPOLoop:
         last = step + 1 == cfg.num_rollout
         periodic_save = bool(cfg.save_interval) and (step + 1) % cfg.save_interval == 0
         if periodic_save or self._stop_requested:
-            await self.checkpoints.save(self.trainer, step + 1, self.version, self.colocate, cfg.keep_checkpoints)
+            await self.checkpoints.save(self.trainer, step + 1, self.version, self.layout.colocated,
+                                        cfg.keep_checkpoints)
         if cfg.save_hf and (periodic_save or self._stop_requested or last):
             path = await write_hf_checkpoint(self.trainer, cfg.hf_checkpoint,
                                              os.path.join(os.path.abspath(cfg.save_hf), f"step_{step + 1:06d}"))
@@ -273,7 +272,7 @@ class GRPOLoop:
             raise StoppedWithCheckpoint(self.checkpoints.path(step + 1), step + 1)
         periodic_eval = bool(cfg.eval_interval) and (step + 1) % cfg.eval_interval == 0
         if self.eval_sets and (periodic_eval or last):
-            ev = await evaluate(self, step + 1)
+            ev = await self.evaluate(step + 1)
             log.write(ev)
             print("\n".join(eval_lines(ev, self.eval_names, f"after step {step + 1}")), file=self.out, flush=True)
 
@@ -284,12 +283,17 @@ class GRPOLoop:
         cfg = self.cfg
         rows = self.order.batch(step, cfg.rollout_batch_size)
         groups = await asyncio.gather(*(
-            self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.sampling_seed, step, k),
+            self.group(row, cfg.n_samples_per_prompt, sampling_options(cfg), group_seed(cfg.sampling_seed, step, k),
                         step * cfg.rollout_batch_size + k, score_inline)
             for k, row in enumerate(rows)))
         return await self.scorer.post_process_batch(flatten(groups), cfg.n_samples_per_prompt, skip=not score_inline)
 
-    async def _group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int, score: bool,
+    async def evaluate(self, step: int) -> dict:
+        """The eval record of the policy now (launcher/rl/evaluation.py)."""
+        return await evaluate(self.cfg, self.eval_sets, step, timer=self.timer, layout=self.layout, group=self.group,
+                              scorer=self.scorer, judge_window=self.judge_window)
+
+    async def group(self, row: Row, size: int, sampling: dict, seed: int, group_index: int, score: bool,
                      dataset: str = "train") -> list[Sample]:
         """One group from the rollout pool, scored as soon as it is done when ``score``."""
         samples = await self.rollout.generate_group(row, size, sampling, seed, group_index, dataset)
@@ -297,11 +301,11 @@ class GRPOLoop:
             await self.scorer.score_all(samples)
         return samples
 
-    async def _judge_window(self, work, resume_rollout: bool = False):
+    async def judge_window(self, work, resume_rollout: bool = False):
         """``await work()`` with the judge awake. Defer-swap: the rollout sleeps and the judge
         wakes first, and the judge sleeps again whatever happened; with ``resume_rollout`` the
         rollout then wakes and gets its weights back. Elsewhere the judge is awake already."""
-        if not self.defer:
+        if not self.layout.judge_takes_turns:
             return await work()
         await self.swaps.open_judge_window()
         try:
@@ -390,7 +394,7 @@ class GRPOLoop:
                     with timer.phase("train"):
                         train_stats = await self.trainer.train_rl(
                             training_batch(samples, cfg, cfg.n_samples_per_prompt), cfg.global_batch_size,
-                            self.reference, self.colocate)
+                            self.reference, self.layout.colocated)
                     with timer.phase("sync"):
                         synced = await self._sync_weights()
                 in_flight_max = producer.release(len(batch))
@@ -423,7 +427,7 @@ class GRPOLoop:
         record of the step that trains on it (``_reward_spans``)."""
         cfg = self.cfg
         row = self.order.batch(k, 1)[0]
-        samples = await self._group(row, cfg.n_samples_per_prompt, sampling_options(cfg),
+        samples = await self.group(row, cfg.n_samples_per_prompt, sampling_options(cfg),
                                     group_seed(cfg.sampling_seed, k, 0), k, score=False)
         started = self.timer.clock()
         await self.scorer.score_all(samples)

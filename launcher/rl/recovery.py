@@ -104,7 +104,7 @@ class EngineRecovery:
         claim = next(c for c in self.plan.claims if c.role == engine.role and c.instance == engine.instance)
         # weights kept in a CPU backup, as a fresh engine's; it sleeps like the one it replaces (an SGLang
         # server needs --enable-memory-saver for that)
-        offload = self.plan.mode.startswith("colocate")
+        offload = self.plan.layout.colocated
         # a successor's worker hosts no trainer rank to take back KV memory lent on a sleep
         # (engines/kv_pool.py): it frees its cache as a dedicated engine does
         extra = {"lend_kv": False} if self.cfg.engine == "torch" else {}

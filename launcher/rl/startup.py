@@ -77,13 +77,14 @@ def _spawn_trainers(cfg, plan: Plan, workers_by_bundle: dict) -> tuple[TrainerGr
     return trainer, TrainerGroup.spawn_reference(cfg, reference_procs, reference_claim.size)
 
 
-async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict, colocate: bool, defer: bool,
+async def start_roles(roles: Roles, cfg, plan: Plan, workers_by_bundle: dict,
                       restore: Callable[[TrainerGroup], Awaitable[None]], tokenizer, out) -> None:
     """Spawn and initialize every role into ``roles`` (see the module docstring for the
     order); ``restore(trainer)`` runs once the trainer is up and before it offloads;
     ``tokenizer``: the policy's. The judge service's process starts first, so that it
     imports its libraries meanwhile."""
     service_procs = judge_process() if cfg.genrm else None
+    colocate, defer = plan.layout.colocated, plan.layout.judge_takes_turns
 
     def procs_of(bundles: list) -> list:
         return [workers_by_bundle[b.index].proc for b in bundles]

@@ -40,62 +40,63 @@ def engine_margin(total: int) -> int:
 
 
 class GpuSwaps:
-    """The colocated loop's memory moves (no-ops with dedicated pools). ``loop`` gives the
-    roles (``rollout``, ``judge``, ``trainer``), ``timer``, ``colocate`` and ``defer``."""
+    """The colocated loop's memory moves (no-ops with dedicated pools): of ``roles``
+    (``rollout``, ``judge``, ``trainer``: launcher/rl/startup.py's Roles, filled in at
+    start), each timed by ``timer``, as ``layout`` (launcher/allocator.py) has them."""
 
-    def __init__(self, loop):
-        self.loop = loop
+    def __init__(self, roles, timer, layout):
+        self.roles, self.timer, self.layout = roles, timer, layout
 
     @contextlib.contextmanager
     def _move(self, what: str):
-        with self.loop.timer.phase("swap"), self.loop.timer.span(f"swap_{what}"):
+        with self.timer.phase("swap"), self.timer.span(f"swap_{what}"):
             yield
 
     async def open_judge_window(self) -> None:
         """Defer-swap: the rollout sleeps, then the judge wakes."""
         with self._move("rollout_sleep"):
-            await self.loop.rollout.sleep()
+            await self.roles.rollout.sleep()
         with self._move("judge_wake"):
-            await self.loop.judge.wake()
+            await self.roles.judge.wake()
 
     async def close_judge_window(self) -> None:
         with self._move("judge_sleep"):
-            await self.loop.judge.sleep()
+            await self.roles.judge.sleep()
 
     async def free_for_training(self, memory: dict) -> None:
         """Colocated: the judge and the rollout engines sleep (in Defer-swap they already
         do), then the trainer onloads. ``memory`` gets ``mem/engine_bytes_training``."""
-        loop = self.loop
-        if not loop.colocate:
+        roles = self.roles
+        if not self.layout.colocated:
             return
-        if not loop.defer:
+        if not self.layout.judge_takes_turns:
             with self._move("judge_sleep"):
-                await loop.judge.sleep()
+                await roles.judge.sleep()
             with self._move("rollout_sleep"):
-                await loop.rollout.sleep()
-        memory["mem/engine_bytes_training"] = await engine_bytes(loop.rollout.engines + loop.judge.engines)
+                await roles.rollout.sleep()
+        memory["mem/engine_bytes_training"] = await engine_bytes(roles.rollout.engines + roles.judge.engines)
         with self._move("trainer_onload"):
-            await loop.trainer.onload()
+            await roles.trainer.onload()
 
     async def wake_rollout_weights(self) -> bool:
         """Colocated, after training: the rollout engines wake their weights' memory (the
         weights themselves come with the sync). True when they woke beside the trainer's
         state (the caller offloads the trainer after the sync: :meth:`offload_trainer`);
         False when the trainer offloaded first, for want of room."""
-        loop = self.loop
-        if not loop.colocate:
+        roles = self.roles
+        if not self.layout.colocated:
             return False
         with self._move("rollout_wake_weights"):  # the check is part of the move
             beside = await self.room_beside_trainer()
         if not beside:
             await self.offload_trainer()
         with self._move("rollout_wake_weights"):
-            await loop.rollout.wake(["weights"])
+            await roles.rollout.wake(["weights"])
         return beside
 
     async def offload_trainer(self) -> None:
         with self._move("trainer_offload"):
-            await self.loop.trainer.offload()
+            await self.roles.trainer.offload()
 
     async def offload_trainer_unless_room(self, memory: dict | None = None) -> bool:
         """After the sync (the trainer resident, the rollout weights awake): the trainer
@@ -116,10 +117,10 @@ class GpuSwaps:
         Defer-swap the judge's weights and cache once the rollout slept (otherwise both
         together), with :func:`engine_margin` to spare? False when an engine or the trainer
         cannot say."""
-        loop = self.loop
-        engines = loop.rollout.engines + loop.judge.engines
+        roles = self.roles
+        engines = roles.rollout.engines + roles.judge.engines
         infos = await call_engines(engines, "weight_sync_info", timeout=timeouts.CONTROL)
-        figures = await loop.trainer.gpu_memory(release_cache=True)
+        figures = await roles.trainer.gpu_memory(release_cache=True)
         free = {m.get("uuid"): (m["free"], m["total"]) for m in figures if m.get("uuid") and m["total"]}
         if not infos or not free or len(infos) != len(engines):
             return False
@@ -138,7 +139,7 @@ class GpuSwaps:
                     awake[uuid] += weights
         for uuid, (room, total) in free.items():
             rollout, judge = needs["rollout"][uuid], needs["judge"][uuid]
-            need = max(rollout, judge) if loop.defer else rollout + judge
+            need = max(rollout, judge) if self.layout.judge_takes_turns else rollout + judge
             if need + engine_margin(total) > room + awake[uuid]:
                 return False
         return True
@@ -146,22 +147,22 @@ class GpuSwaps:
     async def resume_generation(self) -> None:
         """Colocated: the rollout engines wake their KV cache; the judge wakes (in Defer-swap
         it sleeps until the next batch is scored)."""
-        loop = self.loop
-        if not loop.colocate:
+        roles = self.roles
+        if not self.layout.colocated:
             return
         with self._move("rollout_wake_kv"):
-            await loop.rollout.wake(["kv_cache"])
-        if not loop.defer:
+            await roles.rollout.wake(["kv_cache"])
+        if not self.layout.judge_takes_turns:
             with self._move("judge_wake"):
-                await loop.judge.wake()
+                await roles.judge.wake()
 
     async def room_beside_trainer(self) -> bool:
         """Does every GPU the rollout engines use have room for their weights beside the
         trainer's state, with :data:`MARGIN_BYTES` to spare? False when either side cannot say
         (an engine that does not report ``weights_bytes``, a trainer on CPU)."""
-        loop = self.loop
-        infos = await call_engines(loop.rollout.engines, "weight_sync_info", timeout=timeouts.CONTROL)
-        figures = await loop.trainer.gpu_memory(release_cache=True)
+        roles = self.roles
+        infos = await call_engines(roles.rollout.engines, "weight_sync_info", timeout=timeouts.CONTROL)
+        figures = await roles.trainer.gpu_memory(release_cache=True)
         free = {m.get("uuid"): m["free"] for m in figures if m.get("uuid") and m["total"]}
         if not infos or not free:
             return False

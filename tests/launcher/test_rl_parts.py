@@ -500,7 +500,7 @@ def test_the_post_process_hook_runs_on_every_training_batch_outside_defer_swap()
         return [make_sample(reward=float(score), index=row, group_index=group_index) for _ in range(size)]
 
     loop = GRPOLoop.__new__(GRPOLoop)  # only what _generate_batch uses
-    loop.cfg, loop._group = cfg, group
+    loop.cfg, loop.group = cfg, group
     loop.order = SimpleNamespace(batch=lambda step, n: list(range(n)))
     loop.scorer = Scorer(cfg, None, load_post_process(cfg), PhaseTimer())
     HOOK_CALLS.clear()

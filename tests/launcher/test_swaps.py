@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from launcher.allocator import Layout
 from launcher.rl.engine_pool import Engine
 from launcher.rl.swaps import MARGIN_BYTES, GpuSwaps, engine_margin
 from launcher.rl.timing import PhaseTimer
@@ -75,12 +76,16 @@ class _Roles:
 
 def _loop(infos: list[dict], free: dict, defer: bool = False, judge_infos: tuple = ()) -> SimpleNamespace:
     roles = _Roles(infos, free, judge_infos)
-    return SimpleNamespace(rollout=roles.rollout, judge=roles.judge, trainer=roles.trainer, timer=PhaseTimer(),
-                           colocate=True, defer=defer, log=roles.log)
+    return SimpleNamespace(roles=roles, timer=PhaseTimer(), log=roles.log,
+                           layout=Layout("colocate-defer" if defer else "colocate-split"))
+
+
+def _swaps(loop) -> GpuSwaps:
+    return GpuSwaps(loop.roles, loop.timer, loop.layout)
 
 
 def _wake(loop) -> bool:
-    return asyncio.run(GpuSwaps(loop).wake_rollout_weights())
+    return asyncio.run(_swaps(loop).wake_rollout_weights())
 
 
 def test_rollout_weights_wake_beside_the_trainer_only_when_every_gpu_has_room():
@@ -119,7 +124,7 @@ def test_a_tensor_parallel_engine_needs_room_on_every_trainer_gpu():
 
 def test_each_move_is_a_swap_phase_and_a_span_of_its_own():
     loop = _loop([{"uuid": "A", "weights_bytes": GB}], {"A": 80 * GB})
-    swaps = GpuSwaps(loop)
+    swaps = _swaps(loop)
     loop.timer.begin_step()
 
     async def step(memory):
@@ -142,8 +147,8 @@ def test_each_move_is_a_swap_phase_and_a_span_of_its_own():
 
 def test_dedicated_pools_move_nothing():
     loop = _loop([{"uuid": "A", "weights_bytes": GB}], {"A": 80 * GB})
-    loop.colocate = False
-    swaps = GpuSwaps(loop)
+    loop.layout = Layout("dedicated")
+    swaps = _swaps(loop)
 
     async def step():
         await swaps.free_for_training({})
@@ -155,7 +160,7 @@ def test_dedicated_pools_move_nothing():
 
 
 def _stays(loop) -> bool:
-    return asyncio.run(GpuSwaps(loop).offload_trainer_unless_room())
+    return asyncio.run(_swaps(loop).offload_trainer_unless_room())
 
 
 def test_the_trainer_stays_on_the_device_only_when_the_engines_wakes_fit_beside_it():

@@ -24,13 +24,27 @@ def test_values_parse_to_their_types_and_unset_ones_take_their_defaults():
         Settings.from_env({"RELAY_HEARTBEAT_TIMEOUT": "0"})
     with pytest.raises(ValueError, match="RELAY_SHM_MIN_BYTES must be an integer"):
         Settings.from_env({"RELAY_SHM_MIN_BYTES": "lots"})
-    assert s.engine_cpu_threads == 1 and s.trainer_cpu_threads == 0  # the trainer's: chosen per job
-    with pytest.raises(ValueError, match="RELAY_ENGINE_CPU_THREADS must be a number of threads >= 1"):
-        Settings.from_env({"RELAY_ENGINE_CPU_THREADS": "0"})
-    with pytest.raises(ValueError, match=r"RELAY_TRAINER_CPU_THREADS must be a number of threads \(0: chosen"):
-        Settings.from_env({"RELAY_TRAINER_CPU_THREADS": "-1"})
-    assert Settings.from_env({"RELAY_TRAINER_CPU_THREADS": "2"}).trainer_cpu_threads == 2
     assert "job_secret=" not in repr(Settings(job_secret="abcd")) and "abcd" not in repr(Settings(job_secret="abcd"))
+
+
+def test_each_layer_declares_its_variables_beside_its_code_and_parses_them_alike(monkeypatch):
+    from engines.settings import settings as engines
+    from launcher.settings import LAYERS, check_all
+
+    e = engines.parse({})
+    assert e.engine_cpu_threads == 1 and e.trainer_cpu_threads == 0 and e.cache == ".cache"  # the trainer's: per job
+    with pytest.raises(ValueError, match="RELAY_ENGINE_CPU_THREADS must be a number of threads >= 1"):
+        engines.parse({"RELAY_ENGINE_CPU_THREADS": "0"})
+    with pytest.raises(ValueError, match=r"RELAY_TRAINER_CPU_THREADS must be a number of threads \(0: chosen"):
+        engines.parse({"RELAY_TRAINER_CPU_THREADS": "-1"})
+    assert engines.parse({"RELAY_TRAINER_CPU_THREADS": "2"}).trainer_cpu_threads == 2
+    names = [v.name for v in VARIABLES] + [v.name for layer in LAYERS for v in layer.variables]
+    assert len(names) == len(set(names))  # each variable belongs to one layer
+    monkeypatch.setenv("RELAY_ENGINE_CPU_THREADS", "3")
+    assert engines().engine_cpu_threads == 3
+    monkeypatch.setenv("RELAY_AGENT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="RELAY_AGENT_TIMEOUT must be a number of seconds"):
+        check_all()
 
 
 def test_settings_follow_the_environment(monkeypatch):
@@ -41,7 +55,10 @@ def test_settings_follow_the_environment(monkeypatch):
 
 
 def test_every_relay_variable_the_code_names_is_in_the_table_and_the_docs():
+    from launcher.settings import LAYERS
+
     known = {v.name for v in VARIABLES} | {name for name, _ in OTHER_VARIABLES}
+    known |= {v.name for layer in LAYERS for v in layer.variables}
     named = set()
     for pkg in ("relay", "engines", "reward", "launcher"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
@@ -51,4 +68,4 @@ def test_every_relay_variable_the_code_names_is_in_the_table_and_the_docs():
                         named |= set(re.findall(r"[\"'](RELAY_[A-Z_]+)[\"'=]", fh.read()))
     assert named <= known, named - known
     with open(os.path.join(ROOT, "docs/relay.md")) as f:
-        assert markdown_table() in f.read()
+        assert markdown_table(LAYERS) in f.read()
