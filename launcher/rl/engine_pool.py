@@ -20,7 +20,7 @@ GONE = (SupervisionError, ConnectionError)
 
 
 @dataclass(eq=False)
-class Engine:
+class PooledEngine:
     """An ``EngineActor`` of one role: ``rollout`` (instance "") or ``genrm`` (instance: the
     judge's name), the ``index``-th engine of its plan claim, on ``bundle`` (the first of its
     slice). ``outstanding`` counts the generations sent to it and not yet answered.
@@ -55,7 +55,7 @@ class Engine:
         self.back.set()
 
 
-def live(engines: list[Engine]) -> list[Engine]:
+def live(engines: list[PooledEngine]) -> list[PooledEngine]:
     return [e for e in engines if e.down is None]
 
 
@@ -74,7 +74,7 @@ def engine_options(cfg, claim, weights_mode: str, gpu_ids: list[int], offload: b
     return options
 
 
-def engine_gpus(cfg, claim, engine: Engine) -> list[int]:
+def engine_gpus(cfg, claim, engine: PooledEngine) -> list[int]:
     """The node GPU ids of ``engine``'s slice: ``gpus_per_engine`` from its first bundle
     (the allocator keeps a slice on one node, with contiguous ids)."""
     first = engine.bundle % cfg.gpus_per_node
@@ -82,7 +82,7 @@ def engine_gpus(cfg, claim, engine: Engine) -> list[int]:
 
 
 def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tuple[str, ...],
-                  colocate: bool) -> tuple[list[Engine], list[Awaitable]]:
+                  colocate: bool) -> tuple[list[PooledEngine], list[Awaitable]]:
     """Spawn every engine of these roles in the plan, each on the first bundle of its slice;
     returns the engines (in plan order) and their initialization awaitables."""
     engines, pending = [], []
@@ -93,7 +93,7 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
         # SGLang's data-parallel attention inside each engine (the built-in engine refuses dp_size > 1)
         dp = cfg.genrm[claim.instance].engine_config.get("dp_size", 1) if claim.role == "genrm" else 1
         for i, bundles in enumerate(slices):
-            engine = Engine(claim.role, claim.instance, None, i, bundles[0].index, cfg.fault_tolerant)
+            engine = PooledEngine(claim.role, claim.instance, None, i, bundles[0].index, cfg.fault_tolerant)
             engine.place = {"node": bundles[0].node, "gpus": [b.gpu for b in bundles],
                             "bundles": [b.index for b in bundles], "tp": len(bundles), "dp": dp}
             engines.append(engine)
@@ -106,7 +106,7 @@ def spawn_engines(cfg, plan: Plan, procs_of: Callable[[list], list], roles: tupl
     return engines, pending
 
 
-async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocate: bool,
+async def spawn_tensor_parallel(cfg, claim, engine: PooledEngine, procs: list, colocate: bool,
                                 offload: bool | None = None) -> relay.ActorMesh:
     """A built-in engine over its slice's GPUs (engines/builtin/tp.py): a follower rank on each
     worker of the slice but the first, then the engine itself (rank 0) on the first. Returns
@@ -126,11 +126,11 @@ async def spawn_tensor_parallel(cfg, claim, engine: Engine, procs: list, colocat
     return mesh
 
 
-async def _tensor_parallel_into(engine: Engine, spawning: Awaitable) -> None:
+async def _tensor_parallel_into(engine: PooledEngine, spawning: Awaitable) -> None:
     engine.mesh = await spawning
 
 
-def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, offload: bool | None = None,
+def spawn_engine(cfg, claim, engine: PooledEngine, procs: list, colocate: bool, offload: bool | None = None,
                  **extra) -> relay.ActorMesh:
     """``engine``'s ``EngineActor`` on ``procs`` (its slice's first worker); await its
     ``initialized``. A colocated rollout engine discards its weights when it sleeps (the
@@ -149,11 +149,11 @@ def spawn_engine(cfg, claim, engine: Engine, procs: list, colocate: bool, offloa
     return proc.spawn(name, EngineActor, path, cfg.engine, **options, **extra)
 
 
-def of_role(engines: list[Engine], role: str) -> list[Engine]:
+def of_role(engines: list[PooledEngine], role: str) -> list[PooledEngine]:
     return [e for e in engines if e.role == role]
 
 
-async def call_engines(engines: list[Engine], method: str, *args, timeout: float = timeouts.ENGINE_CALL) -> list:
+async def call_engines(engines: list[PooledEngine], method: str, *args, timeout: float = timeouts.ENGINE_CALL) -> list:
     """``method(*args)`` on every engine not down, at once; the results of those that
     answered, in order. A fault-tolerant engine found gone is marked down and left out; any
     other error is raised."""
@@ -163,7 +163,7 @@ async def call_engines(engines: list[Engine], method: str, *args, timeout: float
     return answered(called, results)
 
 
-def answered(engines: list[Engine], results: list) -> list:
+def answered(engines: list[PooledEngine], results: list) -> list:
     """Of ``results`` (one per engine, exceptions included), those of the engines that
     answered; a fault-tolerant engine found gone is marked down and left out; any other
     error is raised."""
@@ -178,7 +178,7 @@ def answered(engines: list[Engine], results: list) -> list:
     return out
 
 
-async def engine_bytes(engines: list[Engine]) -> int:
+async def engine_bytes(engines: list[PooledEngine]) -> int:
     """Device bytes the engines hold (their CPU backups not counted)."""
     stats = await call_engines(engines, "stats")
     return int(sum(v for s in stats for k, v in s["bytes"].items() if k != "cpu_backup"))
@@ -195,7 +195,7 @@ async def all_or_cancel(waits: list[Awaitable]) -> None:
         await asyncio.gather(*futures, return_exceptions=True)
 
 
-async def write_event_log(path: str, rollout: list[Engine], judges: list[Engine], timeout: float, out) -> None:
+async def write_event_log(path: str, rollout: list[PooledEngine], judges: list[PooledEngine], timeout: float, out) -> None:
     """Append one JSON line per engine event to ``path``: engine (``rollout<i>`` /
     ``genrm<i>``), role, instance, t (monotonic, host-wide), event, detail. An engine that
     does not answer within ``timeout`` (dead) is named on ``out`` and left out."""

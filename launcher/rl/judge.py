@@ -17,7 +17,7 @@ import relay
 from relay import Actor, ActorError
 
 from . import timeouts
-from .engine_pool import Engine, call_engines
+from .engine_pool import PooledEngine, call_engines
 from .rollout import ALL_MEMORY
 
 
@@ -41,7 +41,7 @@ class Judge:
     """The judge engines and, once :meth:`start_service` ran, the judge service. Without
     judge engines (a reward that needs no judge) every method is a no-op."""
 
-    def __init__(self, cfg, engines: list[Engine]):
+    def __init__(self, cfg, engines: list[PooledEngine]):
         self.cfg = cfg
         self.engines = engines
         self.service = None  # the JudgeService actor mesh

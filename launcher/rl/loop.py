@@ -47,7 +47,7 @@ from ..metrics import MetricsLog
 from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
 from .checkpoints import Checkpoints, StoppedWithCheckpoint, write_hf_checkpoint
-from .engine_pool import Engine, call_engines, live, of_role, write_event_log
+from .engine_pool import PooledEngine, call_engines, live, of_role, write_event_log
 from .evaluation import eval_lines, evaluate
 from .integrity import JudgeIntegrity
 from .judge import judge_deltas
@@ -342,7 +342,7 @@ class GRPOLoop:
                 if all(e.down is None for e in engines):
                     raise
 
-    async def _push_to_successor(self, engine: Engine, mesh) -> None:
+    async def _push_to_successor(self, engine: PooledEngine, mesh) -> None:
         """A rebuilt rollout engine gets the trainer's current weights and version, then
         takes ``engine``'s place; no weight sync runs in between."""
         async with self._weights_lock:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from . import timeouts
-from .engine_pool import Engine, spawn_engine, spawn_tensor_parallel
+from .engine_pool import PooledEngine, spawn_engine, spawn_tensor_parallel
 
 ENGINE_ROLES = frozenset({"rollout", "genrm"})
 REBUILD_ATTEMPTS = 3
@@ -32,8 +32,8 @@ class EngineRecovery:
     trainer's current weights, under the current version, into ``mesh`` (a new rollout
     engine) and has it replace ``engine``, both while no weight sync can start."""
 
-    def __init__(self, cfg, plan, engines: list[Engine], judge, respawn: Callable[[int, int], Awaitable],
-                 push: Callable[[Engine, object], Awaitable[None]], out=sys.stdout):
+    def __init__(self, cfg, plan, engines: list[PooledEngine], judge, respawn: Callable[[int, int], Awaitable],
+                 push: Callable[[PooledEngine, object], Awaitable[None]], out=sys.stdout):
         self.cfg = cfg
         self.plan = plan
         self.engines = engines
@@ -43,7 +43,7 @@ class EngineRecovery:
         self.out = out
         self.tasks: set[asyncio.Task] = set()
         self.rebuilt = 0  # engines built anew so far
-        self.rebuilding: set[Engine] = set()  # engines whose rebuild is under way
+        self.rebuilding: set[PooledEngine] = set()  # engines whose rebuild is under way
 
     def roles_of(self, bundle: int) -> set[str]:
         return {claim.role for claim in self.plan.claims for b in self.plan.bundles_of(claim) if b.index == bundle}
@@ -75,7 +75,7 @@ class EngineRecovery:
         task.add_done_callback(self.tasks.discard)
         return True
 
-    async def _rebuild(self, node: int, bundle: int, bundles: list[int], engines: list[Engine]) -> None:
+    async def _rebuild(self, node: int, bundle: int, bundles: list[int], engines: list[PooledEngine]) -> None:
         started = time.monotonic()
         try:
             for attempt in range(1, REBUILD_ATTEMPTS + 1):
@@ -97,7 +97,7 @@ class EngineRecovery:
         print(f"relay: bundle {bundle}: {len(engines)} engine(s) back in {time.monotonic() - started:.1f} s",
               file=self.out, flush=True)
 
-    async def _build(self, engine: Engine, procs: list) -> None:
+    async def _build(self, engine: PooledEngine, procs: list) -> None:
         """``engine``'s successor on ``procs`` (a worker per GPU of its slice) takes its place,
         ready to serve: a rollout engine with the trainer's current weights, a judge engine
         in the judge service."""
@@ -141,6 +141,6 @@ class EngineRecovery:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-def _bundles(engine: Engine) -> list[int]:
+def _bundles(engine: PooledEngine) -> list[int]:
     """The bundles of ``engine``'s GPUs (several for an engine over several GPUs)."""
     return list(engine.place.get("bundles") or [engine.bundle])

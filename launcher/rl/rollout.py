@@ -10,7 +10,7 @@ import threading
 
 from ..data import Row, prompt_ids
 from . import timeouts
-from .engine_pool import GONE, Engine, answered, call_engines, engine_bytes, live
+from .engine_pool import GONE, PooledEngine, answered, call_engines, engine_bytes, live
 from .sample import Sample
 
 #: what an engine frees when it sleeps and restores when it wakes
@@ -71,7 +71,7 @@ class RolloutPool:
     """The rollout engines. Generation goes to the least-loaded engine, a group at a time
     (all samples of one prompt on one engine)."""
 
-    def __init__(self, cfg, engines: list[Engine], tokenizer):
+    def __init__(self, cfg, engines: list[PooledEngine], tokenizer):
         self.cfg = cfg
         self.engines = engines
         self.tokenizer = tokenizer
@@ -146,7 +146,7 @@ class RolloutPool:
                     raise result
             return results
 
-    async def _least_loaded(self) -> Engine:
+    async def _least_loaded(self) -> PooledEngine:
         serving = live(self.engines)
         if not serving:  # every engine died: wait for the first successor
             waits = [asyncio.ensure_future(e.back.wait()) for e in self.engines]

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ..allocator import Plan
-from .engine_pool import Engine, all_or_cancel, of_role, spawn_engines
+from .engine_pool import PooledEngine, all_or_cancel, of_role, spawn_engines
 from .judge import Judge, judge_process
 from .rollout import RolloutPool, auto_tokenizer, tokenize_prompts
 from .trainer_group import TrainerGroup, attach_claim, loss_options
@@ -28,7 +28,7 @@ class Roles:
 
     trainer: TrainerGroup | None = None
     reference: TrainerGroup | None = None  # frozen policy for the KL loss (``--use-kl-loss``)
-    engines: list[Engine] = field(default_factory=list)  # every engine spawned so far
+    engines: list[PooledEngine] = field(default_factory=list)  # every engine spawned so far
     judge: Judge | None = None
     rollout: RolloutPool | None = None
     reward_fn: Callable | None = None  # the per-sample reward (reward/rewards.py)

@@ -17,7 +17,7 @@ from engines.sglang.args import check_request, protocol, server_argv, server_fie
 from engines.sglang.engine import SGLangEngine
 from launcher.allocator import make_plan
 from launcher.config import load_config
-from launcher.rl.engine_pool import Engine, engine_gpus, engine_options
+from launcher.rl.engine_pool import PooledEngine, engine_gpus, engine_options
 from launcher.serve_judge import judge_engine_options
 from tests.engines import fake_sglang
 from tests.helpers import run
@@ -56,7 +56,7 @@ def _every_config_option() -> list[dict]:
             if claim.role not in ("rollout", "genrm"):
                 continue
             for i, bundles in enumerate(plan.engines_of(claim)):
-                engine = Engine(claim.role, claim.instance, None, i, bundles[0].index)
+                engine = PooledEngine(claim.role, claim.instance, None, i, bundles[0].index)
                 weights = "discard" if claim.role == "rollout" else "backup"
                 out.append(engine_options(cfg, claim, weights, engine_gpus(cfg, claim, engine), True))
         for inst in cfg.genrm:
@@ -82,7 +82,7 @@ def test_the_launcher_computes_the_originals_arguments_for_the_397b_judge_config
         got = {}
         for claim in plan.claims:
             for i, bundles in enumerate(plan.engines_of(claim) if claim.role in ("rollout", "genrm") else []):
-                engine = Engine(claim.role, claim.instance, None, i, bundles[0].index)
+                engine = PooledEngine(claim.role, claim.instance, None, i, bundles[0].index)
                 weights = "discard" if claim.role == "rollout" else "backup"
                 opts = engine_options(cfg, claim, weights, engine_gpus(cfg, claim, engine), True)
                 got[(claim.role, bundles[0].node)] = server_fields("/m", 1, **opts, warn=pytest.fail)

@@ -423,10 +423,10 @@ class _Call:
 
 
 def _engine(outcome, fault_tolerant: bool, bundle: int = 1):
-    from launcher.rl.engine_pool import Engine
+    from launcher.rl.engine_pool import PooledEngine
 
     mesh = SimpleNamespace(stats=SimpleNamespace(call_one=lambda: _Call(outcome)))
-    return Engine("rollout", "", mesh, 0, bundle, fault_tolerant)
+    return PooledEngine("rollout", "", mesh, 0, bundle, fault_tolerant)
 
 
 def test_calls_to_engines_leave_out_a_dead_one_only_with_fault_tolerance():

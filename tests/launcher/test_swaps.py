@@ -9,7 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 from launcher.allocator import Layout
-from launcher.rl.engine_pool import Engine
+from launcher.rl.engine_pool import PooledEngine
 from launcher.rl.swaps import MARGIN_BYTES, GpuSwaps, engine_margin
 from launcher.rl.timing import PhaseTimer
 
@@ -24,12 +24,12 @@ class _Call:
         return self.value
 
 
-def _engine(info: dict, role: str = "rollout") -> Engine:
+def _engine(info: dict, role: str = "rollout") -> PooledEngine:
     stats = {"bytes": {"weights": 0, "kv_cache": 0}}
     instance = "" if role == "rollout" else "judge"
     actor = SimpleNamespace(weight_sync_info=SimpleNamespace(call_one=lambda: _Call(info)),
                             stats=SimpleNamespace(call_one=lambda: _Call(stats)))
-    return Engine(role, instance, actor)
+    return PooledEngine(role, instance, actor)
 
 
 class _Roles:
