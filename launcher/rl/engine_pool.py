@@ -195,7 +195,8 @@ async def all_or_cancel(waits: list[Awaitable]) -> None:
         await asyncio.gather(*futures, return_exceptions=True)
 
 
-async def write_event_log(path: str, rollout: list[PooledEngine], judges: list[PooledEngine], timeout: float, out) -> None:
+async def write_event_log(path: str, rollout: list[PooledEngine], judges: list[PooledEngine], timeout: float,
+                          out) -> None:
     """Append one JSON line per engine event to ``path``: engine (``rollout<i>`` /
     ``genrm<i>``), role, instance, t (monotonic, host-wide), event, detail. An engine that
     does not answer within ``timeout`` (dead) is named on ``out`` and left out."""
