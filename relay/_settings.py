@@ -152,6 +152,8 @@ OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
     ("RELAY_LOG_PREFIX", "the slurm script's prefix of log and exit-code files (launcher/sbatch.py)"),
     ("RELAY_JOB_GENERATION", "which run of a restarted job this is, set by relay train's fault-tolerance "
      "supervisor (launcher/supervisor.py)"),
+    ("RELAY_TORCH_INDEX", "scripts/setup.sh on a GPU host: the pip index of torch's CUDA build (default: "
+     "PyTorch's CUDA 12.8 index)"),
     ("RELAY_TEST_TAG", "tests: a tag every process of a test inherits, to find leftovers"),
     ("RELAY_TEST_RECORD", "tests: where the end-to-end tests' recording reward writes"),
 )

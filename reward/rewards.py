@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -49,15 +51,28 @@ def use_working_directory() -> str:
     return cwd
 
 
+OUR_PACKAGES = ("relay", "engines", "reward", "launcher")  # a user's package of one of these names is shadowed
+
+
 def load_callable(path: str, what: str) -> Callable:
-    """``module.func`` (or ``module:func``) -> the function, imported from ``sys.path`` (the
-    working directory first under relay's entry points); the error names the flag
-    (``what``), the module and the directories searched, and says what to change."""
-    module, sep, name = str(path).strip().replace(":", ".").rpartition(".")
+    """``module.func`` (or ``module:func``), imported from ``sys.path`` (the working directory
+    first under relay's entry points), or ``path/to/file.py:func``, loaded from that file
+    (relative to ``RELAY_USER_PATH`` or the working directory) -> the function. The error
+    names the flag (``what``), the module or file and what to change; a module under one of
+    this project's package names (``reward.mine``) is said to be shadowed by ours."""
+    text = str(path).strip()
+    if ".py:" in text or text.endswith(".py") or os.sep in text.partition(":")[0]:
+        return _load_from_file(text, what)
+    module, sep, name = text.replace(":", ".").rpartition(".")
     if not sep or not module or not name:
         raise ValueError(
-            f"{what} {path}: must look like 'package.module.function' (a module's import path, then the function)"
+            f"{what} {path}: must look like 'package.module.function' (a module's import path, then the function) "
+            "or 'path/to/file.py:function'"
         )
+    top = module.partition(".")[0]
+    clash = (f"; note: {top!r} is also this project's own package ({top}/), which shadows a package of yours of "
+             f"that name: rename yours, or give its file: {what} path/to/{module.replace('.', '/')}.py:{name}"
+             if top in OUR_PACKAGES else "")
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -65,13 +80,41 @@ def load_callable(path: str, what: str) -> Callable:
         raise ValueError(
             f"{what} {path}: cannot import module {module!r}: {e}; searched (in order): {', '.join(searched)}. "
             "Run relay from the directory that contains the module's top-level package, or add that "
-            f"directory to PYTHONPATH ({USER_PATH_ENV} is the directory searched first)"
+            f"directory to PYTHONPATH ({USER_PATH_ENV} is the directory searched first){clash}"
         ) from None
     except Exception as e:  # the module itself failed while importing (a bug in user code)
         raise ValueError(f"{what} {path}: importing module {module!r} raised {type(e).__name__}: {e}") from e
     fn = getattr(mod, name, None)
     if not callable(fn):
-        raise ValueError(f"{what} {path}: module {module!r} ({getattr(mod, '__file__', '?')}) has no function {name!r}")
+        raise ValueError(
+            f"{what} {path}: module {module!r} ({getattr(mod, '__file__', '?')}) has no function {name!r}{clash}")
+    return fn
+
+
+def _load_from_file(text: str, what: str) -> Callable:
+    """``path/to/file.py:func``: the file's module (loaded once per file, under a name of its own
+    that cannot clash with an installed package) and its function."""
+    file, sep, name = text.rpartition(":")
+    if not sep or not file.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"{what} {text}: a file is given as 'path/to/file.py:function'")
+    base = reward_settings().user_path or os.getcwd()
+    full = os.path.abspath(os.path.join(base, os.path.expanduser(file)))
+    if not os.path.isfile(full):
+        raise ValueError(f"{what} {text}: no file {full} (a relative path is taken from {base})")
+    key = "relay_user_code." + hashlib.sha1(full.encode()).hexdigest()[:12]
+    mod = sys.modules.get(key)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(key, full)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except Exception as e:  # a bug in the user's file
+            del sys.modules[key]
+            raise ValueError(f"{what} {text}: loading {full} raised {type(e).__name__}: {e}") from e
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ValueError(f"{what} {text}: {full} has no function {name!r}")
     return fn
 
 

@@ -174,3 +174,23 @@ def server_argv(fields: dict) -> list[str]:
 
 def _stderr(message: str) -> None:
     print(f"relay: {message}", file=sys.stderr, flush=True)
+
+
+def version_problem(launch_module: str) -> str | None:
+    """Why the SGLang that ``launch_module`` starts is not the recorded version this adapter
+    speaks (engines/sglang/protocol.json), or None. A stand-in server (another module, as the
+    tests' fake) is not checked."""
+    from importlib import metadata
+
+    if launch_module != "sglang.launch_server":
+        return None
+    recorded = protocol()["sglang_version"]
+    try:
+        installed = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return f"sglang is not installed: pip install 'relay-rl[sglang]' (sglang=={recorded})"
+    if installed != recorded:
+        return (f"sglang {installed} is installed, but this adapter speaks sglang {recorded} (its server arguments, "
+                f"routes and request keys: engines/sglang/protocol.json): pip install 'sglang=={recorded}', or record "
+                f"the installed version with scripts/sglang_protocol.py and test it")
+    return None

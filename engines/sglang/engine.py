@@ -41,7 +41,7 @@ from engines.interface import (
 )
 from engines.settings import settings as engines_settings
 from engines.sglang import weights as sglang_weights
-from engines.sglang.args import check_request, protocol, server_argv, server_env, server_fields
+from engines.sglang.args import check_request, protocol, server_argv, server_env, server_fields, version_problem
 
 #: SamplingParams keys that SGLang's /generate takes under the same name and meaning.
 SGLANG_PASSTHROUGH = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_new_tokens",
@@ -113,8 +113,10 @@ class SGLangEngine(Engine):
     async def start(self) -> None:
         import aiohttp
 
-
         module = engines_settings().sglang_launch
+        problem = version_problem(module)
+        if problem:
+            raise SGLangError(f"{self.name}: {problem}")
         self.proc = subprocess.Popen([sys.executable, "-m", module, *self.args], env=self.env, start_new_session=True)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
         deadline = time.monotonic() + self.start_timeout

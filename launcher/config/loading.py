@@ -30,9 +30,9 @@ from launcher.config.rules import (
 )
 from launcher.config.schema import FIELDS, JobConfig
 
-#: the shipped configs (``--config NAME``)
-SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                               "torchrun_configs")
+#: the shipped configs (``--config NAME``): package data (the checkout's top-level
+#: ``torchrun_configs`` is a link to them)
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torchrun_configs")
 
 
 def _closest(name: str) -> str:

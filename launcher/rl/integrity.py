@@ -30,8 +30,10 @@ SELF_CHECK_FILE = "judge_self_check.jsonl"
 AUDIT_FILE = "judge_audit.jsonl"
 
 
-#: the shipped Defer-swap hook: it scores with reward/dapo_genrm.py's prompt and parsing
-DAPO_GENRM_HOOK = "examples.generate_reward_model.post_process_genrm_swap.custom_reward_post_process"
+#: the shipped Defer-swap hook (its package path, and the original's documented one): it scores
+#: with reward/dapo_genrm.py's prompt and parsing
+DAPO_GENRM_HOOKS = ("reward.examples.post_process_genrm_swap.custom_reward_post_process",
+                    "examples.generate_reward_model.post_process_genrm_swap.custom_reward_post_process")
 
 
 def judged_with_dapo_genrm(cfg) -> bool:
@@ -40,7 +42,7 @@ def judged_with_dapo_genrm(cfg) -> bool:
     if cfg.custom_rm_path:
         return False
     hook = (cfg.custom_reward_post_process_path or "").replace(":", ".")
-    return cfg.rm_type == "dapo-genrm" or hook == DAPO_GENRM_HOOK
+    return cfg.rm_type == "dapo-genrm" or hook in DAPO_GENRM_HOOKS
 
 
 class JudgeSelfCheckFailed(RuntimeError):

@@ -304,3 +304,29 @@ def test_a_hostile_engine_config_gives_server_arguments_of_the_pinned_version_or
             [k for k in config if k in ("model_path", "host", "port")])
 
     check()
+
+
+def test_the_installed_sglang_must_be_the_recorded_version(monkeypatch):
+    """The adapter speaks one recorded SGLang version: another installed one (or none) is
+    refused at start with what to install; a stand-in server (the fake) is not checked; the
+    [sglang] extra pins the recorded version."""
+    from importlib import metadata
+
+    from engines.sglang.args import version_problem
+
+    recorded = protocol()["sglang_version"]
+    monkeypatch.setattr(metadata, "version", lambda name: "0.4.9")
+    assert f"sglang 0.4.9 is installed, but this adapter speaks sglang {recorded}" in version_problem(
+        "sglang.launch_server")
+    assert version_problem("tests.engines.fake_sglang") is None
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    assert f"pip install 'relay-rl[sglang]' (sglang=={recorded})" in version_problem("sglang.launch_server")
+    monkeypatch.setattr(metadata, "version", lambda name: recorded)
+    assert version_problem("sglang.launch_server") is None
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "pyproject.toml")) as f:
+        assert f'sglang = ["sglang=={recorded}"]' in f.read()

@@ -119,6 +119,38 @@ def _environ(pid: str) -> dict:
     return dict(item.partition("=")[::2] for item in items if "=" in item)
 
 
+def test_user_code_given_as_a_file_loads_from_that_file_even_under_one_of_our_package_names(tmp_path):
+    """``path/to/file.py:func`` is loaded from the file (relative to the working directory), so
+    a user's own ``reward/`` package works that way; as a module path, ``reward.mine.f`` names
+    the clash with this project's ``reward`` package and the file form to use instead."""
+    (tmp_path / "reward").mkdir()
+    (tmp_path / "reward" / "mine.py").write_text(
+        "import os\n"
+        "open(os.path.join(os.path.dirname(os.path.dirname(__file__)), 'loaded-by'), 'a').write('x')\n"
+        "def score(args, sample):\n    return 1.0\n")
+    p = relay(tmp_path, "plan", "--config", "tiny-cpu-split", "--custom-rm-path", "reward/mine.py:score")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "loaded-by").read_text() == "x"  # checked by loading it, from the file
+    p = relay(tmp_path, "plan", "--config", "tiny-cpu-split", "--custom-rm-path", "reward.mine.score")
+    assert p.returncode == 2
+    assert "'reward' is also this project's own package (reward/), which shadows a package of yours" in p.stderr
+    assert "--custom-rm-path path/to/reward/mine.py:score" in p.stderr, p.stderr
+    for path, why in (("reward/mine.py:nope", "has no function 'nope'"), ("nofile.py:f", "no file "),
+                      ("reward/mine.py", "a file is given as 'path/to/file.py:function'")):
+        p = relay(tmp_path, "plan", "--config", "tiny-cpu-split", "--custom-rm-path", path)
+        assert p.returncode == 2 and why in p.stderr, (path, p.stderr)
+
+
+def test_a_file_hook_and_reward_run_in_a_job(tmp_path):
+    """The same file forms reach the job's reward: the loaded function scores (load_callable
+    gives the file's function; a second load reuses the module)."""
+    from reward.rewards import load_callable
+
+    (tmp_path / "hooks.py").write_text("CALLS = []\ndef f(args, sample):\n    CALLS.append(1)\n    return 0.5\n")
+    fn = load_callable(f"{tmp_path / 'hooks.py'}:f", "--custom-rm-path")
+    assert fn(None, {}) == 0.5 and load_callable(f"{tmp_path / 'hooks.py'}:f", "--custom-rm-path") is fn
+
+
 @pytest.mark.parametrize(
     "flag,path,message",
     [
