@@ -1,4 +1,4 @@
-"""Prompt data: JSONL in the dapo-math-17k / aime-2024 schema.
+"""Prompt data: JSONL, parquet or a local HF dataset, in the dapo-math-17k / aime-2024 schema.
 
 Each line is an object with ``prompt`` (text, or chat messages ``[{role, content}, ...]``),
 ``label`` (the reference answer) and, as the original reads it, ``metadata`` (an object:
@@ -15,6 +15,7 @@ the prompts the original run would have.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -34,13 +35,31 @@ class Row:
 
 def load_rows(path: str, what: str = "--prompt-data", need_response: bool = False, input_key: str = "prompt",
               label_key: str = "label", label_for: str | None = None, metadata_key: str = "metadata") -> list[Row]:
-    """The rows of a JSONL file (UTF-8): each an object with the prompt under ``input_key``
-    (text or chat messages), the reference answer under ``label_key`` (required when
-    ``label_for`` names what compares against it, e.g. "--rm-type dapo"; otherwise a missing
-    or null one reads as ""), a ``response`` (for SFT), the row's metadata object under
-    ``metadata_key`` (its entries, beside any other key of the row, are the row's metadata).
-    Raises DataError saying which line is wrong."""
+    """The rows of a JSONL file (UTF-8), a parquet file (``.parquet``, through pyarrow) or a
+    local HF ``datasets`` directory (``save_to_disk``'s: a dataset, or a dataset dict's
+    ``train`` split): each row an object with the prompt under ``input_key`` (text or chat
+    messages), the reference answer under ``label_key`` (required when ``label_for`` names
+    what compares against it, e.g. "--rm-type dapo"; otherwise a missing or null one reads
+    as ""), a ``response`` (for SFT), the row's metadata object under ``metadata_key`` (its
+    entries, beside any other key of the row, are the row's metadata). Raises DataError
+    naming the file and the line or row that is wrong."""
+    keys = dict(need_response=need_response, input_key=input_key, label_key=label_key, label_for=label_for,
+                metadata_key=metadata_key)
+    if os.path.isdir(path):
+        objects = _dataset_rows(path, what)
+    elif path.endswith(".parquet"):
+        objects = _parquet_rows(path, what)
+    else:
+        objects = _jsonl_rows(path, what)
     rows: list[Row] = []
+    for where, obj in objects:
+        rows.append(_row(len(rows), obj, f"{what}: {where}", **keys))
+    if not rows:
+        raise DataError(f"{what}: {path!r} has no rows")
+    return rows
+
+
+def _jsonl_rows(path: str, what: str):
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -51,40 +70,75 @@ def load_rows(path: str, what: str = "--prompt-data", need_response: bool = Fals
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{what}: {path}:{n} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
-                                "JSONL files are UTF-8") from None
+                                "JSONL files are UTF-8 (parquet files end in .parquet)") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{what}: {path}:{n} is not JSON: {e}") from None
-            if not isinstance(obj, dict) or input_key not in obj:
-                hint = "" if input_key != "prompt" else " (another key: --input-key KEY)"
-                raise DataError(
-                    f"{what}: {path}:{n} needs an object with a {input_key!r} (text or chat messages){hint}")
-            prompt = obj.pop(input_key)
-            ok = isinstance(prompt, str) or (
-                isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
-            )
-            if not ok:
-                raise DataError(
-                    f"{what}: {path}:{n}: {input_key!r} must be text or a list of {{role, content}} messages")
-            response = obj.pop("response", None)
-            if need_response and not isinstance(response, str):
-                raise DataError(f"{what}: {path}:{n} needs a 'response' (the target text) for relay sft")
-            label = obj.pop(label_key, None)
-            if label is None and label_for:
-                hint = "" if label_key != "label" else " (another key: --label-key KEY)"
-                raise DataError(f"{what}: {path}:{n} has no {label_key!r}: {label_for} compares each answer with this "
-                                f"reference answer{hint}")
-            meta = obj.pop(metadata_key, None)
-            if meta is not None and not isinstance(meta, dict):
-                raise DataError(f"{what}: {path}:{n}: {metadata_key!r} must be an object (the row's metadata, as "
-                                f"--metadata-key names it), not {type(meta).__name__}")
-            rows.append(Row(len(rows), prompt, "" if label is None else str(label), response, {**obj, **(meta or {})}))
-    if not rows:
-        raise DataError(f"{what}: {path!r} has no rows")
-    return rows
+            yield f"{path}:{n}", obj
+
+
+def _parquet_rows(path: str, what: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{what}: {path} is parquet, which needs pyarrow: pip install 'relay-rl[data]'") from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{what}: cannot read {path!r} as parquet: {e}") from None
+    for n, obj in enumerate(table.to_pylist(), 1):
+        yield f"{path} row {n}", obj
+
+
+def _dataset_rows(path: str, what: str):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{what}: {path} is a directory: a local HF dataset needs the datasets package: "
+                        "pip install 'relay-rl[data]'") from None
+    try:
+        data = datasets.load_from_disk(path)
+    except (OSError, ValueError, FileNotFoundError) as e:
+        raise DataError(f"{what}: {path} is a directory but not a dataset saved with save_to_disk: {e}") from None
+    name = path
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise DataError(f"{what}: {path} holds the splits {sorted(data)}, none named 'train': give the split's "
+                            f"directory ({path}/<split>)")
+        data, name = data["train"], f"{path}[train]"
+    for n, obj in enumerate(data, 1):
+        yield f"{name} row {n}", obj
+
+
+def _row(index: int, obj, where: str, *, need_response: bool, input_key: str, label_key: str,
+         label_for: str | None, metadata_key: str) -> Row:
+    """One row's checks, the same for every format (``where``: the flag, file and line or row)."""
+    if not isinstance(obj, dict) or input_key not in obj:
+        hint = "" if input_key != "prompt" else " (another key: --input-key KEY)"
+        raise DataError(f"{where} needs an object with a {input_key!r} (text or chat messages){hint}")
+    obj = dict(obj)
+    prompt = obj.pop(input_key)
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    )
+    if not ok:
+        raise DataError(f"{where}: {input_key!r} must be text or a list of {{role, content}} messages")
+    response = obj.pop("response", None)
+    if need_response and not isinstance(response, str):
+        raise DataError(f"{where} needs a 'response' (the target text) for relay sft")
+    label = obj.pop(label_key, None)
+    if label is None and label_for:
+        hint = "" if label_key != "label" else " (another key: --label-key KEY)"
+        raise DataError(f"{where} has no {label_key!r}: {label_for} compares each answer with this reference "
+                        f"answer{hint}")
+    meta = obj.pop(metadata_key, None)
+    if meta is not None and not isinstance(meta, dict):
+        raise DataError(f"{where}: {metadata_key!r} must be an object (the row's metadata, as --metadata-key names "
+                        f"it), not {type(meta).__name__}")
+    return Row(index, prompt, "" if label is None else str(label), response, {**obj, **(meta or {})})
 
 
 def row_keys(cfg) -> dict:
