@@ -76,9 +76,14 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _job_config(args, "relay train")
     if cfg is None:
         return 2
+    if args.print_config:
+        from launcher.config.loading import config_yaml
+
+        print(config_yaml(cfg), end="")
+        return 0
     if cfg.fault_tolerant and GENERATION_ENV not in os.environ:  # not already the supervised job itself
-        argv = ((["--config", args.config] if args.config else []) + (["--hold", str(args.hold)] if args.hold else [])
-                + args.overrides)
+        argv = ([a for path in args.config or [] for a in ("--config", path)]
+                + (["--hold", str(args.hold)] if args.hold else []) + args.overrides)
         return supervise(argv, cfg.run_dir, cfg.max_global_restart, resume=cfg.resume)
     return run_job(cfg, prog="relay train", single_node=True, hold=args.hold)
 
@@ -385,7 +390,8 @@ def _add_job_commands(sub) -> None:
         description="Print the plan: bundle -> node/GPU -> roles and judge instances, phases, memory "
         "fractions. Any config key can be overridden with its flag, e.g. --resource '{...}' --colocate.",
     )
-    pl.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    pl.add_argument("--config", action="append", help="YAML config (a path, or a name in torchrun_configs/); "
+                    "several are layered in order, a later file's keys over an earlier's")
     pl.add_argument("--sft", action="store_true", help="the placement of relay sft (the actor's GPUs only)")
     pl.set_defaults(func=_plan, takes_overrides=True)
     tr = _config_command(
@@ -397,10 +403,13 @@ def _add_job_commands(sub) -> None:
         "the job runs as a child of this command, which restarts it from its last checkpoint after a failure, at most "
         "--max-global-restart times (docs/failures.md).",
     )
-    tr.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    tr.add_argument("--config", action="append", help="YAML config (a path, or a name in torchrun_configs/); "
+                    "several are layered in order, a later file's keys over an earlier's")
     tr.add_argument("--hold", type=float, default=0.0, help="keep the placed job up this many seconds")
     tr.add_argument("--dry-run", action="store_true", help="check everything a start checks (config, layout and "
                     "memory fit, data files, user code, models) and start nothing")
+    tr.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (what RUN_DIR/config.yaml will hold) and start nothing")
     tr.set_defaults(func=_train, takes_overrides=True)
     st = _config_command(
         sub,
@@ -410,7 +419,8 @@ def _add_job_commands(sub) -> None:
                     "rows; "
         "held-out exact-match accuracy on --eval-prompt-data; writes an HF checkpoint to --save-hf.",
     )
-    st.add_argument("--config", help="YAML config (a path, or a name in torchrun_configs/)")
+    st.add_argument("--config", action="append", help="YAML config (a path, or a name in torchrun_configs/); "
+                    "several are layered in order, a later file's keys over an earlier's")
     st.set_defaults(func=_sft, takes_overrides=True)
 
 

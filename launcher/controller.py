@@ -40,6 +40,7 @@ from .config.paths import check_inputs_on_every_node
 from .exitcodes import EXIT_CHECKPOINTED_ON_SIGNAL
 from .rendezvous import Rendezvous, node_address
 from .rl.checkpoints import CHECKPOINT_DIR, StoppedWithCheckpoint
+from .run_dir import run_dir_problem, write_config
 from .supervisor import earlier_checkpoints
 
 NO_TIMEOUT = 10 * 24 * 3600.0  # seconds: waiting for the next failure report (a job may run for days)
@@ -130,7 +131,8 @@ class Controller:
 
     async def start(self) -> None:
         """Resume after a restart, the job's secret, signal handlers, this process's sink and agent."""
-        self.cfg = _restarted(self.cfg, self.rdzv, self.run_dir, self.out)
+        trains = self.mode == "sft" or bool(self.cfg.prompt_data)
+        self.cfg = _restarted(self.cfg, self.rdzv, self.run_dir, self.out, trains)
         _prepare_process_env(0)
         os.environ.setdefault("RELAY_JOB_SECRET", secrets.token_hex(32))
         os.environ.setdefault("RELAY_JOB_ID", secrets.token_hex(8))
@@ -309,16 +311,20 @@ def _taken_over(job, item: tuple) -> bool:
     return kind == "worker" and recover is not None and recover(node, bundle, failure)
 
 
-def _restarted(cfg: JobConfig, rdzv: Rendezvous, run_dir: str, out) -> JobConfig:
-    """With fault tolerance, a run after the first (``rdzv.generation`` > 1: torchrun or the
-    one-node supervisor restarted the job after a failure) resumes from the newest complete
-    checkpoint. It refuses to run (and so do its agents, and later runs: ``rdzv.refuse``)
-    past ``--max-global-restart`` restarts, or when a first run without ``--resume`` finds an
-    earlier run's checkpoints, which its restarts would resume from."""
-    if not cfg.fault_tolerant:
-        return cfg
-    restarts = rdzv.generation - 1
-    message = rdzv.refused() or (earlier_checkpoints(run_dir, cfg.resume) if restarts == 0 else None)
+def _restarted(cfg: JobConfig, rdzv: Rendezvous, run_dir: str, out, trains: bool = True) -> JobConfig:
+    """The run directory's rules (launcher/run_dir.py) for a job that trains (``trains``):
+    a first run may not start in a directory that holds a run without ``--resume``, nor
+    resume with changed training keys unless told. With fault tolerance, a run after the
+    first (``rdzv.generation`` > 1: torchrun or the one-node supervisor restarted the job
+    after a failure) resumes from the newest complete checkpoint. It refuses to run (and so
+    do its agents, and later runs: ``rdzv.refuse``) past ``--max-global-restart`` restarts,
+    or when a first run without ``--resume`` finds an earlier run's checkpoints, which its
+    restarts would resume from."""
+    restarts = rdzv.generation - 1 if cfg.fault_tolerant else 0
+    message = rdzv.refused() if cfg.fault_tolerant else None
+    if not message and restarts == 0:
+        message = (earlier_checkpoints(run_dir, cfg.resume) if cfg.fault_tolerant else None) or (
+            run_dir_problem(cfg, run_dir) if trains else None)
     if restarts > cfg.max_global_restart and not message:
         message = (
             f"the job failed {restarts} time(s), and --max-global-restart {cfg.max_global_restart} allows "
@@ -329,6 +335,8 @@ def _restarted(cfg: JobConfig, rdzv: Rendezvous, run_dir: str, out) -> JobConfig
     if message:
         rdzv.refuse(message)
         raise JobFailed(message)
+    if trains and restarts == 0:
+        write_config(cfg, run_dir)  # RUN_DIR/config.yaml: the resolved config, re-runnable
     if restarts == 0:
         return cfg
     print(

@@ -114,28 +114,42 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | None, overrides: list[str] | dict | None = None) -> JobConfig:
-    """Load a YAML config (may be None) and apply command-line overrides."""
-    import yaml
-
+def load_config(path: str | list[str] | tuple | None, overrides: list[str] | dict | None = None) -> JobConfig:
+    """Load a YAML config, or several layered in order (a later file's keys over an earlier's;
+    ``path`` may be None), and apply command-line overrides."""
     values: dict[str, Any] = {}
-    if path:
-        if not os.path.exists(path):
-            candidate = os.path.join(SHIPPED_CONFIGS, path if path.endswith(".yaml") else path + ".yaml")
-            if os.path.exists(candidate):
-                path = candidate
-            else:
-                raise ConfigError(f"config file {path!r} not found (the shipped configs are in torchrun_configs/)")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: invalid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-        values.update(expand_env(data))
+    for one in ([path] if isinstance(path, str) else list(path or [])):
+        values.update(_read_yaml(one))
     if isinstance(overrides, dict):
         values.update(overrides)
     elif overrides:
         values.update(parse_overrides(overrides))
     return build_config(values)
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    if not os.path.exists(path):
+        candidate = os.path.join(SHIPPED_CONFIGS, path if path.endswith(".yaml") else path + ".yaml")
+        if os.path.exists(candidate):
+            path = candidate
+        else:
+            raise ConfigError(f"config file {path!r} not found (the shipped configs are in torchrun_configs/)")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+    return expand_env(data)
+
+
+def config_yaml(cfg: JobConfig) -> str:
+    """``cfg`` as a YAML config that loads back to it (every key set, in schema order; unset
+    keys left out): what ``RUN_DIR/config.yaml`` and ``relay train --print-config`` hold."""
+    import yaml
+
+    values = {name: getattr(cfg, name) for name in FIELDS if getattr(cfg, name) is not None}
+    return yaml.safe_dump(values, sort_keys=False, default_flow_style=None, width=100)

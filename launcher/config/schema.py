@@ -290,6 +290,9 @@ class JobConfig:
     resume: bool = _opt(
         False, help="continue from the latest checkpoint in --run-dir (same data order and step numbers)"
     )
+    allow_config_changes: bool = _opt(
+        False, help="with --resume: continue although keys that change the training differ from RUN_DIR/config.yaml"
+    )
     use_fault_tolerance: bool = _opt(
         False,
         help="survive failures: a dead rollout or judge engine is rebuilt (rollout engines with the trainer's current "
