@@ -293,48 +293,64 @@ def _judge(args: argparse.Namespace) -> int:
     return asyncio.run(run_judge(cfg, args.host, args.port, token))
 
 
-def config_flags_help(width: int = 100) -> str:
+def config_flags_help(width: int = 100, topics: tuple[str, ...] | None = None) -> str:
     """Every config key as its flag, with its help, allowed values and default (from
-    ``launcher/config/schema.py``), for the epilog of the subcommands that take config flags."""
+    ``launcher/config/schema.py``), grouped by topic (``topics``: only those; default all), for
+    the epilog of the subcommands that take config flags."""
     from launcher.config import FIELDS
+    from launcher.config.schema import TOPICS
 
     metavars = {"bool": "[true|false]", "int": "INT", "float": "FLOAT", "dict": "JSON", "str": "TEXT"}
     lines = [
         "config flags (any YAML key; precedence: defaults < --config YAML < flags; booleans may be bare,",
         "JSON-valued keys take JSON):",
     ]
-    for name, f in FIELDS.items():
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        shown = (
-            "unset"
-            if default is None
-            else json.dumps(default)
-            if isinstance(default, (bool, dict, list))
-            else str(default)
-        )
-        text = f.metadata.get("help", "")
-        choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
-        if choices:
-            text += f" (one of: {', '.join(map(str, choices))})"
-        if f.metadata.get("min") is not None:
-            text += f" (>= {f.metadata['min']:g})"
-        if f.metadata.get("max") is not None:
-            text += f" (<= {f.metadata['max']:g})"
-        text += f" [default: {shown}]"
-        kind = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
-        lines.append(f"  --{name.replace('_', '-')} {metavars.get(kind, 'VALUE')}")
-        lines.extend(textwrap.wrap(text, width=width, initial_indent=" " * 8, subsequent_indent=" " * 8,
-                                   break_on_hyphens=False))  # a flag name stays whole
+    for topic, names in TOPICS.items():
+        if topics is None or topic in topics:
+            lines += ["", f"{topic}:"] + [line for name in names for line in _flag_help(name, FIELDS[name], metavars,
+                                                                                          width)]
     return "\n".join(lines)
 
 
+def _flag_help(name: str, f, metavars: dict, width: int) -> list[str]:
+    """One flag's help lines: its name and value kind, then its help, allowed values and default."""
+    lines = []
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    shown = (
+        "unset"
+        if default is None
+        else json.dumps(default)
+        if isinstance(default, (bool, dict, list))
+        else str(default)
+    )
+    text = f.metadata.get("help", "")
+    choices = [c for c in (f.metadata.get("choices") or ()) if c is not None]
+    if choices:
+        text += f" (one of: {', '.join(map(str, choices))})"
+    if f.metadata.get("min") is not None:
+        text += f" (>= {f.metadata['min']:g})"
+    if f.metadata.get("max") is not None:
+        text += f" (<= {f.metadata['max']:g})"
+    text += f" [default: {shown}]"
+    kind = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
+    lines.append(f"  --{name.replace('_', '-')} {metavars.get(kind, 'VALUE')}")
+    lines.extend(textwrap.wrap(text, width=width, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                               break_on_hyphens=False))  # a flag name stays whole
+    return lines
+
+
+#: the config topics each subcommand's help shows (None: every topic)
+COMMAND_TOPICS = {"sft": ("layout and hardware", "optimizer", "data and model"),
+                  "judge": ("layout and hardware", "GenRM (the judge)", "rewards")}
+
+
 def _config_command(sub, name: str, help: str, description: str = "") -> argparse.ArgumentParser:
-    """A subcommand that takes config flags: its help lists every one of them."""
+    """A subcommand that takes config flags: its help lists those of its topics, by topic."""
     return sub.add_parser(
         name,
         help=help,
         description=textwrap.fill(description or help, 100),
-        epilog=config_flags_help(),
+        epilog=config_flags_help(topics=COMMAND_TOPICS.get(name)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 

@@ -370,3 +370,25 @@ class JobConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
+
+
+def _topics() -> dict[str, list[str]]:
+    """The config's topics, as JobConfig's ``# ---- topic`` sections give them, in order."""
+    import inspect
+    import re
+
+    topics: dict[str, list[str]] = {}
+    current = "general"
+    for line in inspect.getsource(JobConfig).splitlines():
+        heading = re.match(r"\s+# ---- (.+)$", line)
+        if heading:
+            current = heading.group(1).strip()
+            continue
+        name = re.match(r"    (\w+): ", line)
+        if name and name.group(1) in FIELDS:
+            topics.setdefault(current, []).append(name.group(1))
+    return topics
+
+
+#: topic -> its keys (help groups the flags by these)
+TOPICS = _topics()

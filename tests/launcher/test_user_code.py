@@ -323,7 +323,11 @@ def test_every_module_path_flag_is_checked():
 
 
 @pytest.mark.parametrize("command", ["plan", "train", "sft", "judge", "sbatch", "python -m launcher"])
-def test_help_lists_every_config_flag_with_its_help_and_default(tmp_path, command):
+def test_help_lists_the_config_flags_of_its_topics_with_their_help_and_default(tmp_path, command):
+    """Grouped by topic (JobConfig's sections); relay sft and relay judge show only their topics."""
+    from launcher.cli import COMMAND_TOPICS
+    from launcher.config.schema import TOPICS
+
     if command == "python -m launcher":  # the torchrun entry
         p = subprocess.run(
             [sys.executable, "-m", "launcher", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -333,18 +337,29 @@ def test_help_lists_every_config_flag_with_its_help_and_default(tmp_path, comman
     assert p.returncode == 0, p.stderr
     epilog = p.stdout.split("config flags (any YAML key", 1)[1]
     entries: dict[str, str] = {}  # "--flag METAVAR" lines, then their indented help
+    headings = []
     for line in epilog.splitlines()[2:]:
         m = re.match(r"^  (--[a-z0-9-]+) \S+$", line)
         if m:
             flag = m.group(1)
             entries[flag] = line.strip()
-        else:
+        elif line.endswith(":") and not line.startswith(" "):
+            headings.append(line[:-1])
+        elif line.strip():
             entries[flag] += " " + line.strip()
-    assert list(entries) == ["--" + name.replace("_", "-") for name in FIELDS]
-    for name, f in FIELDS.items():
-        entry = entries["--" + name.replace("_", "-")]
+    topics = COMMAND_TOPICS.get(command) or tuple(TOPICS)
+    assert headings == list(topics)
+    assert list(entries) == ["--" + name.replace("_", "-") for topic in topics for name in TOPICS[topic]]
+    for flag, entry in entries.items():
+        f = FIELDS[flag[2:].replace("-", "_")]
         assert " ".join(f.metadata["help"].split()) in entry and "[default: " in entry, entry
     text = " ".join(epilog.split())
+    if command == "judge":
+        assert "--genrm-model-path" in text and "--lr " not in text and "--num-rollout" not in text
+        return
+    if command == "sft":
+        assert "--lr FLOAT" in text and "--genrm-model-path" not in text
+        return
     assert "--num-rollout INT training steps (rollout + train) to run (>= 0) [default: 1]" in text
     assert "--resource JSON JSON {role: [num_groups, gpus_per_group]}" in text
     assert "--rm-type TEXT reward type (one of: dapo, dapo-genrm, dummy) [default: unset]" in text
