@@ -64,6 +64,8 @@ def _job_config(args: argparse.Namespace, prog: str, sft: bool = False):
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return None
+    os.environ["RELAY_LOG_LEVEL"] = cfg.log_level  # this process and every one the job starts
+    relay.configure_logging(cfg.log_level)
     return cfg
 
 
@@ -270,6 +272,8 @@ def _judge(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"relay judge: {e}", file=sys.stderr)
         return 2
+    os.environ["RELAY_LOG_LEVEL"] = cfg.log_level  # the judge's processes too
+    relay.configure_logging(cfg.log_level)
     from launcher.job import install_uvloop
 
     token = args.token

@@ -35,7 +35,7 @@ from ._mesh import (
 )
 from ._processes import ProcRef, set_unhandled_fault_hook
 from ._runtime import current_runtime as _current_runtime
-from ._settings import Layer, Settings, Variable, settings
+from ._settings import Layer, Settings, Variable, configure_logging, settings
 from ._shape import Point
 from ._wire import RemoteException, register
 
@@ -117,6 +117,7 @@ __all__ = [
     "SupervisionError",
     "ValueMesh",
     "Variable",
+    "configure_logging",
     "context",
     "endpoint",
     "heartbeat_address",

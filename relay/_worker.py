@@ -45,6 +45,10 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = settings()
     _redirect_output(cfg)
+    if cfg.log_level:  # the job's --log-level (its logs go where its stderr goes: the worker's log file)
+        from ._settings import configure_logging
+
+        configure_logging(cfg.log_level)
     import zmq
 
     from ._heartbeat import Heartbeater

@@ -41,6 +41,8 @@ def _opt(
 @dataclass
 class JobConfig:
     # ---- layout and hardware
+    log_level: str = _opt("warning", help="the level of the relay.* logs on the console and in the workers' log files",
+                          choices=("debug", "info", "warning", "error"))
     resource: dict = _opt(
         {}, help='JSON {role: [num_groups, gpus_per_group]}, e.g. {"actor": [1, 8], "rollout": [1, 4], "genrm": [1, 4]}'
     )

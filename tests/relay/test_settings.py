@@ -69,3 +69,39 @@ def test_every_relay_variable_the_code_names_is_in_the_table_and_the_docs():
     assert named <= known, named - known
     with open(os.path.join(ROOT, "docs/relay.md")) as f:
         assert markdown_table(LAYERS) in f.read()
+
+
+def test_log_level_sets_the_relay_logging_tree_here_and_in_spawned_workers(tmp_path):
+    """--log-level (RELAY_LOG_LEVEL): the relay.* records at that level reach stderr, one line
+    each with time, level and logger, in the process that set it and in the workers it spawns."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "logs.py"
+    script.write_text(
+        "import logging, relay\n"
+        "from relay import Actor, endpoint\n"
+        "class Talker(Actor):\n"
+        "    @endpoint\n"
+        "    async def talk(self) -> None:\n"
+        "        logging.getLogger('relay.test').info('from the worker')\n"
+        "        logging.getLogger('relay.test').debug('not at info')\n"
+        "async def main():\n"
+        "    relay.configure_logging()\n"
+        "    logging.getLogger('relay.test').info('from the root')\n"
+        "    procs = relay.this_host().spawn_procs(per_host={'procs': 1})\n"
+        "    talker = procs.spawn('talker', Talker)\n"
+        "    await talker.talk.call_one().result(60)\n"
+        "    await procs.stop()\n"
+        "if __name__ == '__main__':\n"
+        "    import asyncio; asyncio.run(main())\n")
+    env = dict(os.environ, RELAY_LOG_LEVEL="info", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if "relay.test" in line]
+    assert [line.split(" ", 1)[1] for line in lines] == ["INFO relay.test: from the root",
+                                                         "INFO relay.test: from the worker"], p.stderr[-2000:]
+    quiet = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=dict(env, RELAY_LOG_LEVEL=""),
+                           capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and "relay.test" not in quiet.stderr  # default: warning, as quiet as before
