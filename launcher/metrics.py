@@ -1,6 +1,6 @@
-"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (plus TensorBoard
-scalars when ``torch.utils.tensorboard`` works), a one-line progress report per step, and
-``relay plot RUN_DIR``, which draws the curves as PNG files next to the metrics."""
+"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (and the same
+records to the trackers a config asks for: launcher/trackers.py), a one-line progress report
+per step, and ``relay plot RUN_DIR``, which draws the curves as PNG files next to the metrics."""
 
 from __future__ import annotations
 
@@ -16,30 +16,20 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLog:
     """Append-only; a resumed run keeps the earlier lines (the step numbers continue)."""
 
-    def __init__(self, run_dir: str, total_steps: int, out=sys.stdout):
+    def __init__(self, run_dir: str, total_steps: int, out=sys.stdout, trackers=None):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.total = total_steps
         self.out = out
         self.t0 = time.monotonic()
-        self._tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        except Exception:  # noqa: BLE001 (TensorBoard is optional)
-            self._tb = None
+        self.trackers = trackers  # launcher.trackers.Trackers, or None
 
     def write(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
-        if self._tb is not None:
-            step = record.get("step", 0)
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
-                    self._tb.add_scalar(k.replace(".", "/"), v, step)
-            self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def progress(self, step: int, record: dict) -> None:
         """``[step/total] elapsed | key figures``, one line per step."""
@@ -63,8 +53,8 @@ class MetricsLog:
         )
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def read_metrics(run_dir: str, skipped: list[int] | None = None) -> list[dict]:

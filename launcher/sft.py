@@ -24,6 +24,7 @@ from .metrics import MetricsLog
 from .rl.checkpoints import write_hf_checkpoint
 from .rl.timing import PhaseTimer
 from .rl.trainer_group import TrainerGroup, attach_claim
+from .trackers import Trackers
 
 
 class SFTJob:
@@ -96,7 +97,7 @@ class SFTJob:
     async def run(self) -> dict:
         cfg = self.cfg
         order = PromptOrder(self.rows, cfg.seed)
-        log = MetricsLog(self.run_dir, self.steps, self.out)
+        log = MetricsLog(self.run_dir, self.steps, self.out, Trackers(self.cfg, self.run_dir))
         rec: dict = {}
         timer = PhaseTimer()
         t0 = timer.clock()

@@ -3,6 +3,7 @@ any process starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 from launcher.config.rules import ConfigError
@@ -40,6 +41,7 @@ def check_job(cfg: JobConfig, sft: bool = False) -> None:
     (``--genrm-self-check-data``), and every ``module.func`` flag
     importable now (from ``sys.path``: the entry points put the working directory first, as
     ``python -m`` does). ``sft``: only the trainer runs, so rewards and hooks are not used."""
+    check_trackers(cfg)
     if sft:
         return
     check_training_math(cfg)
@@ -106,3 +108,12 @@ def check_builtin_engine_config(cfg: JobConfig) -> None:
         if inst.num_gpus_per_engine % ep:
             log.warning("%s: ep_size %s does not divide the engine's %s GPUs: the built-in engine runs it without "
                         "expert parallelism", where, ep, inst.num_gpus_per_engine)
+
+
+def check_trackers(cfg: JobConfig) -> None:
+    """ConfigError naming the flag and what to install, for a tracker whose package is missing."""
+    for flag, wanted, module in (("--use-tensorboard", cfg.use_tensorboard, "tensorboard"),
+                                 ("--use-wandb", cfg.use_wandb, "wandb")):
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{flag} needs the {module} package, which is not installed: pip install "
+                              f"'relay-rl[trackers]' (or pip install {module})")

@@ -318,6 +318,15 @@ class JobConfig:
         "DIR/step_NNNNNN at each checkpoint (--save-interval) and after the last step"
     )
     run_dir: str = _opt("runs/latest", help="where metrics, plots and checkpoints go")
+    use_tensorboard: bool = _opt(False, help="also write the metrics as TensorBoard event files (needs tensorboard)")
+    tensorboard_dir: str | None = _opt(None, help="where the TensorBoard event files go (default: RUN_DIR/tb)")
+    use_wandb: bool = _opt(False, help="also log the metrics and the resolved config to Weights & Biases (needs wandb)")
+    wandb_project: str | None = _opt(None, help="the wandb project")
+    wandb_group: str | None = _opt(None, help="the wandb group of the run")
+    wandb_run_name: str | None = _opt(None, help="the wandb run's name")
+    wandb_team: str | None = _opt(None, help="the wandb entity (team or user)")
+    wandb_mode: str | None = _opt(None, help="wandb's mode (default: wandb's own, WANDB_MODE)",
+                                  choices=(None, "online", "offline", "disabled"))
     seed: int = _opt(1234, help="random seed")
 
     # ------------------------------------------------------------------ derived values

@@ -44,6 +44,7 @@ from ..allocator import Plan
 from ..config import JobConfig
 from ..data import PromptOrder, Row, job_datasets
 from ..metrics import MetricsLog
+from ..trackers import Trackers
 from . import timeouts
 from .async_rollout import GroupProducer, is_stale, slot_bound
 from .checkpoints import Checkpoints, StoppedWithCheckpoint, write_hf_checkpoint
@@ -185,7 +186,7 @@ class GRPOLoop:
 
     async def run(self) -> dict:
         cfg = self.cfg
-        log = MetricsLog(self.run_dir, cfg.num_rollout, self.out)
+        log = MetricsLog(self.run_dir, cfg.num_rollout, self.out, Trackers(cfg, self.run_dir))
         last: dict = {}
         try:
             self._training = True
