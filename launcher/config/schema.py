@@ -318,6 +318,9 @@ class JobConfig:
         "DIR/step_NNNNNN at each checkpoint (--save-interval) and after the last step"
     )
     run_dir: str = _opt("runs/latest", help="where metrics, plots and checkpoints go")
+    save_debug_rollout_data: bool = _opt(
+        False, help="write each step's samples (prompt, response, reward, the judge's verdict, advantage) to "
+        "RUN_DIR/samples/step_NNNNNN.jsonl")
     use_tensorboard: bool = _opt(False, help="also write the metrics as TensorBoard event files (needs tensorboard)")
     tensorboard_dir: str | None = _opt(None, help="where the TensorBoard event files go (default: RUN_DIR/tb)")
     use_wandb: bool = _opt(False, help="also log the metrics and the resolved config to Weights & Biases (needs wandb)")

@@ -54,7 +54,7 @@ from .integrity import JudgeIntegrity
 from .judge import judge_deltas
 from .recovery import EngineRecovery
 from .rollout import group_seed, prompt_datasets, sampling_options
-from .sample import Sample, flatten, rollout_metrics
+from .sample import Sample, flatten, rollout_metrics, write_samples
 from .scoring import Scorer, check_judged, reward_metrics, training_batch
 from .startup import Roles, ensure_models, prepare_controller, start_roles
 from .swaps import GpuSwaps
@@ -230,6 +230,8 @@ class GRPOLoop:
         check_judged(samples, f"step {step + 1}")
         judge_after = await self.judge.counts()
         batch = training_batch(samples, cfg, cfg.n_samples_per_prompt)
+        if cfg.save_debug_rollout_data:
+            await asyncio.to_thread(write_samples, self.run_dir, step + 1, samples, batch.advantages)
         async with self._weights_lock:  # an engine rebuilt meanwhile gets the new weights, not these
             await self.swaps.free_for_training(memory)
             with timer.phase("train"):
@@ -391,11 +393,13 @@ class GRPOLoop:
                 with timer.phase("rollout"):
                     batch, stale = await self._take_fresh_groups(producer)
                 samples = await self.scorer.post_process_batch(flatten(batch), cfg.n_samples_per_prompt)
+                train_batch = training_batch(samples, cfg, cfg.n_samples_per_prompt)
+                if cfg.save_debug_rollout_data:
+                    await asyncio.to_thread(write_samples, self.run_dir, step + 1, samples, train_batch.advantages)
                 async with self._weights_lock:
                     with timer.phase("train"):
-                        train_stats = await self.trainer.train_rl(
-                            training_batch(samples, cfg, cfg.n_samples_per_prompt), cfg.global_batch_size,
-                            self.reference, self.layout.colocated)
+                        train_stats = await self.trainer.train_rl(train_batch, cfg.global_batch_size,
+                                                                  self.reference, self.layout.colocated)
                     with timer.phase("sync"):
                         synced = await self._sync_weights()
                 in_flight_max = producer.release(len(batch))

@@ -248,3 +248,28 @@ def rollout_metrics(samples: list[Sample], rollout_seconds: float) -> dict:
             "rollout/tokens_per_s": sum(lengths) / max(rollout_seconds, 1e-9),
             "rollout/truncated": truncated_fraction(samples),
             "rollout/min_weight_version": min(s.weight_version for s in samples)}
+
+
+SAMPLES_DIR = "samples"
+
+
+def write_samples(run_dir: str, step: int, samples: list, advantages: list) -> str:
+    """``--save-debug-rollout-data``: the step's samples as JSONL,
+    ``RUN_DIR/samples/step_NNNNNN.jsonl`` (``step``: the steps done with it), one line each:
+    its group and index, prompt, label, response, finish reason, weight version, reward, the
+    reward's details (the judge's verdict and reply for dapo-genrm) and the advantage it trains
+    with (``advantages``: the training batch's, one per sample)."""
+    import json
+    import os
+
+    folder = os.path.join(run_dir, SAMPLES_DIR)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"step_{step:06d}.jsonl")
+    with open(path + ".tmp", "w") as f:
+        for s, advantage in zip(samples, advantages):
+            f.write(json.dumps({"group": s.group_index, "index": s.index, "prompt": s.prompt, "label": s.label,
+                                "response": s.response, "finish_reason": s.finish_reason,
+                                "weight_version": s.weight_version, "reward": s.reward, "reward_info": s.reward_info,
+                                "advantage": float(advantage)}, default=str) + "\n")
+    os.replace(path + ".tmp", path)
+    return path

@@ -1,11 +1,12 @@
 """A run directory is one run (issue 48): ``RUN_DIR/config.yaml`` holds the resolved config
-and runs it again, a second run into a used directory is refused without ``--resume``, and
+and runs it again, ``--save-debug-rollout-data`` keeps each step's samples, a second run into a used directory is refused without ``--resume``, and
 ``--resume`` names the training keys that changed; ``--config`` files layer, and
 ``--print-config`` prints what ``config.yaml`` will hold."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +29,14 @@ def _relay(args: list[str], data: dict) -> subprocess.CompletedProcess:
 
 def test_a_run_directory_holds_its_config_refuses_a_second_run_and_resumes_from_its_config(data, tmp_path):
     run_dir = str(tmp_path / "run")
-    run_train("tiny-cpu-split", data, run_dir, "--num-rollout", "1", "--save-interval", "1")
+    run_train("tiny-cpu-split", data, run_dir, "--num-rollout", "1", "--save-interval", "1",
+              "--save-debug-rollout-data")
+    # --save-debug-rollout-data: the step's samples, each with its reward, the judge's verdict and advantage
+    with open(os.path.join(run_dir, "samples", "step_000001.jsonl")) as f:
+        dumped = [json.loads(line) for line in f]
+    assert len(dumped) == records(run_dir)[0]["samples"]
+    assert all(d["response"] is not None and d["reward"] in (0.0, 1.0) and d["advantage"] is not None
+               and d["reward_info"] for d in dumped), dumped[:2]
     saved_path = os.path.join(run_dir, "config.yaml")
     saved = load_config(saved_path)
     assert saved.lr == 1e-3 and saved.hf_checkpoint == data["policy"] and saved.num_rollout == 1
