@@ -1,4 +1,4 @@
-"""The ``relay`` command line: version, demo, plan, train, sft, plot, sbatch, judge, make-model."""
+"""The ``relay`` command line: version, demo, plan, train, sft, plot, sbatch, judge, judge eval, make-model."""
 
 from __future__ import annotations
 
@@ -345,7 +345,8 @@ def _flag_help(name: str, f, metavars: dict, width: int) -> list[str]:
 
 #: the config topics each subcommand's help shows (None: every topic)
 COMMAND_TOPICS = {"sft": ("layout and hardware", "optimizer", "data and model"),
-                  "judge": ("layout and hardware", "GenRM (the judge)", "rewards")}
+                  "judge": ("layout and hardware", "GenRM (the judge)", "rewards"),
+                  "judge-eval": ("layout and hardware", "GenRM (the judge)", "rewards")}
 
 
 def _config_command(sub, name: str, help: str, description: str = "") -> argparse.ArgumentParser:
@@ -374,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     pt.set_defaults(func=_plot)
     _add_sbatch(sub)
     _add_judge(sub)
+    _add_judge_eval(sub)
     _add_make_model(sub)
     return p
 
@@ -505,6 +507,41 @@ def _add_judge(sub) -> None:
     jd.set_defaults(func=_judge, takes_overrides=True)
 
 
+def _add_judge_eval(sub) -> None:
+    ev = _config_command(
+        sub,
+        "judge-eval",
+        help="score a judge on labelled pairs before training (relay judge eval ...)",
+        description="Score the config's judge on labelled pairs (--data: the --genrm-self-check-data format) "
+        "through exactly the training reward's path: agreement, confusion matrix, parse failures, latency, the "
+        "cases it got wrong. --compare scores a second side (more config flags: another judge, template or "
+        "sampling config) on the same pairs in the same run.",
+    )
+    ev.add_argument("--config", action="append", required=True, help="YAML config with a GenRM judge (layered)")
+    ev.add_argument("--data", required=True, help="JSONL pairs {question?, label, response, expected (1 or 0)}")
+    ev.add_argument("--compare", default=None, metavar="FLAGS",
+                    help="config flags of the second side, one string (e.g. \"--genrm-parse strict\")")
+    ev.add_argument("--out", default="runs/judge-eval", help="where eval.json and the wrong cases go")
+    ev.set_defaults(func=_judge_eval, takes_overrides=True)
+
+
+def _judge_eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from launcher.config import ConfigError
+    from launcher.job import install_uvloop, versions_ok
+    from launcher.judge_eval import run_eval
+
+    if not versions_ok("relay judge eval"):
+        return 2
+    install_uvloop()
+    try:
+        return asyncio.run(run_eval(args.config, args.overrides, args.data, args.compare, args.out))
+    except ConfigError as e:
+        print(f"relay judge eval: {e}", file=sys.stderr)
+        return 2
+
+
 def _add_make_model(sub) -> None:
     mm = sub.add_parser(
         "make-model", help="write a random-weight HF checkpoint (config, safetensors, tokenizer, chat template)"
@@ -538,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relay: {e}", file=sys.stderr)
         return 2
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["judge", "eval"]:  # `relay judge eval ...` is the judge-eval command
+        argv = ["judge-eval", *argv[2:]]
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

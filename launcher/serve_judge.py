@@ -271,19 +271,10 @@ def _secret_lines(addr: str, source: str, path: str) -> list[str]:
     ]
 
 
-async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, ready=None) -> int:
-    if not cfg.genrm:
-        print("relay judge: the config has no judge (set genrm_model_path or genrm_instances)", file=sys.stderr)
-        return 2
-    problem = problems_here(judge_models(cfg))
-    if problem:
-        print(f"relay judge: {problem}", file=sys.stderr)
-        return 2
-    try:
-        secret_source, detail = _choose_secret()  # detail: the file's path, or the generated secret
-    except ValueError as e:
-        print(f"relay judge: {e}", file=sys.stderr)
-        return 2
+async def start_judge(cfg: JobConfig) -> tuple[JudgeEngines, object, object]:
+    """Start ``cfg``'s judge on this machine: every instance's engines (a dead one replaced),
+    then the judge service over them. Returns (engines, the service's actor mesh, its
+    process mesh); stop with ``engines.stop()`` then ``procs.stop()``."""
     engines = JudgeEngines(cfg, relay.set_unhandled_fault_hook(lambda f: engines.on_failure(f)))
     specs = {}
     for name, inst in cfg.genrm.items():
@@ -302,6 +293,23 @@ async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, rea
         }
     judge, judge_procs = await start_judge_service(specs, 600)
     engines.service = judge
+    return engines, judge, judge_procs
+
+
+async def run_judge(cfg: JobConfig, host: str, port: int, token: str | None, ready=None) -> int:
+    if not cfg.genrm:
+        print("relay judge: the config has no judge (set genrm_model_path or genrm_instances)", file=sys.stderr)
+        return 2
+    problem = problems_here(judge_models(cfg))
+    if problem:
+        print(f"relay judge: {problem}", file=sys.stderr)
+        return 2
+    try:
+        secret_source, detail = _choose_secret()  # detail: the file's path, or the generated secret
+    except ValueError as e:
+        print(f"relay judge: {e}", file=sys.stderr)
+        return 2
+    engines, judge, judge_procs = await start_judge(cfg)
     await judge.attach_scaler.call_one(cfg.gpus_per_node).result(60)  # this node's GPUs: scale out onto free ones
     orders = asyncio.get_running_loop().create_task(engines.serve_orders(judge))
     try:

@@ -61,6 +61,9 @@ EXPECTED: dict[str, str] = {
     "curl http://127.0.0.1:${PORT:-8000}/metrics                 # the same counters as Prometheus text": (
         'genrm_requests_total{route_key="__default__"} 1'
     ),
+    # docs/judge.md: evaluating a judge
+    'relay judge eval --config tiny-cpu-split --data examples/judge_pairs.jsonl --compare "--genrm-parse loose"':
+        "relay judge eval: 8 pairs from examples/judge_pairs.jsonl",
     # docs/judge.md: elastic judges
     "relay judge --config tiny-cpu-split --port ${PORT:-8000}   # 2 engines; the split layout leaves 2 of its 4 bundles free":
         "judge ready: http://127.0.0.1:",
@@ -90,7 +93,7 @@ EXPECTED: dict[str, str] = {
     "    -m launcher --config qwen35-35b-a3b-16gpu-genrm-397b-split --use-fault-tolerance --save-interval 10   # needs a GPU: 2 nodes x 8 GPUs; HEAD = the first node": "placed a probe actor on every bundle",
 }
 #: Commands that serve until stopped -> the line they print when stopped cleanly.
-SERVERS = {"relay judge": "judge stopped"}
+SERVERS = {"relay judge --": "judge stopped"}  # `relay judge` serves until stopped (`relay judge eval` ends)
 #: What the variables the docs name are set to here.
 SMALL = {"STEPS": "2"}
 DEMO = "bash scripts/demo.sh"
