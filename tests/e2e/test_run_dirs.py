@@ -1,7 +1,8 @@
 """A run directory is one run (issue 48): ``RUN_DIR/config.yaml`` holds the resolved config
-and runs it again, ``--save-debug-rollout-data`` keeps each step's samples, a second run into a used directory is refused without ``--resume``, and
-``--resume`` names the training keys that changed; ``--config`` files layer, and
-``--print-config`` prints what ``config.yaml`` will hold."""
+and runs it again, ``--save-debug-rollout-data`` keeps each step's samples, a second run
+into a used directory is refused without ``--resume``, and ``--resume`` names the training
+keys that changed; ``--config`` files layer, and ``--print-config`` prints what
+``config.yaml`` will hold."""
 
 from __future__ import annotations
 
