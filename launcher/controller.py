@@ -71,9 +71,14 @@ class ControllerSink(Actor):
         self.queue.put_nowait(("runtime", -1, -1, failure))
 
     @endpoint(concurrent=True)
-    async def next_failure(self) -> tuple:
-        """(kind "worker" | "runtime", node, bundle, failure): the next report, once there is one."""
-        return await self.queue.get()
+    async def next_failure(self) -> tuple | None:
+        """(kind "worker" | "runtime", node, bundle, failure): the next report, once there is one;
+        None when the wait is cancelled (the job is shutting down: nothing to report, and no
+        traceback from a cancelled endpoint)."""
+        try:
+            return await self.queue.get()
+        except asyncio.CancelledError:
+            return None
 
 
 def _roles_by_bundle(plan: Plan) -> dict[int, list[str]]:
