@@ -1,16 +1,141 @@
-"""Rule-based math grading for ``--rm-type dapo``.
+"""Rule-based math grading for ``--rm-type dapo``: the DAPO reference grader's behaviour.
 
-The answer is taken from the last ``\\boxed{...}`` (braces balanced), else from the text
-after the last ``Answer:``. Answers and labels are normalized (LaTeX wrappers, ``\\frac`` /
-``\\dfrac`` / ``\\tfrac``, degrees, percent, units, thousands separators, ``x =``) and
-compared as exact fractions when both are numbers, else as normalized strings.
-Score as in DAPO: 1.0 when correct, -1.0 otherwise.
+:func:`grade` behaves as verl's ``verl/utils/reward_score/math_dapo.py`` ``compute_score``
+(the rule slime ships as ``--rm-type dapo``; verl commit b178a3cd, checked case by case
+against it in tests/reward/test_dapo_reference.py), written here:
+
+- only the last 300 characters of the response are read;
+- the answer is the rest of the line after the last ``Answer:`` (any case, spaces allowed
+  around the colon); ``\\boxed{}`` alone is *not* an answer. No answer: ``pred`` is
+  ``"[INVALID]"`` (normalized like any other prediction);
+- answer and label are normalized alike (:func:`dapo_normalize`: the text after the last
+  ``=``, spaces and a fixed list of units and words removed, the first ``$...$`` of a line,
+  ``\\text{}`` / ``\\textbf{}`` / ``\\overline{}`` / ``\\boxed{}`` unwrapped, ``\\fracab`` and
+  ``\\sqrta`` braced, thousands commas of a plain integer dropped) and compared as strings:
+  ``\\frac{1}{2}``, ``1/2`` and ``0.5`` are three different answers, as in the reference;
+- ``{"score": 1.0 | -1.0, "acc": bool, "pred": normalized answer}``.
+
+:func:`normalize`, :func:`is_equiv` and :func:`numeric_value` are a separate, lenient
+equivalence (exact fractions, ``\\dfrac``, degrees, percent, units, ``x =``) that the judge's
+drift audit (reward/integrity.py) compares bare answers with; the ``dapo`` reward does not
+use them. :func:`last_boxed` is a helper for callers that read ``\\boxed{}``.
 """
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
+
+# ------------------------------------------------------------------ the dapo reward
+
+#: how much of the response's end is read (the reference's window)
+TAIL_CHARS = 300
+#: the prediction of a response without an ``Answer:`` line
+NO_ANSWER = "[INVALID]"
+_ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
+
+#: literal replacements, applied one after another in this order
+_REPLACE = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)
+#: then these are deleted, in this order
+_DELETE = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)
+
+
+def extract_answer(text: str) -> str | None:
+    """The rest of the line after the last ``Answer:`` in ``text`` (case-insensitive; the
+    answer may start on the next line when nothing follows the colon), or None."""
+    found = None
+    for m in _ANSWER_LINE.finditer(text):
+        found = m.group(1)
+    return found
+
+
+def _first_math_span(s: str) -> str:
+    """Each line holding two ``$`` or more becomes ``$`` + the text between its first two + ``$``."""
+    lines = s.split("\n")
+    for n, line in enumerate(lines):
+        pieces = line.split("$", 2)
+        if len(pieces) == 3:
+            lines[n] = f"${pieces[1]}$"
+    return "\n".join(lines)
+
+
+def _unwrap_to_brace(s: str, opener: str, last: bool = False) -> str:
+    """Left to right, ``opener`` + body + ``}`` becomes body, where the ``}`` is the first one
+    after the opener on its line (``last``: the last one on its line); an opener with no
+    such ``}`` is left as it is."""
+    out, pos, search = [], 0, 0
+    while True:
+        start = s.find(opener, search)
+        if start < 0:
+            break
+        body = start + len(opener)
+        line_end = s.find("\n", body)
+        line_end = len(s) if line_end < 0 else line_end
+        close = s.rfind("}", body, line_end) if last else s.find("}", body, line_end)
+        if close < 0:
+            search = start + 1
+            continue
+        out += [s[pos:start], s[body:close]]
+        pos = search = close + 1
+    out.append(s[pos:])
+    return "".join(out)
+
+
+def _brace_shorthand(s: str, command: str, arity: int) -> str:
+    """``\\fracab`` -> ``\\frac{a}{b}`` (arity 2), ``\\sqrta`` -> ``\\sqrt{a}`` (arity 1): after
+    ``command`` a first character other than ``{`` (the second any but a newline) is braced."""
+    out, pos, search = [], 0, 0
+    while True:
+        start = s.find(command, search)
+        if start < 0:
+            break
+        args = s[start + len(command) : start + len(command) + arity]
+        if len(args) < arity or args[0] == "{" or (arity == 2 and args[1] == "\n"):
+            search = start + 1
+            continue
+        out += [s[pos:start], command, *(f"{{{c}}}" for c in args)]
+        pos = search = start + len(command) + arity
+    out.append(s[pos:])
+    return "".join(out)
+
+
+def dapo_normalize(answer: str) -> str:
+    """An answer (or label) as the DAPO reference grader compares it."""
+    s = answer.rsplit("=", 1)[-1]
+    for old, new in _REPLACE:
+        s = s.replace(old, new)
+    for word in _DELETE:
+        s = s.replace(word, "")
+    s = _first_math_span(s)
+    for opener in ("\\text{", "\\textbf{", "\\overline{"):
+        s = _unwrap_to_brace(s, opener)
+    s = _unwrap_to_brace(s, "\\boxed{", last=True)
+    s = _brace_shorthand(s, "frac", 2)
+    s = _brace_shorthand(s, "sqrt", 1)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def grade(response: str, label: str) -> dict:
+    """``{"score": 1.0 | -1.0, "acc": bool, "pred": str}``: the DAPO reference's verdict on
+    ``response`` against ``label``."""
+    answer = extract_answer(response[-TAIL_CHARS:])
+    pred = dapo_normalize(NO_ANSWER if answer is None else answer)
+    ok = pred == dapo_normalize(str(label))
+    return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": pred}
+
+
+# ------------------------------------------------------------------ lenient helpers
 
 _UNITS = (
     "degrees", "degree", "units", "unit", "cm", "meters", "meter", "m", "km", "inches", "inch", "feet", "foot", "ft",
@@ -36,17 +161,6 @@ def last_boxed(text: str) -> str | None:
             depth -= 1
             if depth == 0:
                 return text[i + 1 : j]
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    idx = text.rfind("Answer:")
-    if idx >= 0:
-        line = text[idx + len("Answer:") :].strip().split("\n")[0]
-        return line.strip() or None
     return None
 
 
@@ -146,12 +260,3 @@ def is_equiv(pred: str, label: str) -> bool:
         return True
     na, nb = _number(a), _number(b)
     return na is not None and nb is not None and na == nb
-
-
-def grade(response: str, label: str) -> dict:
-    """``{"score": 1.0 | -1.0, "acc": bool, "pred": str}`` for a model response."""
-    pred = extract_answer(response)
-    if pred is None:
-        return {"score": -1.0, "acc": False, "pred": ""}
-    ok = is_equiv(pred, str(label))
-    return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": normalize(pred)}

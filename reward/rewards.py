@@ -23,7 +23,7 @@ from typing import Any
 
 from reward.settings import settings as reward_settings
 
-from . import dapo_genrm, math_grader
+from . import dapo_genrm, math_grader, math_verify_grader
 
 RewardFn = Callable[[dict], Awaitable[Any]]
 
@@ -140,6 +140,13 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
             return math_grader.grade(sample.get("response", ""), str(sample.get("label", "")))
 
         inner = dapo
+    elif cfg.rm_type == "math-verify":
+        math_verify_grader.require()  # missing package: fail when the reward is made, not per sample
+
+        async def math_verify(sample: dict):
+            return math_verify_grader.grade(sample.get("response", ""), str(sample.get("label", "")))
+
+        inner = math_verify
     elif cfg.rm_type == "dapo-genrm":
         inner = judge_reward(cfg, judge, judge_address)
     elif cfg.rm_type == "dummy":
@@ -149,7 +156,8 @@ def make_reward_fn(cfg, judge: Callable[[list], Awaitable[str]] | None = None,
 
         inner = dummy
     else:
-        raise ValueError("no reward: set --rm-type (dapo, dapo-genrm, dummy) or --custom-rm-path module.func")
+        raise ValueError("no reward: set --rm-type (dapo, dapo-genrm, dummy, math-verify) "
+                         "or --custom-rm-path module.func")
 
     async def bounded(sample: dict):
         async with sem:

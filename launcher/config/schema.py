@@ -101,7 +101,8 @@ class JobConfig:
         {}, help="JSON {route_key: {model_path, num_gpus, num_gpus_per_engine?, engine_config?, sampling_config?}}"
     )
     # ---- rewards
-    rm_type: str | None = _opt(None, help="reward type", choices=(None, "dapo", "dapo-genrm", "dummy"))
+    rm_type: str | None = _opt(
+        None, help="reward type", choices=(None, "dapo", "dapo-genrm", "dummy", "math-verify"))
     reward_key: str | None = _opt(None, help="key of the reward dict to train on")
     custom_generate_function_path: str | None = _opt(
         None, help="module.func: an async rollout (args, sample, sampling_params) -> sample, slime's contract "

@@ -1,4 +1,6 @@
-"""The dapo rule-based grader: extraction, normalization, equivalence."""
+"""The dapo rule-based grader (extraction, grade) and the lenient equivalence helpers
+(normalize, is_equiv) the judge drift audit uses. grade() is checked case by case against
+the DAPO reference in test_dapo_reference.py."""
 
 from __future__ import annotations
 
@@ -75,12 +77,20 @@ def test_extraction():
     assert last_boxed("no box") is None
     assert extract_answer("work...\nAnswer: 12\nextra") == "12"
     assert extract_answer("Answer: 3\nAnswer: 4") == "4"
-    assert extract_answer("Answer: 1 \\boxed{2}") == "2"  # boxed wins
+    # as in the DAPO reference: the Answer: line is the answer, a \boxed{} alone is not
+    assert extract_answer("Answer: 1 \\boxed{2}") == "1 \\boxed{2}"
+    assert extract_answer("\\boxed{2}") is None
+    assert extract_answer("answer : 5") == "5"
     assert extract_answer("nothing here") is None
 
 
 def test_grade_scores():
-    assert grade("so the result is \\boxed{\\dfrac{1}{2}}", "0.5") == {"score": 1.0, "acc": True, "pred": "1/2"}
+    # as in the DAPO reference: no Answer: line is wrong (pred "[INVALID]"), and answers are
+    # compared as normalized strings, so 1/2 and 0.5 differ
+    assert grade("so the result is \\boxed{\\dfrac{1}{2}}", "0.5") == {"score": -1.0, "acc": False,
+                                                                       "pred": "[INVALID]"}
+    assert grade("Answer: \\boxed{\\frac{1}{2}}", "\\frac12") == {"score": 1.0, "acc": True, "pred": "\\frac{1}{2}"}
+    assert grade("Answer: \\frac{1}{2}", "0.5")["acc"] is False
     assert grade("Answer: 7", "8")["score"] == -1.0
-    assert grade("I don't know", "8") == {"score": -1.0, "acc": False, "pred": ""}
+    assert grade("I don't know", "8") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
     assert grade("Answer: 1,024", 1024)["acc"]
