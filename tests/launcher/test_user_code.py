@@ -362,4 +362,4 @@ def test_help_lists_the_config_flags_of_its_topics_with_their_help_and_default(t
         return
     assert "--num-rollout INT training steps (rollout + train) to run (>= 0) [default: 1]" in text
     assert "--resource JSON JSON {role: [num_groups, gpus_per_group]}" in text
-    assert "--rm-type TEXT reward type (one of: dapo, dapo-genrm, dummy) [default: unset]" in text
+    assert "--rm-type TEXT reward type (one of: dapo, dapo-genrm, dummy, math-verify) [default: unset]" in text
