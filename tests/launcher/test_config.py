@@ -366,8 +366,9 @@ def test_the_originals_launch_script_flags_take_their_meaning():
 
 def test_did_you_mean_only_for_a_real_likeness():
     with pytest.raises(ConfigError) as e:
-        parse_overrides(["--use-wandb"])
-    assert "did you mean" not in str(e.value)  # was: "did you mean --use-tis"
+        parse_overrides(["--use-mlflow"])
+    assert "did you mean" not in str(e.value)  # --use-wandb was: "did you mean --use-tis" (now a flag of its own)
+    assert parse_overrides(["--use-wandb"]) == {"use_wandb": True}
     with pytest.raises(ConfigError, match="did you mean 'rollout_shuffle'"):
         parse_overrides(["--rollout-shufle"])
 
