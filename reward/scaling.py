@@ -82,6 +82,7 @@ class Scaling:
         self.requests: collections.OrderedDict[str, ScaleRequest] = collections.OrderedDict()
         self.orders: asyncio.Queue = asyncio.Queue()
         self._answers: dict[str, asyncio.Future] = {}  # order id -> the owner's answer
+        self._running: set[asyncio.Task] = set()  # requests being carried out (held: the loop keeps only weak refs)
 
     # ------------------------------------------------------------------ the owner's side
 
@@ -155,7 +156,9 @@ class Scaling:
         self.requests[request.id] = request
         while len(self.requests) > KEEP_REQUESTS:
             self.requests.popitem(last=False)
-        asyncio.ensure_future(task)
+        running = asyncio.ensure_future(task)
+        self._running.add(running)
+        running.add_done_callback(self._running.discard)
         return request
 
     def state(self, request_id: str) -> dict | None:

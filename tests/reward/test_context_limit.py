@@ -60,3 +60,18 @@ def test_a_judge_request_beyond_max_context_len_gets_400_naming_the_limit(tmp_pa
     finally:
         interrupt(p)
 
+
+
+def start_relay_judge(tmp_path, port: int, *args: str):
+    """``relay judge --config tiny-cpu-split --port PORT ARGS`` as a user types it, with its own
+    cache and secret; returns the process once it said it is ready (the caller stops it)."""
+    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
+    p = subprocess.Popen([RELAY, "judge", "--config", "tiny-cpu-split", "--port", str(port), *args], cwd=ROOT,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        read_until(p, "judge ready", 240)
+    except BaseException:
+        p.kill()
+        p.communicate()
+        raise
+    return p

@@ -4,17 +4,13 @@ are answered, then it stops."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import secrets
 import signal
-import subprocess
 import time
 
 import pytest
 
-from tests.launcher.test_launch import free_port, read_until
-from tests.reward.test_context_limit import post
-from tests.reward.test_original_curl_calls import RELAY, ROOT
+from tests.launcher.test_launch import free_port
+from tests.reward.test_context_limit import post, start_relay_judge
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -23,11 +19,8 @@ def test_sigterm_drains_relay_judge_the_requests_in_flight_are_answered(tmp_path
     """SIGTERM under load: every request in flight gets its answer (64 of 64 were dropped
     without one), then the judge stops; it said how many it answered."""
     port = free_port()
-    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
-    p = subprocess.Popen([RELAY, "judge", "--config", "tiny-cpu-split", "--port", str(port)], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start_relay_judge(tmp_path, port)
     try:
-        read_until(p, "judge ready", 240)
         body = {"messages": [{"role": "user", "content": "1"}],
                 "sampling_params": {"max_new_tokens": 512, "ignore_eos": True, "temperature": 1.0}}
         with concurrent.futures.ThreadPoolExecutor(64) as pool:

@@ -4,9 +4,6 @@ free virtual bundle and back in while it serves, with nothing lost (reward/scali
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import subprocess
 import threading
 import time
 import types
@@ -17,9 +14,8 @@ import pytest
 
 from reward.scaling import Scaling, ScalingRefused
 from tests.helpers import interrupt
-from tests.launcher.test_launch import free_port, read_until
-from tests.reward.test_context_limit import post
-from tests.reward.test_original_curl_calls import RELAY, ROOT
+from tests.launcher.test_launch import free_port
+from tests.reward.test_context_limit import post, start_relay_judge
 
 
 def call(port: int, method: str, path: str, body=None) -> tuple[int, dict]:
@@ -74,11 +70,8 @@ class Load:
 @pytest.mark.timeout(600)
 def test_relay_judge_scales_out_and_in_while_serving_with_nothing_lost(tmp_path):
     port = free_port()
-    env = dict(os.environ, RELAY_CACHE=str(tmp_path / "cache"), RELAY_JOB_SECRET=secrets.token_hex(32))
-    p = subprocess.Popen([RELAY, "judge", "--config", "tiny-cpu-split", "--port", str(port)], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start_relay_judge(tmp_path, port)
     try:
-        read_until(p, "judge ready", 240)
         with Load(port) as load:
             time.sleep(1)
             status, accepted = call(port, "POST", "/genrm/scale_out", {"route_key": "__default__", "num_engines": 1})
