@@ -84,7 +84,11 @@ async def run_eval(config, overrides: list[str], data: str, compare: str | None,
             return 2
     try:
         checks = integrity.load_checks(data)
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        print(f"relay judge eval: --data {data}: cannot read it ({e.strerror}); give a JSONL file of pairs "
+              "{question?, label, response, expected}", file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"relay judge eval: {e}", file=sys.stderr)
         return 2
     given = " ".join(f"--config {c}" for c in ([config] if isinstance(config, str) else config)) + (

@@ -45,7 +45,9 @@ def installed(tmp_path_factory):
                           capture_output=True, text=True, check=True).stdout.strip()
     here_site = sysconfig.get_paths()["purelib"]
     # pip from this environment, run by the new interpreter: it installs there, scripts included
-    subprocess.run([vpy, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel[0]], check=True,
+    # --ignore-installed: the editable install this environment holds is never touched
+    subprocess.run([vpy, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel[0]],
+                   check=True,
                    env=dict(os.environ, PYTHONPATH=here_site), timeout=300)
     with open(os.path.join(site, "zz_dependencies.pth"), "w") as f:
         f.write(here_site + "\n")  # after the venv's own site-packages: the wheel's code comes first

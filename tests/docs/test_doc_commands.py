@@ -187,8 +187,10 @@ def workdir(tmp_path_factory):
     )
     os.symlink(venv, repo / ".venv")
     # setup.sh reinstalls when pyproject.toml is newer than its stamp: this copy is not newer
-    t = min(os.path.getmtime(repo / "pyproject.toml"), os.path.getmtime(stamp))
-    os.utime(repo / "pyproject.toml", (t, t))
+    # (in nanoseconds: a float of seconds can round above the stamp, and setup.sh would then reinstall the
+    # package from this temporary copy into the shared venv)
+    t = min(os.stat(repo / "pyproject.toml").st_mtime_ns, os.stat(stamp).st_mtime_ns)
+    os.utime(repo / "pyproject.toml", ns=(t, t))
     home = base / "home"
     home.mkdir()
     stub = base / "stub-bin"

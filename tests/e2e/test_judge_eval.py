@@ -51,3 +51,13 @@ def test_judge_eval_scores_pairs_and_compares_a_second_side(data, tmp_path):
         assert fig["parse_failures"] == fig["confusion"]["expected_1"]["unreadable"] + fig["confusion"][
             "expected_0"]["unreadable"]
     assert report["A"]["__default__"]["agreement"] >= 0.75  # the demo's trained judge, on its own task
+
+
+def test_judge_eval_refuses_unreadable_pairs_naming_the_flag(tmp_path):
+    p = subprocess.run([RELAY, "judge", "eval", "--config", "tiny-cpu-split", "--data", str(tmp_path / "none.jsonl")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"--data {tmp_path / 'none.jsonl'}: cannot read it (No such file" in p.stderr, p.stderr
+    (tmp_path / "bad.jsonl").write_text('{"label": "1"}\n')
+    p = subprocess.run([RELAY, "judge", "eval", "--config", "tiny-cpu-split", "--data", str(tmp_path / "bad.jsonl")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "bad.jsonl:1: a row needs label, response and expected" in p.stderr, p.stderr
