@@ -219,7 +219,12 @@ def trainer_fit(cfg, plan, total: int | None, source: str) -> list[str]:
     else:
         activations = tokens * size.layers * per_layer
         how = f"{size.layers} layers x {per_layer / 1024:.1f} KiB per token"
-    logits = 3 * LOGIT_CHUNK_TOKENS * size.vocab / tp * 4
+    # the fused LM head holds one chunk of logits in the weights' dtype (two in backward: the
+    # chunk projected again, then its gradient in place) and, over several chunks, a float32
+    # accumulator of the head's gradient
+    logits = 2 * min(tokens, LOGIT_CHUNK_TOKENS) * size.vocab / tp * act
+    if tokens > LOGIT_CHUNK_TOKENS:
+        logits += size.vocab * size.hidden / tp * 4
     need = states + activations + logits
     arithmetic = (f"{size.params / 1e9:.2f}B params / TP {tp} x {per_param:.1f} B (weights, grads, optimizer) = "
                   f"{states / GIB:.2f} GiB + activations of {tokens:,} tokens ({how}) = {activations / GIB:.2f} GiB "

@@ -27,7 +27,7 @@ CONCEPTS: dict[str, set[str]] = {
     "engines.weight_sync": {"relay", "engines.contract"},
     "engines.builtin": {"relay", "engines.contract", "engines.kernels", "engines.models", "engines.weight_sync"},
     "engines.sglang": {"relay", "engines.contract", "engines.weight_sync"},
-    "engines.trainer": {"relay", "engines.contract", "engines.models", "engines.weight_sync"},
+    "engines.trainer": {"relay", "engines.contract", "engines.kernels", "engines.models", "engines.weight_sync"},
     "engines.facade": {"relay", "engines.contract", "engines.builtin", "engines.sglang"},
     "reward": {"relay", "engines.contract"},
     "launcher": {"relay", "engines.contract", "engines.facade", "engines.models", "engines.builtin",

@@ -157,9 +157,12 @@ if triton is not None:
         tl.store(OUT + seq * s_ob + head * s_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
-#: split the context of each (sequence, KV head) over this many programs when there are few
-#: of them (flash-decoding): a batch of 1-4 sequences has too few to keep the GPU reading
+#: split the context of each (sequence, KV head) over at most this many programs when there
+#: are few of them (flash-decoding): one program reading a long context alone keeps its SM
+#: far from its share of the read bandwidth
 DECODE_SPLITS = 16
+#: programs a decode attention launch aims for, per SM
+PROGRAMS_PER_SM = 8
 
 
 @functools.cache
@@ -169,12 +172,15 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """The context splits of a decode batch of ``rows`` sequences: ``DECODE_SPLITS`` when its
-    (sequence, KV head) programs, counted at the next power of two of ``rows``, are at most a
-    quarter of the SMs, else 1. A function of the power of two so that a CUDA graph's padded
-    batch (the graph buckets hold every power of two) splits as the same rows' eager batch
-    does; batches of other sizes may split otherwise, and round differently."""
-    return DECODE_SPLITS if triton.next_power_of_2(rows) * kv_heads * 4 <= multiprocessors(device) else 1
+    """The context splits of a decode batch of ``rows`` sequences: the largest power of two
+    (at most ``DECODE_SPLITS``, at least 1) that keeps the (sequence, KV head, split)
+    programs, counted at the next power of two of ``rows``, within ``PROGRAMS_PER_SM`` an SM.
+    Splits past a short context are empty (they return at once). A function of the power of
+    two so that a CUDA graph's padded batch (the graph buckets hold every power of two)
+    splits as the same rows' eager batch does."""
+    programs = triton.next_power_of_2(rows) * kv_heads
+    room = PROGRAMS_PER_SM * multiprocessors(device) // programs
+    return max(1, min(DECODE_SPLITS, 1 << (room.bit_length() - 1) if room else 1))
 
 
 def decode_config(rows: int, kv_heads: int, device: torch.device) -> tuple[int, int, int]:

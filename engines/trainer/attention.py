@@ -8,10 +8,16 @@ no other mask (a real token never sees the padding after it). A packed micro-bat
 (``packed_seq_params``, Megatron's ``thd`` layout: the rows concatenated, ``cu_seqlens_q``
 their bounds) attends within each row only, one SDPA call per row, never building a dense
 ``[S, S]`` mask; its RoPE positions restart per row (Megatron applies them by
-``cu_seqlens``)."""
+``cu_seqlens``).
+
+On CUDA, grouped-query attention runs without expanding the key / value heads
+(``enable_gqa``), and a packed micro-batch in half precision is one variable-length flash
+call (``torch.nn.attention.varlen``) where this torch has it, instead of one call per row."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -36,24 +42,58 @@ class SDPAttention(MegatronModule):
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """[b, heads, s, d] x [b, groups, s, d] -> [b, heads, s, d], causal."""
         groups = q.shape[1] // k.shape[1]
-        if groups > 1:  # expanded, not enable_gqa: every fused backend (CPU flash included) takes it
+        if groups > 1 and q.is_cuda:  # CUDA's flash kernels take the groups as they are
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if groups > 1:  # expanded on CPU: its flash kernel does not take enable_gqa
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    def _packed(self, query, key, value, params) -> torch.Tensor:
+        """``[t, heads, d]`` attention within each row of ``params.cu_seqlens_q``."""
+        varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+        if varlen is not None:
+            attend, causal, gqa = varlen
+            groups = query.shape[1] // key.shape[1]
+            if groups > 1 and not gqa:
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+            bounds = params.cu_seqlens_q.to(torch.int32)
+            extra = {"enable_gqa": True} if gqa and groups > 1 else {}
+            return attend(query, key, value, bounds, bounds, int(params.max_seqlen_q), int(params.max_seqlen_q),
+                          scale=self.scale, **causal, **extra)
+        bounds = params.cu_seqlens_q.tolist()
+        parts = [self._attend(query[a:b].transpose(0, 1)[None], key[a:b].transpose(0, 1)[None],
+                              value[a:b].transpose(0, 1)[None], self.scale)[0].transpose(0, 1)
+                 for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return torch.cat(parts, dim=0)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("SDPAttention takes no attention bias")
         if packed_seq_params is not None:
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            parts = [self._attend(query[a:b].transpose(0, 1)[None], key[a:b].transpose(0, 1)[None],
-                                  value[a:b].transpose(0, 1)[None], self.scale)[0].transpose(0, 1)
-                     for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-            out = torch.cat(parts, dim=0)
+            out = self._packed(query, key, value, packed_seq_params)
             return out.reshape(out.shape[0], -1)
         s, b = query.shape[:2]
         out = self._attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_attn():
+    """``(varlen_attn, its causal keyword, whether it takes enable_gqa)``, or None where this
+    torch has no ``torch.nn.attention.varlen`` (its causal keyword changed across versions)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
 
 
 def use_sdpa(spec) -> None:

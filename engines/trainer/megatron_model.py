@@ -12,6 +12,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from engines.kernels.token_logprobs import ROWS as LOGIT_CHUNK_TOKENS  # tokens of logits held at once
 from engines.models.model import ModelConfig
 
 
@@ -339,14 +340,12 @@ def gather_full(model, tp_group, copy: bool = True, ep_group=None, num_experts: 
     return out
 
 
-#: rows x positions of logits held at once by :func:`token_logprobs` (float32: 4 KiB x vocab each)
-LOGIT_CHUNK_TOKENS = 2048
 
 
 @contextlib.contextmanager
 def _hidden_out(layer):
     """While inside: the output layer passes its input through, so the model returns its final
-    hidden states ``[b, s, h]``; yields the layer's real forward."""
+    hidden states ``[b, s, h]``."""
     real = layer.forward
     layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (hidden_states, None)
     try:
@@ -367,70 +366,38 @@ def token_logprobs(
     packed_seq_params=None,
 ):
     """Per-token log-probs of ``targets`` under the model at ``temperature`` (the engines'
-    definition: log-softmax of logits / T), vocab-parallel (no full-vocab gather across TP):
-    ``-vocab_parallel_cross_entropy(logits / T, targets)``. With ``entropy`` (``"logged"``:
+    definition: log-softmax of logits / T), vocab-parallel (no full-vocab gather across TP:
+    each rank's partial sums are all-reduced). With ``entropy`` (``"logged"``:
     without gradient; ``"trained"``: with it): ``(log-probs, entropy of each position's
     distribution at T)``, from the same logits (no second forward). ``padding_mask`` (MoE
     models only; True on padding) keeps padding out of the routing statistics;
     ``packed_seq_params``: a packed micro-batch (one row of concatenated sequences).
 
-    The ``[s, vocab]`` float32 logits are never held whole: the output layer runs over
-    chunks of ``LOGIT_CHUNK_TOKENS`` tokens, each checkpointed (its backward projects its
-    chunk again), so memory for logits is one chunk's, whatever the length."""
+    The logits are never held whole, nor in float32: the LM head and the log-softmax are
+    fused (engines/kernels/token_logprobs.py), ``ROWS`` tokens at a time; the backward
+    projects each chunk again."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from engines.kernels.token_logprobs import lm_head_logprobs
+
     extra = {} if padding_mask is None else {"padding_mask": padding_mask}
     if packed_seq_params is not None:
         extra["packed_seq_params"] = packed_seq_params
-    with _hidden_out(model.output_layer) as project:
+    with _hidden_out(model.output_layer):
         hidden = model(input_ids, position_ids, mask, **extra)  # [b, s, h]
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    rows, length = targets.shape
-    step = max(1, LOGIT_CHUNK_TOKENS // rows)
-
-    def chunk(h: torch.Tensor, t: torch.Tensor):
-        logits = project(h.transpose(0, 1), weight=weight)[0].transpose(0, 1)  # [b, c, V/tp]
-        if temperature != 1.0:
-            logits = logits / temperature
-        logits = logits.float().contiguous()
-        ent = None
-        if entropy is not None:  # before the cross entropy, which overwrites its input (exp in place)
-            with torch.set_grad_enabled(entropy == "trained" and torch.is_grad_enabled()):
-                ent = vocab_parallel_entropy(logits)
-        return -_cross_entropy(logits, t), ent
-
-    logps, ents = [], []
-    for start in range(0, length, step):
-        h, t = hidden[:, start : start + step], targets[:, start : start + step]
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False)
-        else:
-            lp, ent = chunk(h, t)
-        logps.append(lp)
-        ents.append(ent)
-    logp = torch.cat(logps, dim=1)
-    return logp if entropy is None else (logp, torch.cat(ents, dim=1))
-
-
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    from megatron.core import tensor_parallel
-
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
-
-
-def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """``-sum p log p`` over the whole vocabulary of each position, where each TP rank holds a
-    slice of the vocabulary (``[..., V/tp]``): ``log Z - sum(p * x)`` with the max, ``Z`` and
-    ``sum(exp(x) * x)`` summed over TP (a sum's backward goes to each rank's own slice)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
+    weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+              else model.output_layer.weight)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    top = logits.detach().max(dim=-1, keepdim=True).values
-    if tp > 1:
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    x = logits - top
-    e = x.exp()
-    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
-    if tp > 1:
-        sums = reduce_from_tensor_model_parallel_region(sums)
-    return torch.log(sums[0]) - sums[1] / sums[0]
+    if tp > 1:  # the column-parallel head's input: its gradient is summed over TP in backward
+        hidden = copy_to_tensor_model_parallel_region(hidden)
+    rows, length = targets.shape
+    flat = hidden.reshape(rows * length, hidden.shape[-1])
+    logp, ent = lm_head_logprobs(flat, weight, targets.reshape(-1), temperature,
+                                 vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0],
+                                 tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None)
+    logp = logp.view(rows, length)
+    if entropy is None:
+        return logp
+    ent = ent.view(rows, length)
+    return logp, ent if entropy == "trained" and torch.is_grad_enabled() else ent.detach()

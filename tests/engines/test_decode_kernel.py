@@ -78,10 +78,14 @@ def test_split_context_kernel_matches_reference():
                 out = _triton_decode(q, k, v, tables, lens, d ** -0.5, splits=splits)
                 worst = max(worst, (out - ref).abs().max().item())
         cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
-        print(worst, decode_splits(1, 1, cpu) == DECODE_SPLITS, decode_splits(2, 1, cpu), decode_splits(1, 2, cpu))
+        print(worst, decode_splits(1, 1, cpu) == DECODE_SPLITS, decode_splits(8, 1, cpu), decode_splits(4, 2, cpu),
+              decode_splits(5, 2, cpu), decode_splits(64, 1, cpu))
     """)
-    worst, one, two_rows, two_heads = out.split()[-4:]
-    assert float(worst) < 1e-5 and one == "True" and two_rows == two_heads == "1"
+    # 8 programs an SM x 4 "SMs": 8 rows of 1 KV head split in 4, 4 rows x 2 heads also,
+    # 5 rows count as 8 (2), 64 rows do not split
+    worst, one, eight, four_by_two, five_by_two, many = out.split()[-6:]
+    assert float(worst) < 1e-5 and one == "True"
+    assert (eight, four_by_two, five_by_two, many) == ("4", "4", "2", "1")
 
 
 def test_kernel_ignores_context_past_each_length():

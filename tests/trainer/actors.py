@@ -75,7 +75,8 @@ class LongContextCheck(Actor):
         from safetensors.torch import load_file
 
         from engines.models.model import ModelConfig
-        from engines.trainer import cpu_shim, megatron_model
+        from engines.kernels import token_logprobs as token_kernels
+        from engines.trainer import cpu_shim
         from engines.trainer.megatron_model import build_gpt, causal_mask, hf_to_megatron, token_logprobs
 
         cpu_shim.install()
@@ -96,12 +97,12 @@ class LongContextCheck(Actor):
             gpt = build_gpt(cfg, attention=attention, recompute=again)
             gpt.load_state_dict(sd, strict=False)
             gpt.train()
-            megatron_model.LOGIT_CHUNK_TOKENS, keep = chunk, megatron_model.LOGIT_CHUNK_TOKENS
+            token_kernels.ROWS, keep = chunk, token_kernels.ROWS
             try:
                 logp, ent = token_logprobs(gpt, ids[:, :-1], pos, causal_mask(seq), ids[:, 1:], 0.7,
                                            entropy="trained")
             finally:
-                megatron_model.LOGIT_CHUNK_TOKENS = keep
+                token_kernels.ROWS = keep
             (logp.sum() + 0.1 * ent.sum()).backward()
             grads = {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
             out.append((logp.detach(), ent.detach(), grads))
