@@ -55,6 +55,16 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+def check_tp_change(cfg, manifest: dict, tp: int, path: str) -> None:
+    """A hybrid model's token mixers (engines/trainer/hybrid_layers.py) shard by heads in their own
+    order, which their sharded state does not describe: they reload only at the TP size that saved."""
+    saved = manifest["layout"]["tp"]
+    if cfg.hybrid and saved != tp:
+        raise ValueError(f"{path} holds a hybrid (Qwen3.5) model saved at tensor parallel {saved}; its linear-"
+                         f"attention and gated-attention shards load only at that size, not {tp}: resume with "
+                         f"--tensor-model-parallel-size {saved}")
+
+
 # ---------------------------------------------------------------- sharded state dicts
 
 
@@ -237,6 +247,7 @@ def _load_v2(trainer, path: str, manifest: dict) -> int:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    check_tp_change(trainer.cfg, manifest, trainer.tp, path)
     saved = dist_checkpointing.load_tensors_metadata(path)
     rank, world = dist.get_rank(), dist.get_world_size()
     model_sd = model_sharded(trainer.model)
