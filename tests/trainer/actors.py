@@ -265,22 +265,23 @@ class StateProbe(TrainerActor):
                     world = next(iter(dp_zero[i].values()))
                     for p, (start, end, _) in buffer.param_index_map.items():
                         out[names[p]] = {k: world[k][start:end].view(p.shape).to(torch.float32).clone()
-                                         for k in ("exp_avg", "exp_avg_sq")}
+                                         for k in ("exp_avg", "exp_avg_sq", "param")}
         return out
 
     @endpoint
     def full_state(self) -> dict:
-        """{"weights", "exp_avg", "exp_avg_sq"}: full Megatron-named tensors (experts by global
-        index); "step": the trainer's step."""
+        """{"weights", "exp_avg", "exp_avg_sq"} (and "param", the distributed optimizer's fp32
+        master weights): full Megatron-named tensors (experts by global index); "step": the trainer's step."""
         from engines.trainer.megatron_model import gather_full
 
         local = self._local_moments()
         group = self.tp_group if self.tp > 1 else None
         args = (True, self.ep_group, self.cfg.num_experts, self.cfg)
         out = {"weights": {n: t.float().cpu() for n, t in gather_full(self.model, group, *args).items()}}
-        for k in ("exp_avg", "exp_avg_sq"):
-            out[k] = {n: t.cpu() for n, t in gather_full(_Named({n: m[k] for n, m in local.items()}), group,
-                                                         *args).items()}
+        for k in ("exp_avg", "exp_avg_sq", "param"):  # param: the distributed optimizer's fp32 master weights
+            if all(k in m for m in local.values()):
+                out[k] = {n: t.cpu() for n, t in gather_full(_Named({n: m[k] for n, m in local.items()}), group,
+                                                             *args).items()}
         out["step"] = self.step
         return out
 

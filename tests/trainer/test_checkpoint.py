@@ -131,6 +131,24 @@ def test_resume_under_another_tensor_and_data_parallel_layout(policy, tmp_path, 
     lp_close(lp_a, lp_b, 1e-4)
 
 
+def test_bf16_distributed_optimizer_resumes_its_fp32_master_weights_under_another_dp(policy, tmp_path):
+    """--bf16 (bf16 params, fp32 master weights and moments in the distributed optimizer): saved at
+    DP 1, resumed at DP 2 with the bf16 weights, the fp32 master weights and the moments equal."""
+    ckpt = str(tmp_path / "ckpt")
+
+    async def main():
+        saved = await save_then_continue(policy, ckpt, 1, 1, bf16=True)
+        resumed = await resume_then_continue(policy, ckpt, 2, 2, bf16=True)
+        return saved, resumed
+
+    (saved, _, kind_a), (steps, states, _, kind_b) = run(main(), 390)
+    assert kind_a == kind_b == "megatron" and list(steps) == [2, 2]
+    assert_same_state(saved, states)
+    for state in states:
+        assert max_diff(saved["param"], state["param"]) == 0.0
+        assert max_diff(saved["param"], {n: w.float() for n, w in state["weights"].items()}) > 0  # fp32, not bf16
+
+
 def test_moe_resumes_under_another_expert_parallel_layout(moe, tmp_path):
     """A mixture-of-experts model saved under EP = 2 (DP 2, distributed optimizer) resumes under
     EP = 1 (DP 2) with every expert's weights and moments equal, and the next step as without
