@@ -377,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_judge(sub)
     _add_judge_eval(sub)
     _add_make_model(sub)
+    _add_export_hf(sub)
     return p
 
 
@@ -564,6 +565,33 @@ def _add_make_model(sub) -> None:
                          "ship (the real ones use 128)")
     mm.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     mm.set_defaults(func=_make_model)
+
+
+def _add_export_hf(sub) -> None:
+    ex = sub.add_parser(
+        "export-hf", help="write a trainer checkpoint as an HF checkpoint (config, safetensors, tokenizer)",
+        description="Write a trainer checkpoint (RUN_DIR/checkpoints/step_NNNNNN, any TP/DP/EP layout) as an HF "
+                    "checkpoint that transformers loads: the weights under HF names beside the config, tokenizer "
+                    "and chat template the checkpoint keeps. Runs on CPU in this process.")
+    ex.add_argument("checkpoint", metavar="CKPT", help="a trainer checkpoint directory (with relay-checkpoint.json)")
+    ex.add_argument("--out", required=True, help="the HF directory to write (must not exist, or be empty)")
+    ex.set_defaults(func=_export_hf)
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from engines.trainer.checkpoint_export import export_hf
+    from engines.trainer.checkpoint_io import CheckpointFormatError
+
+    try:
+        out = export_hf(args.checkpoint, args.out)
+    except CheckpointFormatError as e:
+        print(f"relay export-hf: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"relay export-hf: {e}", file=sys.stderr)  # an unreadable checkpoint file, an unwritable --out
+        return 2
+    print(f"relay export-hf: wrote {out} (config.json, model.safetensors, tokenizer) from {args.checkpoint}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

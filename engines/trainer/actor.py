@@ -399,12 +399,14 @@ class TrainerActor(Actor):
 
     @endpoint
     def save_checkpoint(self, path: str) -> None:
-        """Weights (this rank's shard), optimizer, step and RNG states (engines/trainer/checkpoint_io.py)."""
+        """Weights, optimizer state, steps and RNG states through Megatron's dist_checkpointing
+        (engines/trainer/checkpoint_io.py): every rank calls."""
         checkpoint_io.save(self, path)
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
-        """Every rank reads its (TP, EP) rank's file; returns the step it holds."""
+        """Every rank calls; any TP / DP / EP layout and either optimizer kind (format 2), the
+        layout that wrote it (format 1). Returns the step it holds."""
         self.step = checkpoint_io.load(self, path)
         return self.step
 

@@ -1,5 +1,6 @@
 """The trainer's two optimizer paths, behind one small interface (``zero_grad``, ``step``,
-``offload`` / ``onload``, ``params_present``, ``state_dict`` / ``load_state_dict``):
+``offload`` / ``onload``, ``params_present``, ``load_state_dict`` of a format-1 checkpoint;
+engines/trainer/checkpoint_io.py reads and writes their state through Megatron's dist_checkpointing):
 
 - :class:`TorchAdamW`: ``torch.optim.AdamW`` on the model's own (fp32) parameters; data
   parallel replicas average their gradients with one all-reduce. Every rank holds the whole
@@ -303,10 +304,8 @@ class TorchAdamW(_Optimizer):
         grads = [p.grad for p in params if p.grad is not None]
         return _unique_storages(params), _unique_storages(state) + _unique_storages(grads), []
 
-    def state_dict(self) -> dict:
-        return self.opt.state_dict()
-
     def load_state_dict(self, sd: dict) -> None:
+        """A format-1 checkpoint's state (engines/trainer/checkpoint_legacy.py)."""
         self.opt.load_state_dict(sd)
 
 
@@ -400,14 +399,9 @@ class MegatronAdamW(_Optimizer):
         grads = _unique_storages(b.grad_data for b in buffers)
         return params, state, grads
 
-    def state_dict(self) -> dict:
-        """Collective over DP: param groups and step, plus the sharded master weights and
-        moments gathered on DP rank 0 (``None`` elsewhere)."""
-        with cpu_shim.megatron_cuda_calls():
-            return {"groups": self.opt.state_dict(), "shards": [p.get_parameter_state_dp_zero() for p in self._parts]}
-
     def load_state_dict(self, sd: dict) -> None:
-        """Collective over DP: DP rank 0's ``sd`` is scattered to the shards (no_grad: with
+        """A format-1 checkpoint's state (engines/trainer/checkpoint_legacy.py), collective over
+        DP: DP rank 0's ``sd`` is scattered to the shards (no_grad: with
         fp32 params the master shards are views of the params)."""
         with cpu_shim.megatron_cuda_calls(), torch.no_grad():
             self.opt.load_state_dict(sd["groups"])

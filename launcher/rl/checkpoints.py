@@ -1,5 +1,6 @@
 """Checkpoints of the RL loop under ``RUN_DIR/checkpoints/step_NNNNNN`` (NNNNNN: the steps
-done, from 1): the trainer's shards, then ``state.json`` (``next_step``: the steps done, which
+done, from 1): the trainer's checkpoint (engines/trainer/checkpoint_io.py: Megatron
+dist_checkpointing files and ``relay-checkpoint.json``), then ``state.json`` (``next_step``: the steps done, which
 is the 0-based index of the next; the weight version), written last, so a checkpoint without
 it is incomplete and ignored by ``--resume``."""
 

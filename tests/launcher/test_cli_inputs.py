@@ -42,6 +42,9 @@ def relay(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         (["make-model", "--out", "/proc/relay-model"], "relay make-model: cannot write to --out /proc/relay-model"),
         (["make-model", "--out", "model", "--layers", "0"], "relay make-model: --layers must be at least 1, got 0"),
         (["make-model", "--out", "model", "--fp8-block", "-2"], "--fp8-block must be 0 (off) or a block size, got -2"),
+        (["export-hf", "nope", "--out", "model"], "relay export-hf: nope: no such checkpoint directory"),
+        (["export-hf", "/proc", "--out", "model"],
+         "relay export-hf: /proc is not a complete relay trainer checkpoint: it has no relay-checkpoint.json"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_flag_and_nothing_is_written(tmp_path, args, message):

@@ -228,3 +228,79 @@ class GradProbe(TrainerActor):
 
         grads = {n: p.grad.detach().double().cpu() for n, p in self.model.named_parameters() if p.grad is not None}
         return megatron_to_hf(self.cfg, grads)
+
+
+class _Named:
+    """Tensors by name, as ``gather_full`` reads a model (``named_parameters``, ``state_dict``)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def state_dict(self):
+        return self.tensors
+
+    def named_parameters(self):
+        return list(self.tensors.items())
+
+
+class StateProbe(TrainerActor):
+    """A TrainerActor that returns its whole training state gathered to TP = EP = 1 (DP shards of
+    the distributed optimizer gathered too), independently of the checkpoint code: every rank must
+    call (collectives over TP, DP and EP)."""
+
+    def _local_moments(self) -> dict:
+        """Megatron name -> {exp_avg, exp_avg_sq} of this rank's (TP, EP) shard of each parameter."""
+        import torch
+
+        from engines.trainer import cpu_shim
+
+        names = {p: n for n, p in self.model.named_parameters()}
+        if self.opt.kind == "torch":
+            return {names[p]: {k: self.opt.opt.state[p][k].detach().clone() for k in ("exp_avg", "exp_avg_sq")}
+                    for p in self.model.parameters()}
+        out = {}
+        with cpu_shim.megatron_cuda_calls():
+            for part in self.opt._parts:
+                dp_zero = part.get_parameter_state_dp_zero(return_on_all_ranks=True)
+                for i, buffer in enumerate(part.buffers):
+                    world = next(iter(dp_zero[i].values()))
+                    for p, (start, end, _) in buffer.param_index_map.items():
+                        out[names[p]] = {k: world[k][start:end].view(p.shape).to(torch.float32).clone()
+                                         for k in ("exp_avg", "exp_avg_sq", "param")}
+        return out
+
+    @endpoint
+    def full_state(self) -> dict:
+        """{"weights", "exp_avg", "exp_avg_sq"} (and "param", the distributed optimizer's fp32
+        master weights): full Megatron-named tensors (experts by global index); "step": the trainer's step."""
+        from engines.trainer.megatron_model import gather_full
+
+        local = self._local_moments()
+        group = self.tp_group if self.tp > 1 else None
+        args = (True, self.ep_group, self.cfg.num_experts, self.cfg)
+        out = {"weights": {n: t.float().cpu() for n, t in gather_full(self.model, group, *args).items()}}
+        for k in ("exp_avg", "exp_avg_sq", "param"):  # param: the distributed optimizer's fp32 master weights
+            if all(k in m for m in local.values()):
+                out[k] = {n: t.cpu() for n, t in gather_full(_Named({n: m[k] for n, m in local.items()}), group,
+                                                             *args).items()}
+        out["step"] = self.step
+        return out
+
+    @endpoint
+    def write_format1(self, path: str) -> None:
+        """This rank's checkpoint file in format 1, as relay wrote it before dist_checkpointing
+        (``torch.save`` of weights, optimizer state, step and RNG; torch optimizer, DP 1)."""
+        import random
+
+        import torch
+
+        assert self.opt.kind == "torch" and self.dp_size == 1
+        os.makedirs(path, exist_ok=True)
+        name = f"trainer-tp{self.tp_rank}.pt" if self.ep == 1 else f"trainer-tp{self.tp_rank}-ep{self.ep_rank}.pt"
+        torch.save({
+            "model": {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")},
+            "opt": self.opt.opt.state_dict(),
+            "optimizer": self.opt.kind,
+            "step": self.step,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }, os.path.join(path, name))
