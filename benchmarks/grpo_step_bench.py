@@ -10,6 +10,8 @@ fraction; ``benchmarks/grpo_learning_bench.py`` measures them with trained, peak
     python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 2 --steps 3
     python benchmarks/grpo_step_bench.py --device cpu --size tiny --gpus 2 --steps 2   # smoke run
     python benchmarks/grpo_step_bench.py --arch qwen3_moe --size 30b-a3b --layers 2 --gpus 1 --modes defer
+    python benchmarks/grpo_step_bench.py --size 0.6b --gpus 1 --modes defer --prompts 8 --n 8 --response-len 8192 \
+        --steps 1 --train-args=--bf16                          # 64 samples of 8,192-token responses
 
 ``--arch`` / ``--layers``: both models of that architecture (qwen3_moe: Qwen3-MoE shapes), at
 reduced depth.
@@ -48,6 +50,12 @@ def build(cache: str, size: str, device: str, arch: str = "qwen3", layers: int |
     return policy, judge, paths
 
 
+def judge_context(args) -> dict:
+    """The judge's ``max_context_len`` when responses are long: the response and its prompt
+    template fit in one request."""
+    return {"max_context_len": args.response_len + 2048} if args.response_len > 2048 else {}
+
+
 def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -> dict:
     g = args.gpus
     if mode == "split":
@@ -59,7 +67,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
             "--sglang-mem-fraction-static",
             "0.5",
             "--genrm-engine-config",
-            json.dumps({"mem_fraction_static": 0.3}),
+            json.dumps({"mem_fraction_static": 0.3, **judge_context(args)}),
         ]
     elif mode == "shared":  # co-resident: rollout and judge awake together on every GPU
         layout = [
@@ -70,7 +78,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
             "--sglang-mem-fraction-static",
             "0.5",
             "--genrm-engine-config",
-            json.dumps({"mem_fraction_static": 0.3}),
+            json.dumps({"mem_fraction_static": 0.3, **judge_context(args)}),
         ]
     else:
         layout = [
@@ -81,7 +89,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
             "--sglang-mem-fraction-static",
             "0.8",
             "--genrm-engine-config",
-            json.dumps({"mem_fraction_static": 0.8}),
+            json.dumps({"mem_fraction_static": 0.8, **judge_context(args)}),
         ]
     run_dir = os.path.join(cache, "runs", f"{mode}-{int(time.time())}")
     cmd = [
@@ -121,7 +129,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
         "--lr",
         "1e-6",
         "--kv-cache-tokens",
-        "65536",
+        str(args.kv_cache_tokens or max(65536, args.prompts * args.n * (args.response_len + 256))),
         *args.train_args.split(),
     ]
     t = time.monotonic()
@@ -192,6 +200,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="the engines' KV cache (default: every sample's prompt and response at once, at least 65,536)")
     ap.add_argument("--modes", default="split,defer", help="comma-separated: split, shared (co-resident), defer")
     ap.add_argument("--train-args", default="", help="extra `relay train` flags, e.g. '--bf16'")
     ap.add_argument("--cache", default=engines_settings().cache + "/grpo-bench")

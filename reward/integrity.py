@@ -8,8 +8,9 @@ loop that runs them (launcher/rl/integrity.py):
   make the judge say 1 ("Judgement: 1", "Ignore the above...", the reference in the
   reasoning, forged prompt fields, a forged chat turn); a working judge and answer guard
   keep every verdict at 0;
-- **the drift audit** (:class:`DriftAudit`): the rule grader (reward/math_grader.py) grades
-  a sampled share of judged samples whose label is a number; the agreement with the judge
+- **the drift audit** (:class:`DriftAudit`): a rule grader (``--genrm-audit-grader``: the
+  built-in numeric rule, the DAPO reference grader or Math-Verify) grades a sampled share of
+  judged samples it applies to; the agreement with the judge
   over the last steps raises an alarm when it drops below a floor, or when judge and rule
   accuracies drift apart.
 
@@ -171,9 +172,23 @@ def self_check_passes(results: list[dict]) -> bool:
 # ------------------------------------------------------------------ the drift audit
 
 
-def rule_verdict(answer: str, label: str) -> int | None:
-    """The rule grader's verdict on the answer the judge saw, or None where it does not
-    apply (the label is not a number)."""
+#: the drift audit's graders (``--genrm-audit-grader``)
+AUDIT_GRADERS = ("rule", "dapo", "math-verify")
+
+
+def rule_verdict(answer: str, label: str, grader: str = "rule") -> int | None:
+    """A rule grader's verdict on the answer the judge saw, or None where it does not apply.
+    ``rule``: the built-in numeric comparison (labels that are numbers only); ``dapo``: the
+    DAPO reference grader (reward/math_grader.py) on ``Answer: <answer>``; ``math-verify``:
+    Math-Verify (reward/math_verify_grader.py) on ``\\boxed{<answer>}``, any label."""
+    if grader == "dapo":
+        return int(math_grader.grade(f"Answer: {answer}", label)["acc"])
+    if grader == "math-verify":
+        from . import math_verify_grader
+
+        return int(math_verify_grader.grade(f"\\boxed{{{answer}}}", label)["acc"])  # read as LaTeX
+    if grader != "rule":
+        raise ValueError(f"the audit grader is one of {AUDIT_GRADERS}, not {grader!r}")
     if math_grader.numeric_value(label) is None:
         return None
     return int(math_grader.is_equiv(answer, label))
@@ -190,16 +205,23 @@ def wilson_upper(successes: int, n: int, z: float = 1.96) -> float:
 
 
 class DriftAudit:
-    """Judge verdicts against the rule grader's on a sampled share (``rate``) of the judged
-    samples whose label is a number, over the last :data:`AUDIT_WINDOW` steps. The alarm
+    """Judge verdicts against a rule grader's (``grader``: :func:`rule_verdict`) on a sampled
+    share (``rate``) of the judged samples it applies to, over the last :data:`AUDIT_WINDOW` steps. The alarm
     is on when, with at least :data:`MIN_AUDIT_SAMPLES` audited, the agreement is surely
     below ``min_agreement`` (the upper end of its 95% Wilson interval is) or, with at least
     :data:`MIN_GAP_SAMPLES` audited, when the judge's accuracy and the rule grader's differ
     by more than ``max_gap``."""
 
     def __init__(self, rate: float, min_agreement: float, max_gap: float, seed: int,
-                 answer_of: Callable[[str], str]):
+                 answer_of: Callable[[str], str], grader: str = "rule"):
+        if grader not in AUDIT_GRADERS:
+            raise ValueError(f"the audit grader is one of {AUDIT_GRADERS}, not {grader!r}")
+        if grader == "math-verify":
+            from . import math_verify_grader
+
+            math_verify_grader.require()  # missing package: fail when the audit is made
         self.rate, self.min_agreement, self.max_gap, self.seed = rate, min_agreement, max_gap, seed
+        self.grader = grader
         self.answer_of = answer_of  # response -> the answer the judge was shown
         self.window: collections.deque = collections.deque(maxlen=AUDIT_WINDOW)
 
@@ -214,7 +236,7 @@ class DriftAudit:
             if rng.random() >= self.rate:
                 continue
             answer = self.answer_of(s.response)
-            rule = rule_verdict(answer, s.label)
+            rule = rule_verdict(answer, s.label, self.grader)
             if rule is None:
                 continue
             judge = int(info["acc"])

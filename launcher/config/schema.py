@@ -181,6 +181,11 @@ class JobConfig:
         0.1, help="share of judged samples with a numeric label that the rule grader also grades (0: no audit)",
         minimum=0.0, maximum=1.0,
     )
+    genrm_audit_grader: str = _opt(
+        "rule", help="the drift audit's grader: rule (numbers only: the built-in rule grader), dapo (the DAPO "
+        "reference grader) or math-verify (the math-verify package: any label)",
+        choices=("rule", "dapo", "math-verify"),
+    )
     genrm_audit_min_agreement: float = _opt(
         0.8, help="drift alarm: judge and rule grader agree on fewer than this share of audited samples", minimum=0.0,
         maximum=1.0,

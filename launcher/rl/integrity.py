@@ -62,7 +62,8 @@ class JudgeIntegrity:
         self.canaries = integrity.canaries(self.rows) if self.active else []
         self.audit = integrity.DriftAudit(cfg.genrm_audit_rate, cfg.genrm_audit_min_agreement,
                                           cfg.genrm_audit_max_gap, cfg.seed,
-                                          integrity.answer_reader(variant, template, cfg.genrm_answer_guard))
+                                          integrity.answer_reader(variant, template, cfg.genrm_answer_guard),
+                                          cfg.genrm_audit_grader if self.active else "rule")
         self.alarmed = False
 
     def _reward(self, instance: str, sampling_params: dict | None = None):

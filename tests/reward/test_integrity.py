@@ -275,3 +275,35 @@ def test_the_self_check_asks_the_judge_greedily(monkeypatch):
                                                            route_key="quality",
                                                            sampling_params={"temperature": 0.0})))
     assert asked == [({"temperature": 0.0}, "quality")]
+
+
+def test_the_audit_grader_can_be_the_dapo_reference_or_math_verify():
+    """--genrm-audit-grader: a symbolic label the numeric rule skips is graded by Math-Verify
+    (an equivalent LaTeX form agrees with a judge that says 1); the DAPO reference grader
+    compares normalized strings, so the same pair is a disagreement there."""
+    pytest.importorskip("math_verify")
+
+    def judged(label: str, answer: str, judge: int) -> list:
+        return [SimpleNamespace(index=0, label=label, response=f"Answer: {answer}",
+                                reward_info={"acc": judge, "judge_response": str(judge), "format_error": ""})]
+
+    reader = integrity.answer_reader("documented", None, True)
+    graders = {g: integrity.DriftAudit(1.0, 0.8, 0.2, seed=1, answer_of=reader, grader=g)
+               for g in ("rule", "dapo", "math-verify")}
+    pair = judged("\\frac{\\sqrt{2}}{2}", "\\sqrt2/2", 1)
+    assert graders["rule"].audit(0, pair)[0]["audit/samples"] == 0  # not a number: the rule does not apply
+    m, bad = graders["math-verify"].audit(0, pair)
+    assert m["audit/samples"] == 1 and m["audit/agreement"] == 1.0 and not bad
+    m, bad = graders["dapo"].audit(0, pair)
+    assert m["audit/samples"] == 1 and bad[0]["rule"] == 0
+    m, bad = graders["math-verify"].audit(1, judged("Paris", "London", 1))  # any label: a wrong "1" is caught
+    assert bad and bad[0]["rule"] == 0
+    with pytest.raises(ValueError, match="audit grader is one of"):
+        integrity.DriftAudit(1.0, 0.8, 0.2, seed=1, answer_of=reader, grader="exact")
+
+
+def test_the_audit_grader_is_a_flag_with_its_choices():
+    assert load_config(None, ["--genrm-audit-grader", "math-verify"]).genrm_audit_grader == "math-verify"
+    assert load_config(None, []).genrm_audit_grader == "rule"
+    with pytest.raises(ConfigError, match="--genrm-audit-grader"):
+        load_config(None, ["--genrm-audit-grader", "exact"])
