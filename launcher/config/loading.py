@@ -18,6 +18,7 @@ from launcher.config.rules import (
     NO_EFFECT_FLAGS,
     REFUSED_FLAGS,
     ConfigError,
+    check_debug_rollout_path,
     check_expert_parallel,
     check_judge_audit,
     check_resource,
@@ -66,6 +67,7 @@ def build_config(values: dict[str, Any]) -> JobConfig:
             raise ConfigError(str(e)) from None
     check_sampling(cfg)
     check_judge_audit(cfg)
+    check_debug_rollout_path(cfg)
     check_expert_parallel(cfg)
     return cfg
 
@@ -100,6 +102,10 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
         is_bool = name in NO_EFFECT_FLAGS and not NO_EFFECT_FLAGS[name][0]
         if name in FIELDS:
             is_bool = FIELDS[name].type in (bool, "bool")
+        if name == "save_debug_rollout_data" and debug_rollout_template(val if eq else _next(argv, i)):
+            out[name], out["save_debug_rollout_path"] = True, val if eq else argv[i + 1]  # the original's PATH form
+            i += 1 if eq else 2
+            continue
         if eq:
             out[name] = val
             i += 1
@@ -112,6 +118,16 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
             out[name] = argv[i + 1]
             i += 2
     return out
+
+
+def _next(argv: list[str], i: int) -> str | None:
+    return argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+
+
+def debug_rollout_template(value: str | None) -> bool:
+    """Whether ``--save-debug-rollout-data``'s value is the original's path template rather
+    than a boolean."""
+    return value is not None and value.lower() not in ("true", "1", "yes", "on", "false", "0", "no", "off")
 
 
 def load_config(path: str | list[str] | tuple | None, overrides: list[str] | dict | None = None) -> JobConfig:

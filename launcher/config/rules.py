@@ -213,6 +213,19 @@ def check_judge_audit(cfg: JobConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be between 0 and 1, got {getattr(cfg, name)}")
 
 
+def check_debug_rollout_path(cfg: JobConfig) -> None:
+    """``--save-debug-rollout-path`` formats with ``{rollout_id}`` alone (checked before the
+    first step, not when the first file is written)."""
+    template = cfg.save_debug_rollout_path
+    if template is None:
+        return
+    try:
+        template.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"--save-debug-rollout-path {template!r}: a path template takes {{rollout_id}} only "
+                          f"({type(e).__name__}: {e})") from None
+
+
 def check_sampling(cfg: JobConfig) -> None:
     """Rollout, eval and judge sampling with the engines' own check (SamplingParams.validate):
     a value no engine can run fails at load time, naming the flag."""

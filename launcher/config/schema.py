@@ -326,7 +326,12 @@ class JobConfig:
     run_dir: str = _opt("runs/latest", help="where metrics, plots and checkpoints go")
     save_debug_rollout_data: bool = _opt(
         False, help="write each step's samples (prompt, response, reward, the judge's verdict, advantage) to "
-        "RUN_DIR/samples/step_NNNNNN.jsonl")
+        "RUN_DIR/samples/step_NNNNNN.jsonl; the original's form --save-debug-rollout-data PATH sets "
+        "--save-debug-rollout-path")
+    save_debug_rollout_path: str | None = _opt(
+        None, help="where --save-debug-rollout-data writes instead: a path template formatted with {rollout_id} "
+        "(the 0-based step); a .pt path gets torch.save({'rollout_id', 'samples': [dict]}) as the original's, "
+        "else JSONL")
     use_tensorboard: bool = _opt(False, help="also write the metrics as TensorBoard event files (needs tensorboard)")
     tensorboard_dir: str | None = _opt(None, help="where the TensorBoard event files go (default: RUN_DIR/tb)")
     use_wandb: bool = _opt(False, help="also log the metrics and the resolved config to Weights & Biases (needs wandb)")

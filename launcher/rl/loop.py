@@ -231,7 +231,8 @@ class GRPOLoop:
         judge_after = await self.judge.counts()
         batch = training_batch(samples, cfg, cfg.n_samples_per_prompt)
         if cfg.save_debug_rollout_data:
-            await asyncio.to_thread(write_samples, self.run_dir, step + 1, samples, batch.advantages)
+            await asyncio.to_thread(write_samples, self.run_dir, step + 1, samples, batch.advantages,
+                                    cfg.save_debug_rollout_path)
         async with self._weights_lock:  # an engine rebuilt meanwhile gets the new weights, not these
             await self.swaps.free_for_training(memory)
             with timer.phase("train"):
@@ -395,7 +396,8 @@ class GRPOLoop:
                 samples = await self.scorer.post_process_batch(flatten(batch), cfg.n_samples_per_prompt)
                 train_batch = training_batch(samples, cfg, cfg.n_samples_per_prompt)
                 if cfg.save_debug_rollout_data:
-                    await asyncio.to_thread(write_samples, self.run_dir, step + 1, samples, train_batch.advantages)
+                    await asyncio.to_thread(write_samples, self.run_dir, step + 1, samples,
+                                            train_batch.advantages, cfg.save_debug_rollout_path)
                 async with self._weights_lock:
                     with timer.phase("train"):
                         train_stats = await self.trainer.train_rl(train_batch, cfg.global_batch_size,

@@ -253,23 +253,34 @@ def rollout_metrics(samples: list[Sample], rollout_seconds: float) -> dict:
 SAMPLES_DIR = "samples"
 
 
-def write_samples(run_dir: str, step: int, samples: list, advantages: list) -> str:
+def write_samples(run_dir: str, step: int, samples: list, advantages: list, template: str | None = None) -> str:
     """``--save-debug-rollout-data``: the step's samples as JSONL,
     ``RUN_DIR/samples/step_NNNNNN.jsonl`` (``step``: the steps done with it), one line each:
     its group and index, prompt, label, response, finish reason, weight version, reward, the
     reward's details (the judge's verdict and reply for dapo-genrm) and the advantage it trains
-    with (``advantages``: the training batch's, one per sample)."""
+    with (``advantages``: the training batch's, one per sample). With ``template``
+    (``--save-debug-rollout-path``): at ``template.format(rollout_id=step - 1)`` instead, a
+    ``.pt`` path holding ``torch.save({"rollout_id", "samples": [dict]})`` as the original's.
+    Written to a temporary name and renamed; returns the path."""
     import json
     import os
 
-    folder = os.path.join(run_dir, SAMPLES_DIR)
+    rows = [{"group": s.group_index, "index": s.index, "prompt": s.prompt, "label": s.label, "response": s.response,
+             "finish_reason": s.finish_reason, "weight_version": s.weight_version, "reward": s.reward,
+             "reward_info": s.reward_info, "advantage": float(advantage)} for s, advantage in zip(samples, advantages)]
+    if template is None:
+        folder = os.path.join(run_dir, SAMPLES_DIR)
+        path = os.path.join(folder, f"step_{step:06d}.jsonl")
+    else:
+        path = os.path.abspath(template.format(rollout_id=step - 1))
+        folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"step_{step:06d}.jsonl")
-    with open(path + ".tmp", "w") as f:
-        for s, advantage in zip(samples, advantages):
-            f.write(json.dumps({"group": s.group_index, "index": s.index, "prompt": s.prompt, "label": s.label,
-                                "response": s.response, "finish_reason": s.finish_reason,
-                                "weight_version": s.weight_version, "reward": s.reward, "reward_info": s.reward_info,
-                                "advantage": float(advantage)}, default=str) + "\n")
+    if path.endswith(".pt"):
+        import torch
+
+        torch.save({"rollout_id": step - 1, "samples": json.loads(json.dumps(rows, default=str))}, path + ".tmp")
+    else:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
     os.replace(path + ".tmp", path)
     return path
