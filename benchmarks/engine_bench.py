@@ -1,7 +1,7 @@
 """Built-in engine vs transformers ``generate`` on the same model and device, in one run.
 
 Prints one JSON line: tok_s_b{1,8,64,256}_builtin and _hf (generated tokens/s at a fixed
-output length, ignore_eos), on GPU roofline_frac_b{64,256} (bytes a decode step must read
+output length, ignore_eos), on GPU roofline_frac_b{batch} (bytes a decode step must read
 — weights + KV — over the step time, against the device's READ bandwidth measured in the
 same run with read-only kernels: benchmarks/_bandwidth.py),
 and sleep/wake seconds (sleep_s_backup, wake_s_backup, sleep_s_discard, pinned_copy_s).
@@ -284,7 +284,7 @@ def main() -> None:
 
             state_per_seq = StatePool(cfg, 1, torch.device("cpu"), torch.bfloat16).row_bytes()
             result["state_mb_per_seq"] = round(state_per_seq / 1e6, 2)
-        for b in (1, 64, 256):
+        for b in batches:
             if b in builtin:
                 step_s = b / builtin[b]
                 ctx = prompt + new / 2
