@@ -154,3 +154,28 @@ def test_vocabulary_split_over_two_ranks_equals_the_whole(tmp_path):
         assert p.returncode == 0, err[-2000:]
         worst = float(out.split("WORST")[1])
         assert worst < 2e-5, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kernels_equal_the_reference_at_a_real_vocabulary():
+    """On CUDA (not CI): Qwen3's vocabulary in bf16, the kernels against the torch reference,
+    and the fused head's values and gradients against the plain float32 formula."""
+    torch.manual_seed(0)
+    n, h, v = 300, 256, 151936
+    hidden = torch.randn(n, h, device="cuda").bfloat16()
+    weight = (torch.randn(v, h, device="cuda") / 16).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda")
+    logits = hidden @ weight.t()
+    ref = K.row_stats_ref(logits, targets, 1 / 0.7)
+    ker = K.row_stats(logits, targets, 1 / 0.7)
+    assert ((ref - ker).abs() / (1 + ref.abs())).max() < 1e-5
+    _, lse, ent = K._combine(ref, None)
+    a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    g_ref = K.logit_grads_ref(logits, targets, lse, ent, a, b, 1 / 0.7).float()
+    g_ker = K.logit_grads_(logits.clone(), targets, lse, ent, a, b, 1 / 0.7).float()
+    assert (g_ref - g_ker).abs().max() < 1e-2 * g_ref.abs().max()
+    ours = grads_of(lambda x, w: K.lm_head_logprobs(x, w, targets, 0.7, rows=128), hidden, weight, a, b)
+    ref = grads_of(lambda x, w: plain(x.float(), w.float(), targets, 0.7), hidden.float(), weight.float(), a, b)
+    for mine, theirs in zip(ours[:2], ref[:2]):
+        assert (mine - theirs).abs().max() < 0.05  # bf16 logits against float32 ones
