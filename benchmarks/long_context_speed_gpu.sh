@@ -12,10 +12,10 @@ run() { echo "== $*" >&2; timeout "$1" "${@:2}" 2>&1 | grep -v USDT | tail -1 | 
 before() { [ -n "${BEFORE:-}" ] && (cd "$BEFORE" && PYTHONPATH="$site:$BEFORE" TAG='"before": true, ' run "$@"); }
 TB="python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16 --train-only"
 E="python benchmarks/engine_bench.py --size 0.6b --prompt 8192 --new 128 --batches 1,16,64 --skip-hf-above 0 --no-swap"
-run 40 python benchmarks/sdpa_variants.py
-run 90 $TB --batch 4 --seq 2048 --steps 3 --anchor
 run 90 $TB --batch 1 --seq 8192 --steps 2 --anchor
-before 60 $TB --batch 1 --seq 8192 --steps 2
-before 90 $E
 run 90 $E
+before 90 $E
+before 60 $TB --batch 1 --seq 8192 --steps 2
+run 90 $TB --batch 4 --seq 2048 --steps 3 --anchor
 run 60 python benchmarks/decode_timeline.py --size 0.6b --batch 16 --prompt 8192 --new 64
+run 40 python benchmarks/sdpa_variants.py
