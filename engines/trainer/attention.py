@@ -42,24 +42,36 @@ class SDPAttention(MegatronModule):
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """[b, heads, s, d] x [b, groups, s, d] -> [b, heads, s, d], causal."""
         groups = q.shape[1] // k.shape[1]
-        if groups > 1 and q.is_cuda:  # CUDA's flash kernels take the groups as they are
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        if groups > 1:  # expanded on CPU: its flash kernel does not take enable_gqa
+        if groups > 1 and q.is_cuda and _FUSED_GQA[0]:  # CUDA's flash kernels take the groups as they are
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            try:  # never the math fallback (it holds [S, S] scores): a fused kernel or the expansion below
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                  SDPBackend.EFFICIENT_ATTENTION]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            except RuntimeError as e:
+                if "No available kernel" not in str(e):
+                    raise
+                _FUSED_GQA[0] = False  # this torch / GPU / dtype has none: expand from now on
+        if groups > 1:  # expanded (CPU's flash kernel does not take enable_gqa)
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
     def _packed(self, query, key, value, params) -> torch.Tensor:
         """``[t, heads, d]`` attention within each row of ``params.cu_seqlens_q``."""
         varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
-        if varlen is not None:
-            attend, causal, gqa = varlen
+        default_scale = self.scale == 1.0 / math.sqrt(query.shape[-1])
+        if varlen is not None and (varlen[3] or default_scale):
+            attend, causal, gqa, takes_scale = varlen
             groups = query.shape[1] // key.shape[1]
             if groups > 1 and not gqa:
                 key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
             bounds = params.cu_seqlens_q.to(torch.int32)
             extra = {"enable_gqa": True} if gqa and groups > 1 else {}
+            if takes_scale:
+                extra["scale"] = self.scale
             return attend(query, key, value, bounds, bounds, int(params.max_seqlen_q), int(params.max_seqlen_q),
-                          scale=self.scale, **causal, **extra)
+                          **causal, **extra)
         bounds = params.cu_seqlens_q.tolist()
         parts = [self._attend(query[a:b].transpose(0, 1)[None], key[a:b].transpose(0, 1)[None],
                               value[a:b].transpose(0, 1)[None], self.scale)[0].transpose(0, 1)
@@ -80,8 +92,9 @@ class SDPAttention(MegatronModule):
 
 @functools.lru_cache(maxsize=1)
 def _varlen_attn():
-    """``(varlen_attn, its causal keyword, whether it takes enable_gqa)``, or None where this
-    torch has no ``torch.nn.attention.varlen`` (its causal keyword changed across versions)."""
+    """``(varlen_attn, its causal keyword, whether it takes enable_gqa, whether it takes
+    scale)``, or None where this torch has no ``torch.nn.attention.varlen`` (its keywords
+    changed across versions)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -93,7 +106,11 @@ def _varlen_attn():
         causal = {"window_size": (-1, 0)}
     else:
         return None
-    return varlen_attn, causal, "enable_gqa" in params
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+
+
+#: whether SDPA's fused CUDA kernels take ``enable_gqa`` here (found out at the first call)
+_FUSED_GQA = [True]
 
 
 def use_sdpa(spec) -> None:
