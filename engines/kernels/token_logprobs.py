@@ -109,14 +109,40 @@ def _block(vocab: int) -> int:
     return min(4096, triton.next_power_of_2(vocab))
 
 
+#: whether the kernels may run: a launch that fails (a Triton that cannot compile them here)
+#: says so once on stderr and leaves the torch reference to every later call of the process
+_KERNELS_OK = [True]
+
+
+def _kernels(device: torch.device, use_triton: bool | None) -> bool:
+    return (triton_usable(device) and _KERNELS_OK[0]) if use_triton is None else use_triton
+
+
+def _launch(kernel, grid, *args, **meta) -> bool:
+    """Run ``kernel``; False (after the one warning) where it cannot run here."""
+    try:
+        kernel[grid](*args, **meta)
+        return True
+    except Exception as e:  # noqa: BLE001 - a compile/launch failure: the reference path is exact too
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        import sys
+
+        _KERNELS_OK[0] = False
+        print(f"relay trainer: the fused log-prob kernel cannot run here ({type(e).__name__}: {str(e)[:300]}); "
+              "using the torch path", file=sys.stderr, flush=True)
+        return False
+
+
 def row_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, use_triton: bool | None = None):
     """:func:`row_stats_ref`'s contract; by the Triton kernel where usable."""
-    if not (triton_usable(logits.device) if use_triton is None else use_triton):
+    if not _kernels(logits.device, use_triton):
         return row_stats_ref(logits, targets, inv_t)
     n, vocab = logits.shape
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
-    if n:
-        _stats_kernel[(n,)](logits, logits.stride(0), targets, out, n, vocab, float(inv_t), BLOCK=_block(vocab))
+    if n and not _launch(_stats_kernel, (n,), logits, logits.stride(0), targets, out, n, vocab, float(inv_t),
+                         BLOCK=_block(vocab)):
+        return row_stats_ref(logits, targets, inv_t)
     return out
 
 
@@ -124,14 +150,12 @@ def logit_grads_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                  g_logp: torch.Tensor, g_ent: torch.Tensor, inv_t: float, use_triton: bool | None = None):
     """:func:`logit_grads_ref`'s contract, written over ``logits`` (returned); by the Triton
     kernel where usable."""
-    if not (triton_usable(logits.device) if use_triton is None else use_triton):
-        logits.copy_(logit_grads_ref(logits, targets, lse, ent, g_logp, g_ent, inv_t))
-        return logits
     n, vocab = logits.shape
-    if n:
-        _grads_kernel[(n,)](logits, logits.stride(0), targets, lse.contiguous(), ent.contiguous(),
-                            g_logp.float().contiguous(), g_ent.float().contiguous(), vocab, float(inv_t),
-                            BLOCK=_block(vocab))
+    if not n or (_kernels(logits.device, use_triton) and _launch(
+            _grads_kernel, (n,), logits, logits.stride(0), targets, lse.contiguous(), ent.contiguous(),
+            g_logp.float().contiguous(), g_ent.float().contiguous(), vocab, float(inv_t), BLOCK=_block(vocab))):
+        return logits
+    logits.copy_(logit_grads_ref(logits, targets, lse, ent, g_logp, g_ent, inv_t))
     return logits
 
 

@@ -179,3 +179,25 @@ def test_cuda_kernels_equal_the_reference_at_a_real_vocabulary():
     ref = grads_of(lambda x, w: plain(x.float(), w.float(), targets, 0.7), hidden.float(), weight.float(), a, b)
     for mine, theirs in zip(ours[:2], ref[:2]):
         assert (mine - theirs).abs().max() < 0.05  # bf16 logits against float32 ones
+
+
+def test_a_kernel_that_cannot_run_falls_back_to_the_reference_with_one_warning(monkeypatch, capsys):
+    """A Triton that cannot compile the kernels (simulated: the launch raises) leaves the
+    exact torch path to the process, said once on stderr."""
+    if K.triton is None:
+        pytest.skip("no triton")
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                raise RuntimeError("PassManager::run failed")
+            return launch
+
+    monkeypatch.setattr(K, "_stats_kernel", Broken(), raising=False)
+    monkeypatch.setattr(K, "_KERNELS_OK", [True])
+    logits, targets = torch.randn(5, 40), torch.randint(0, 40, (5,))
+    assert torch.equal(K.row_stats(logits, targets, 1.0, use_triton=True),
+                       K.row_stats_ref(logits, targets, 1.0))
+    assert K._KERNELS_OK == [False]
+    assert "cannot run here (RuntimeError: PassManager::run failed); using the torch path" in capsys.readouterr().err
+    assert not K._kernels(torch.device("cpu"), None)
