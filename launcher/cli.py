@@ -579,11 +579,16 @@ def _add_export_hf(sub) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
+    import warnings
+
     from engines.trainer.checkpoint_export import export_hf
     from engines.trainer.checkpoint_io import CheckpointFormatError
 
     try:
-        out = export_hf(args.checkpoint, args.out)
+        with warnings.catch_warnings():  # Megatron's and torch.distributed.checkpoint's notes to developers
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            out = export_hf(args.checkpoint, args.out)
     except CheckpointFormatError as e:
         print(f"relay export-hf: {e}", file=sys.stderr)
         return 2
