@@ -234,8 +234,9 @@ def main() -> None:
         if eng.runner.graphs is not None:  # GPU time of one decode step alone (graph replay), per batch
             graphs = eng.runner.graphs
             for b in batches:
-                if b in graphs.graphs:
-                    graph = graphs.graphs[b][0]
+                key = next((k for k in ((b, True), (b, False), b) if k in graphs.graphs), None)
+                if key is not None:  # (batch, long context) keys; a plain batch key in older trees
+                    graph = graphs.graphs[key][0]
                     # at the mean context of a generation's steps (the roofline's), not the last step's
                     # inputs left in the shared buffers (the largest batch's final context)
                     graphs.meta[3, :b] = prompt + new // 2

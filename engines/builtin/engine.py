@@ -410,7 +410,7 @@ class TorchEngine(Engine):
             "device": str(self.device),
             "tp_size": 1 if self.tp is None else self.tp.size,
             "ep_size": self.cfg.ep_size,
-            "cuda_graphs": sorted(graphs.graphs) if graphs is not None else [],  # captured batch sizes
+            "cuda_graphs": graphs.batch_sizes() if graphs is not None else [],  # captured batch sizes
             "weight_update_groups": sorted(self.weights.groups),
             "asleep": [t for t, present in (("weights", self.weights.present), ("kv_cache", kv_present))
                        if not present],

@@ -364,6 +364,8 @@ class DecodeGraphs:
     replay)."""
 
     def __init__(self, runner: ModelRunner):
+        from engines.kernels.paged_attention import LONG_CONTEXT_TOKENS
+
         self.runner = runner
         dev = runner.device
         most = bucket(runner.max_running)
@@ -375,19 +377,29 @@ class DecodeGraphs:
         # a hybrid model's state rows (padding: the padding row)
         self.rows = None if runner.state is None else torch.full((most,), runner.blocks.padding_row,
                                                                   dtype=torch.int64, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pickers: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # greedy picks of a graph's logits
+        # block-table columns of a graph of short contexts: its attention splits as a short
+        # context's (engines/kernels/paged_attention.py decode_splits); longer batches replay a
+        # graph of the whole table (keys: (padded batch, long))
+        self.short_width = min(runner.blocks.max_blocks_per_seq, LONG_CONTEXT_TOKENS // runner.blocks.block_size)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pickers: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # greedy picks
+        self.last: tuple[int, bool] | None = None  # the key of the last replay
         self.pool = torch.cuda.graph_pool_handle()
         self.bytes = 0
 
-    def _forward(self, b: int, rows: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, key: tuple[int, bool], rows: torch.Tensor | None) -> torch.Tensor:
         r = self.runner
+        b, long = key
         lens = self.meta[3, :b].to(torch.int32)
         state = () if rows is None else (r.state.tensors, rows)
-        return r.model.decode(self.meta[0, :b], self.meta[1, :b], self.meta[2, :b], self.tables[:b], lens, r.k, r.v,
-                              *state)
+        tables = self.tables[:b] if long else self.tables[:b, : self.short_width]
+        return r.model.decode(self.meta[0, :b], self.meta[1, :b], self.meta[2, :b], tables, lens, r.k, r.v, *state)
 
-    def _capture(self, b: int) -> None:
+    def batch_sizes(self) -> list[int]:
+        """The padded batch sizes captured (short or long contexts)."""
+        return sorted({b for b, _ in self.graphs})
+
+    def _capture(self, key: tuple[int, bool]) -> None:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
         before = torch.cuda.mem_get_info(dev)[0]
@@ -397,12 +409,13 @@ class DecodeGraphs:
             # a decode step advances the state rows it reads: the warm-up touches only the padding row
             # (its KV writes land in the real rows' new slots, which the replay writes again before reading)
             pad = self.runner.blocks.padding_row
-            self._forward(b, None if self.rows is None else torch.full_like(self.rows[:b], pad))
+            b = key[0]
+            self._forward(key, None if self.rows is None else torch.full_like(self.rows[:b], pad))
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._forward(b, None if self.rows is None else self.rows[:b])
-        self.graphs[b] = (graph, out)
+            out = self._forward(key, None if self.rows is None else self.rows[:b])
+        self.graphs[key] = (graph, out)
         torch.cuda.synchronize(dev)
         self.bytes += max(0, before - torch.cuda.mem_get_info(dev)[0])  # device memory the capture took
 
@@ -418,18 +431,23 @@ class DecodeGraphs:
         self.tables[:b, : tables.shape[1]].copy_(tables.pin_memory(), non_blocking=True)
         if rows is not None:
             self.rows[:b].copy_(rows.pin_memory(), non_blocking=True)
-        if b not in self.graphs:
-            self._capture(b)
-        graph, out = self.graphs[b]
+        key = (b, tables.shape[1] > self.short_width)  # the columns in use
+        if key not in self.graphs:
+            self._capture(key)
+        graph, out = self.graphs[key]
         graph.replay()
+        self.last = key
         return out
 
     def pick_greedy(self, b: int) -> torch.Tensor:
         """Each row's argmax of the last replay's logits at batch size ``b`` and its
         log-probability, [b, 2] float64, by a graph of its own (one launch for the ~8
         kernels: the sampler's greedy rule, engines/builtin/sampler.py); overwritten by the next."""
-        if b not in self.pickers:
-            logits = self.graphs[b][1]
+        key = self.last
+        if key is None or key[0] != b:
+            raise RuntimeError(f"pick_greedy({b}): the last replay was not of batch size {b}")
+        if key not in self.pickers:
+            logits = self.graphs[key][1]
             dev = self.runner.device
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -439,7 +457,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 pairs = greedy_pairs(logits)
-            self.pickers[b] = (graph, pairs)
-        graph, pairs = self.pickers[b]
+            self.pickers[key] = (graph, pairs)
+        graph, pairs = self.pickers[key]
         graph.replay()
         return pairs

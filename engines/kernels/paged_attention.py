@@ -158,10 +158,13 @@ if triton is not None:
 
 
 #: split the context of each (sequence, KV head) over at most this many programs when there
-#: are few of them (flash-decoding): one program reading a long context alone keeps its SM
-#: far from its share of the read bandwidth
+#: are few of them (flash-decoding)
 DECODE_SPLITS = 16
-#: programs a decode attention launch aims for, per SM
+#: a block table spanning more tokens than this is a long context: its decode attention aims
+#: for ``PROGRAMS_PER_SM`` programs an SM (one program reading 8k positions alone keeps its SM
+#: far from its share of the read bandwidth); shorter ones split only when the batch has few
+#: (sequence, KV head) programs, as measured at 128-token prompts (docs/PERFORMANCE.md)
+LONG_CONTEXT_TOKENS = 2048
 PROGRAMS_PER_SM = 8
 
 
@@ -171,14 +174,19 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """The context splits of a decode batch of ``rows`` sequences: the largest power of two
-    (at most ``DECODE_SPLITS``, at least 1) that keeps the (sequence, KV head, split)
-    programs, counted at the next power of two of ``rows``, within ``PROGRAMS_PER_SM`` an SM.
-    Splits past a short context are empty (they return at once). A function of the power of
-    two so that a CUDA graph's padded batch (the graph buckets hold every power of two)
-    splits as the same rows' eager batch does."""
+def decode_splits(rows: int, kv_heads: int, device: torch.device, span: int = 0) -> int:
+    """The context splits of a decode batch of ``rows`` sequences whose block tables span
+    ``span`` tokens (their width times the page). Short spans: ``DECODE_SPLITS`` when the
+    (sequence, KV head) programs are at most a quarter of the SMs, else 1. Long spans
+    (over ``LONG_CONTEXT_TOKENS``): the largest power of two, at most ``DECODE_SPLITS``, that
+    keeps the (sequence, KV head, split) programs within ``PROGRAMS_PER_SM`` an SM; splits
+    past a sequence's length are empty (they return at once). Programs are counted at the
+    next power of two of ``rows``, so that a CUDA graph's padded batch (the graph buckets
+    hold every power of two) splits as the same rows' eager batch does; the model runner
+    captures short and long tables apart (engines/builtin/model_runner.py)."""
     programs = triton.next_power_of_2(rows) * kv_heads
+    if span <= LONG_CONTEXT_TOKENS:
+        return DECODE_SPLITS if programs * 4 <= multiprocessors(device) else 1
     room = PROGRAMS_PER_SM * multiprocessors(device) // programs
     return max(1, min(DECODE_SPLITS, 1 << (room.bit_length() - 1) if room else 1))
 
@@ -206,7 +214,7 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
     group = h // kvh
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
-    splits = decode_splits(b, kvh, q.device) if splits is None else splits
+    splits = decode_splits(b, kvh, q.device, block_tables.shape[1] * page) if splits is None else splits
     ml = part = out
     if splits > 1:
         ml = torch.empty((b, h, splits, 2), dtype=torch.float32, device=q.device)

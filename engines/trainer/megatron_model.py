@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from engines.kernels.token_logprobs import ROWS as LOGIT_CHUNK_TOKENS  # tokens of logits held at once
+from engines.kernels.token_logprobs import ROWS as LOGIT_CHUNK_TOKENS  # noqa: F401 (memory_fit reads it)
 from engines.models.model import ModelConfig
 
 

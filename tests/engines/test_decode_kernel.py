@@ -78,13 +78,18 @@ def test_split_context_kernel_matches_reference():
                 out = _triton_decode(q, k, v, tables, lens, d ** -0.5, splits=splits)
                 worst = max(worst, (out - ref).abs().max().item())
         cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
-        print(worst, decode_splits(1, 1, cpu) == DECODE_SPLITS, decode_splits(8, 1, cpu), decode_splits(4, 2, cpu),
-              decode_splits(5, 2, cpu), decode_splits(64, 1, cpu))
+        short = [decode_splits(1, 1, cpu, 2048) == DECODE_SPLITS, decode_splits(2, 1, cpu, 256),
+                 decode_splits(1, 2, cpu, 2048)]
+        long = [decode_splits(8, 1, cpu, 8192), decode_splits(4, 2, cpu, 4096), decode_splits(5, 2, cpu, 2049),
+                decode_splits(64, 1, cpu, 8192)]
+        print(worst, *short, *long)
     """)
-    # 8 programs an SM x 4 "SMs": 8 rows of 1 KV head split in 4, 4 rows x 2 heads also,
-    # 5 rows count as 8 (2), 64 rows do not split
-    worst, one, eight, four_by_two, five_by_two, many = out.split()[-6:]
-    assert float(worst) < 1e-5 and one == "True"
+    worst, one, two_rows, two_heads, eight, four_by_two, five_by_two, many = out.split()[-8:]
+    assert float(worst) < 1e-5
+    # tables spanning at most 2,048 tokens: split only with at most a quarter of the 4 "SMs" busy
+    assert (one, two_rows, two_heads) == ("True", "1", "1")
+    # longer: 8 programs an SM x 4 "SMs": 8 rows of 1 KV head split in 4, 4 rows x 2 heads
+    # also, 5 rows count as 8 (2), 64 rows do not split
     assert (eight, four_by_two, five_by_two, many) == ("4", "4", "2", "1")
 
 
@@ -531,7 +536,8 @@ def test_a_padded_graph_batch_runs_the_attention_as_the_eager_batch_does():
     seen = set()
     for kv_heads in (1, 2, 8):
         for n in range(1, BUCKETS[-1] + 1):
-            assert decode_splits(n, kv_heads, cpu) == decode_splits(bucket(n), kv_heads, cpu), (n, kv_heads)
+            for span in (256, 8192):
+                assert decode_splits(n, kv_heads, cpu, span) == decode_splits(bucket(n), kv_heads, cpu, span), (n, span)
             assert decode_config(n, kv_heads, cpu) == decode_config(bucket(n), kv_heads, cpu), (n, kv_heads)
             seen.add(decode_config(n, kv_heads, cpu))
     assert len(seen) == 2, seen

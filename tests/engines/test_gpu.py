@@ -166,6 +166,30 @@ def test_cuda_graph_decode_equals_eager_decode(model_06b):
     assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
 
 
+def test_cuda_graph_decode_equals_eager_decode_across_the_long_context_line(model_06b):
+    """Requests whose contexts grow past LONG_CONTEXT_TOKENS mid-generation (their attention
+    then splits as a long context's): the graphs of short and long tables give exactly the
+    eager steps' tokens and log-probs, and both kinds were captured."""
+    from engines.kernels.paged_attention import LONG_CONTEXT_TOKENS
+
+    prompts = [list(range(7 + i, 7 + i + LONG_CONTEXT_TOKENS - 60 + 7 * i)) for i in range(8)]
+
+    async def main(graph):
+        eng = TorchEngine(model_06b, device="cuda", kv_cache_tokens=8 * 2304, cuda_graph=graph)
+        res = await asyncio.gather(
+            *(eng.generate(p, {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}) for p in prompts)
+        )
+        keys = sorted(eng.runner.graphs.graphs) if eng.runner.graphs is not None else []
+        await eng.close()
+        return res, keys
+
+    eager, _ = run(main(False), 300)
+    graphed, keys = run(main(True), 300)
+    assert {long for _, long in keys} == {False, True}, keys
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+    assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
+
+
 def test_sampling_keys_under_cuda_graphs(tmp_path):
     """Penalties and min_p apply to the logits of a CUDA-graph decode as to an eager one
     (graphs capture the forward only), and the defaults' rows beside penalized rows are

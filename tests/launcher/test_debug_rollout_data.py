@@ -45,7 +45,8 @@ def test_a_pt_template_gets_the_originals_torch_save_and_others_jsonl(tmp_path):
     data = torch.load(path, weights_only=True)
     assert data["rollout_id"] == 2 and [s["index"] for s in data["samples"]] == [0, 1, 2]
     assert data["samples"][1]["reward_info"]["judge_response"] == "1" and data["samples"][1]["advantage"] == -1.0
-    path = write_samples(str(tmp_path / "run"), 1, samples(2), [1.0, 1.0], str(tmp_path / "dbg" / "r{rollout_id}.jsonl"))
+    path = write_samples(str(tmp_path / "run"), 1, samples(2), [1.0, 1.0],
+                         str(tmp_path / "dbg" / "r{rollout_id}.jsonl"))
     assert [json.loads(line)["response"] for line in open(path)] == ["Answer: 0", "Answer: 1"]
     bare = write_samples(str(tmp_path / "run"), 1, samples(1), [0.0])
     assert bare == str(tmp_path / "run" / "samples" / "step_000001.jsonl")

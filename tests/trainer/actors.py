@@ -74,8 +74,8 @@ class LongContextCheck(Actor):
         import torch.distributed as dist
         from safetensors.torch import load_file
 
-        from engines.models.model import ModelConfig
         from engines.kernels import token_logprobs as token_kernels
+        from engines.models.model import ModelConfig
         from engines.trainer import cpu_shim
         from engines.trainer.megatron_model import build_gpt, causal_mask, hf_to_megatron, token_logprobs
 
