@@ -182,8 +182,9 @@ def row_lengths(args) -> list[int]:
     return [low + (high - low) * i // max(1, args.batch - 1) for i in range(args.batch)]
 
 
-def anchor(args, path: str, lengths: list[int], queue) -> None:
-    """transformers (SDPA) doing the GRPO step's work on the same rows; puts its figures."""
+def anchor_step(args, path: str, lengths: list[int]):
+    """transformers (SDPA, AdamW) doing the GRPO step's work on rows of ``lengths``: the step
+    as a function (it waits for the device)."""
     import transformers
 
     device = torch.device(args.device)
@@ -204,6 +205,13 @@ def anchor(args, path: str, lengths: list[int], queue) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    return step
+
+
+def anchor(args, path: str, lengths: list[int], queue) -> None:
+    """transformers (SDPA) doing the GRPO step's work on the same rows; puts its figures."""
+    device = torch.device(args.device)
+    step = anchor_step(args, path, lengths)
     step()
     times = []
     for _ in range(args.steps):

@@ -79,27 +79,10 @@ def ours(args, path: str, seqs: list, masks: list, adv: list) -> dict:
     return profile(run, args.device, args.top)
 
 
-def anchor(args, path: str, seqs: list, masks: list) -> dict:
-    import transformers
+def anchor(args, path: str, seqs: list) -> dict:
+    from benchmarks.trainer_bench import anchor_step
 
-    device = torch.device(args.device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa").to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    rows = [torch.tensor([s], device=device) for s in seqs]
-
-    def run() -> None:
-        for ids in rows:
-            with torch.no_grad():
-                model(ids).logits.float().log_softmax(-1)
-            logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])
-            (-logp[ids.shape[1] // 4:].mean() / len(rows)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    return profile(run, args.device, args.top)
+    return profile(anchor_step(args, path, [len(q) for q in seqs]), args.device, args.top)
 
 
 def main() -> None:
@@ -134,7 +117,7 @@ def main() -> None:
     adv = [1.0 if i % 2 else -1.0 for i in range(len(lengths))]
     out = {"side": "anchor" if args.anchor else "ours", "size": args.size, "tokens": sum(lengths),
            "rows": len(lengths), "packed": args.packed}
-    out.update(anchor(args, path, seqs, masks) if args.anchor else ours(args, path, seqs, masks, adv))
+    out.update(anchor(args, path, seqs) if args.anchor else ours(args, path, seqs, masks, adv))
     out["tokens_per_s"] = round(sum(lengths) / (out["wall_ms"] / 1e3), 1)
     print(json.dumps(out))
 

@@ -133,3 +133,20 @@ def compile_for_h200(src, options: dict):
         if "backend" in str(e).lower():
             pytest.skip(str(e))
         raise
+
+
+async def start_trainer(actor_cls, path: str, gpus: int = 1, **kw):
+    """``(procs, trainer)``: ``actor_cls`` (a TrainerActor) over ``gpus`` bundles of this host,
+    torch.distributed set up, initialized (240 s at most). End it with :func:`stop_trainer`."""
+    from relay import setup_torch_distributed, this_host
+
+    procs = this_host().spawn_procs(per_host={"gpus": gpus})
+    await setup_torch_distributed(procs)
+    t = procs.spawn("trainer", actor_cls, path, **kw)
+    await t.initialized(240)
+    return procs, t
+
+
+async def stop_trainer(procs, t) -> None:
+    await t.shutdown.call().result(60)
+    await procs.stop()

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class SDPAttention(MegatronModule):
@@ -43,8 +44,6 @@ class SDPAttention(MegatronModule):
         """[b, heads, s, d] x [b, groups, s, d] -> [b, heads, s, d], causal."""
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and q.is_cuda and _FUSED_GQA[0]:  # CUDA's flash kernels take the groups as they are
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             try:  # never the math fallback (it holds [S, S] scores): a fused kernel or the expansion below
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                                   SDPBackend.EFFICIENT_ATTENTION]):

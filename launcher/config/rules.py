@@ -222,7 +222,8 @@ def check_debug_rollout_path(cfg: JobConfig) -> None:
     try:
         template.format(rollout_id=0)
     except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"--save-debug-rollout-path {template!r}: a path template takes {{rollout_id}} only "
+        raise ConfigError(f"--save-debug-rollout-data / --save-debug-rollout-path {template!r}: a path template "
+                          f"takes {{rollout_id}} only "
                           f"({type(e).__name__}: {e})") from None
 
 

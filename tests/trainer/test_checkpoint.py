@@ -17,8 +17,8 @@ import torch
 
 from engines.models.model_builder import make_model
 from engines.trainer.train_batch import TrainBatch
-from relay import ActorError, setup_torch_distributed, this_host
-from tests.helpers import run
+from relay import ActorError
+from tests.helpers import run, start_trainer, stop_trainer
 from tests.trainer.actors import StateProbe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -43,16 +43,10 @@ def moe(tmp_path_factory):
 
 
 async def start(path, gpus: int = 1, **kw):
-    procs = this_host().spawn_procs(per_host={"gpus": gpus})
-    await setup_torch_distributed(procs)
-    t = procs.spawn("trainer", StateProbe, path, lr=1e-2, **kw)
-    await t.initialized(240)
-    return procs, t
+    return await start_trainer(StateProbe, path, gpus, lr=1e-2, **kw)
 
 
-async def stop(procs, t):
-    await t.shutdown.call().result(60)
-    await procs.stop()
+stop = stop_trainer
 
 
 async def step(t, dp: int) -> None:

@@ -185,7 +185,7 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_reference_with_one_warning(m
     """A Triton that cannot compile the kernels (simulated: the launch raises) leaves the
     exact torch path to the process, said once on stderr."""
     if K.triton is None:
-        pytest.skip("no triton")
+        pytest.skip("Triton is not installed: the torch path is the only one, nothing falls back")
 
     class Broken:
         def __getitem__(self, grid):

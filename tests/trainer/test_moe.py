@@ -17,7 +17,7 @@ from engines.models.checkpoint import checkpoint_tensors
 from engines.models.model_builder import make_model
 from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host
-from tests.helpers import run
+from tests.helpers import run, start_trainer, stop_trainer
 from tests.trainer.actors import GradTrainer, MegatronCheck
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -35,16 +35,10 @@ def moe(tmp_path_factory):
 
 
 async def start(path, gpus: int = 1, **kw):
-    procs = this_host().spawn_procs(per_host={"gpus": gpus})
-    await setup_torch_distributed(procs)
-    t = procs.spawn("trainer", GradTrainer, path, **kw)
-    await t.initialized(240)
-    return procs, t
+    return await start_trainer(GradTrainer, path, gpus, **kw)
 
 
-async def stop(procs, t):
-    await t.shutdown.call().result(60)
-    await procs.stop()
+stop = stop_trainer
 
 
 async def each_rank(t, method: str, per_rank: list) -> list:

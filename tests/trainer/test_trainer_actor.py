@@ -13,7 +13,7 @@ from engines.models.model_builder import make_model
 from engines.trainer.actor import TrainerActor
 from engines.trainer.train_batch import TrainBatch
 from relay import ActorError, setup_torch_distributed, this_host
-from tests.helpers import run
+from tests.helpers import run, start_trainer, stop_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -28,11 +28,7 @@ def policy(tmp_path_factory):
 
 
 async def start(policy, gpus: int = 1, **kw):
-    procs = this_host().spawn_procs(per_host={"gpus": gpus})
-    await setup_torch_distributed(procs)
-    t = procs.spawn("trainer", TrainerActor, policy, lr=1e-2, **kw)
-    await t.initialized(240)
-    return procs, t
+    return await start_trainer(TrainerActor, policy, gpus, lr=1e-2, **kw)
 
 
 async def each_rank(t, method: str, per_rank: list) -> list:
@@ -48,9 +44,7 @@ def dp2_batches():
     return [(TrainBatch(SEQS[:2], MASKS[:2], ADV[:2]),), (TrainBatch(SEQS[2:], MASKS[2:], ADV[2:]),)]
 
 
-async def stop(procs, t):
-    await t.shutdown.call().result(60)
-    await procs.stop()
+stop = stop_trainer
 
 
 def test_offload_onload_is_exact(policy):
