@@ -52,6 +52,8 @@ def transformer_config(
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from engines.kernels import rope
+
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -70,7 +72,7 @@ def transformer_config(
         attention_dropout=0.0,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope.install(),  # one pass a call (engines/kernels/rope.py), Megatron's values
         use_cpu_initialization=True,
         tensor_model_parallel_size=tp,
         params_dtype=dtype,
