@@ -1,9 +1,10 @@
 """The Megatron trainer, measured through relay as the GRPO loop drives it. Prints one JSON
 line:
 
-- ``step_s`` / ``tokens_per_s``: one GRPO ``train_step`` (forward for the old log-probs,
-  forward + backward, optimizer) on ``--batch`` sequences of ``--seq`` tokens, median over
-  ``--steps`` after a warm-up step;
+- ``step_s`` / ``tokens_per_s``: one GRPO ``train_step`` (forward + backward, optimizer; the
+  batch is one optimizer step, so the old log-probs are its forward's own, detached, as in
+  the loop) on ``--batch`` sequences of ``--seq`` tokens, median over ``--steps`` after a
+  warm-up step;
 - ``offload_s_per_gb`` / ``onload_s_per_gb`` against ``pinned_d2h_s_per_gb`` /
   ``pinned_h2d_s_per_gb``, the pinned host<->device copy measured in the same run (on CPU:
   a host memcpy), and their ratios (the target is <= 1.5);
@@ -17,10 +18,11 @@ line:
 
 With ``--train-only`` only the GRPO step is measured, with ``peak_gb`` (the trainer
 process's peak: GPU memory allocated, or on CPU its resident set) and, with ``--anchor``, a
-transformers model of the same shape (SDPA attention, AdamW) doing the same work in another
-process: a no-grad forward, a forward/backward of the response tokens' mean log-prob, an
-optimizer step (``anchor_*``; on GPU with ``--bf16`` its params and Adam states are bf16,
-ours bf16 with fp32 master weights and Adam states: ``anchor_precision`` says so).
+transformers model of the same shape (SDPA attention, AdamW) in another process doing the
+issue's anchor step: a no-grad forward (old log-probs), a forward/backward of the response
+tokens' mean log-prob, an optimizer step (``anchor_*``); ``anchor_lean_*`` the same without
+the no-grad forward (the work ours does). On GPU with ``--bf16`` the anchor's params and Adam
+states are bf16, ours bf16 with fp32 master weights and Adam states (``anchor_precision``).
 ``--packed`` trains one packed micro-batch (``--use-dynamic-batch-size``); ``--recompute
 full`` recomputes every layer in backward; ``--lengths a,b`` spreads the rows' lengths
 evenly over [a, b] (a GRPO-like batch) instead of ``--seq`` each. The model's positions
@@ -182,9 +184,11 @@ def row_lengths(args) -> list[int]:
     return [low + (high - low) * i // max(1, args.batch - 1) for i in range(args.batch)]
 
 
-def anchor_step(args, path: str, lengths: list[int]):
+def anchor_step(args, path: str, lengths: list[int], old_forward: bool = True):
     """transformers (SDPA, AdamW) doing the GRPO step's work on rows of ``lengths``: the step
-    as a function (it waits for the device)."""
+    as a function (it waits for the device). ``old_forward``: with the no-grad forward for the
+    old log-probs (the issue's anchor); without it, the work ours does for a batch that is one
+    optimizer step (the old log-probs are the forward's own, detached)."""
     import transformers
 
     device = torch.device(args.device)
@@ -196,8 +200,9 @@ def anchor_step(args, path: str, lengths: list[int]):
 
     def step() -> None:
         for ids in rows:  # one row per forward: no padding, as ours packs or groups by length
-            with torch.no_grad():
-                model(ids).logits.float().log_softmax(-1)
+            if old_forward:
+                with torch.no_grad():
+                    model(ids).logits.float().log_softmax(-1)
             logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])
             (-logp[ids.shape[1] // 4 :].mean() / len(rows)).backward()
         opt.step()
@@ -211,20 +216,25 @@ def anchor_step(args, path: str, lengths: list[int]):
 def anchor(args, path: str, lengths: list[int], queue) -> None:
     """transformers (SDPA) doing the GRPO step's work on the same rows; puts its figures."""
     device = torch.device(args.device)
-    step = anchor_step(args, path, lengths)
-    step()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
+    out = {"anchor_precision": "bf16 params and AdamW states (no fp32 master)" if args.bf16 else "fp32"}
+    for key, old_forward in (("anchor", True), ("anchor_lean", False)):
+        step = anchor_step(args, path, lengths, old_forward)
         step()
-        times.append(time.perf_counter() - t0)
-    from engines.trainer.actor import peak_rss
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        out.update({f"{key}_step_s": step_s, f"{key}_tokens_per_s": sum(lengths) / step_s})
+        del step
+        if key == "anchor":
+            from engines.trainer.actor import peak_rss
 
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss()
-    step_s = statistics.median(times)
-    queue.put({"anchor_step_s": step_s, "anchor_tokens_per_s": sum(lengths) / step_s,
-               "anchor_peak_gb": peak / GB,
-               "anchor_precision": ("bf16 params and AdamW states (no fp32 master)" if args.bf16 else "fp32")})
+            out["anchor_peak_gb"] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss()) / GB
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    queue.put(out)
 
 
 def run_anchor(args, path: str) -> dict:
