@@ -1,12 +1,8 @@
-"""Rotary position embedding in one pass: Megatron-core's RoPE (``t * cos + rotate_half(t) *
-sin``, non-interleaved, the whole head rotated) without its eight elementwise kernels a call,
-and for packed rows without its loop over the sequences.
-
-:func:`install` puts :func:`apply_bshd` and :func:`apply_thd` where megatron-core looks for
-TransformerEngine's fused RoPE (``rope_utils.fused_apply_rotary_pos_emb[_thd]``, used when
-``TransformerConfig.apply_rope_fusion``); it does nothing where TransformerEngine's are there.
-Cases the kernel does not cover (interleaved pairs, a partial rotary dimension, context
-parallelism) go to megatron-core's own code unchanged.
+"""Rotary position embedding in one pass: :func:`rope` rotates ``t`` ``[S, B, H, D]`` by the
+angles of Megatron-core's layout (``t * cos + rotate_half(t) * sin``, non-interleaved, the
+whole head), each row by its own position, where Megatron's unfused code runs eight
+elementwise kernels a call (and for packed rows a loop over the sequences). The trainer
+serves megatron-core's fused-RoPE hook with it (engines/trainer/fusions.py).
 
 The values are Megatron's to the bit: ``cos`` and ``sin`` of the angles are rounded to the
 activations' dtype once a forward (computed for the first layer's call, then reused while
@@ -180,10 +176,17 @@ class _RoPE(torch.autograd.Function):
         return _rope(g, cos, sin, positions, backward=True), None, None, None
 
 
-def _covered(t: torch.Tensor, freqs: torch.Tensor) -> bool:
-    """The kernel's case: the whole head rotated, an even power-of-two head size."""
+def covers(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether :func:`rope` takes ``t`` with ``freqs``: the whole head rotated, a power-of-two
+    head size."""
     d = t.shape[-1]
     return freqs.shape[-1] == d and d >= 2 and d & (d - 1) == 0
+
+
+def packed_positions(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each token's position in its own sequence (``int32 [tokens]``) of the packing
+    ``cu_seqlens`` (cached while the same tensor comes)."""
+    return _TABLES.packed_positions(cu_seqlens, tokens)
 
 
 def rope(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,40 +194,3 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None = 
     layout: ``cat(f, f)``), row ``s`` by angle row ``positions[s]`` (``s`` where None)."""
     cos, sin = _TABLES.cos_sin(freqs, t.dtype)
     return _RoPE.apply(t, cos, sin, positions)
-
-
-def apply_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, **kwargs) -> torch.Tensor:
-    """megatron-core's ``fused_apply_rotary_pos_emb`` (``t`` ``[S, B, H, D]``)."""
-    if interleaved or kwargs or not _covered(t, freqs) or freqs.shape[0] < t.shape[0]:
-        from megatron.core.models.common.embeddings import rope_utils
-
-        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-    return rope(t, freqs)
-
-
-def apply_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
-              **kwargs) -> torch.Tensor:
-    """megatron-core's ``fused_apply_rotary_pos_emb_thd`` (``t`` ``[T, H, D]``, one packed row):
-    where the angles cover exactly the packed tokens, token ``i`` takes angle row ``i``
-    (Megatron's offset mapping), else each sequence's tokens take rows ``0, 1, ...``."""
-    if cp_size != 1 or kwargs or not _covered(t, freqs):
-        from megatron.core import parallel_state
-        from megatron.core.models.common.embeddings import rope_utils
-
-        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs,
-                                                    cp_group=parallel_state.get_context_parallel_group())
-    tokens = t.shape[0]
-    positions = None if freqs.shape[0] == tokens else _TABLES.packed_positions(cu_seqlens, tokens)
-    return rope(t[:, None], freqs, positions)[:, 0]
-
-
-def install() -> bool:
-    """Serve megatron-core's fused-RoPE hook with this module's functions (unless
-    TransformerEngine's serve it); True when the trainer may turn ``apply_rope_fusion`` on."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = apply_bshd
-    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
-        rope_utils.fused_apply_rotary_pos_emb_thd = apply_thd
-    return True

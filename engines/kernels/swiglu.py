@@ -1,10 +1,7 @@
 """SwiGLU in one pass each way: ``silu(a) * b`` of the halves ``[a, b]`` of an MLP's fc1
 output, where megatron-core's unfused code runs a chunk, a SiLU and a product forward and five
-kernels back, and keeps ``a``, ``b`` and ``silu(a)`` for the backward (this keeps the input only).
-
-:func:`install` puts :func:`bias_swiglu` where megatron-core's MLP calls its fused SwiGLU
-(``mlp.bias_swiglu_impl``, used when ``TransformerConfig.bias_activation_fusion``); a bias,
-an FP8 input store or CPU offloading of the input go to megatron-core's own code.
+kernels back, and keeps ``a``, ``b`` and ``silu(a)`` for the backward (this keeps the input
+only). The trainer serves megatron-core's fused-SwiGLU call with it (engines/trainer/fusions.py).
 
 Rounding as the unfused bf16 code's: ``silu(a)`` rounded to the dtype, then the product
 rounded (math in float32 between). The backward, ``da = g b silu'(a)``, ``db = g silu(a)``,
@@ -109,24 +106,3 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"SwiGLU needs an even last dimension, not {x.shape[-1]}")
     return _SwiGLU.apply(x)
-
-
-def bias_swiglu(x: torch.Tensor, bias, fp8_input_store: bool = False, cpu_offload_input: bool = False):
-    """megatron-core's ``bias_swiglu_impl``."""
-    if bias is not None or fp8_input_store or cpu_offload_input:
-        return _MEGATRON[0](x, bias, fp8_input_store, cpu_offload_input)
-    return swiglu(x)
-
-
-_MEGATRON: list = [None]
-
-
-def install() -> bool:
-    """Serve megatron-core's fused-SwiGLU call with :func:`bias_swiglu`; True when the trainer
-    may turn ``bias_activation_fusion`` on (its activation is SiLU, gated)."""
-    from megatron.core.transformer import mlp
-
-    if mlp.bias_swiglu_impl is not bias_swiglu:
-        _MEGATRON[0] = mlp.bias_swiglu_impl
-        mlp.bias_swiglu_impl = bias_swiglu
-    return True

@@ -52,7 +52,7 @@ def transformer_config(
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from engines.kernels import rope, swiglu
+    from engines.trainer import fusions
 
     return TransformerConfig(
         num_layers=cfg.num_layers,
@@ -70,14 +70,13 @@ def transformer_config(
         qk_layernorm=cfg.qk_norm and not cfg.hybrid,  # a hybrid's attention is ours (hybrid_layers.py)
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=swiglu.install(),  # one pass each way (engines/kernels/swiglu.py)
         masked_softmax_fusion=False,
-        apply_rope_fusion=rope.install(),  # one pass a call (engines/kernels/rope.py), Megatron's values
         use_cpu_initialization=True,
         tensor_model_parallel_size=tp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         **moe_options(cfg, ep, aux_loss_coeff),
+        **fusions.install(),  # RoPE and SwiGLU in one pass each (engines/trainer/fusions.py)
         **{k: v for k, v in (recompute or {}).items() if v is not None},
     )
 

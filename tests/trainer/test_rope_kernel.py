@@ -1,7 +1,7 @@
-"""The fused RoPE (engines/kernels/rope.py) equals megatron-core's unfused RoPE to the bit in
-its forward, for padded rows and packed ones (both of Megatron's position mappings), fp32 and
-bf16, contiguous or a view of a QKV projection; its backward equals the exact transpose; the
-Triton kernel (under Triton's interpreter on CPU, and on CUDA) equals the torch reference;
+"""The fused RoPE (engines/kernels/rope.py; engines/trainer/fusions.py serves it to Megatron)
+equals megatron-core's unfused RoPE to the bit in its forward, for padded rows and packed
+ones (both of Megatron's position mappings), fp32 and bf16, contiguous or a view of a QKV
+projection; its backward equals the exact transpose; the Triton kernel (under Triton's interpreter on CPU, and on CUDA) equals the torch reference;
 what the kernel does not cover goes to Megatron's code."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from engines.kernels import rope  # noqa: E402
+from engines.trainer import fusions  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,7 +67,7 @@ def test_padded_rows_equal_megatron_bit_for_bit(dtype):
     S, B, H, D = 37, 3, 5, 16
     t = (torch.randn(S, B, H, D) * 3).to(dtype).requires_grad_(True)
     freqs = angles(S + 4, D)[:S]
-    ours = rope.apply_bshd(t, freqs)
+    ours = fusions.rope_bshd(t, freqs)
     assert ours.dtype == dtype and ours.shape == t.shape
     assert torch.equal(ours, megatron_bshd(t.detach(), freqs))
     g = torch.randn(S, B, H, D).to(dtype)
@@ -83,7 +84,7 @@ def test_a_view_of_a_qkv_projection_equals_the_contiguous_copy():
     q = qkv[..., : H * D].view(S, B, H, D)  # strided: a slice of each token's row
     assert not q.is_contiguous()
     freqs = angles(S, D)
-    assert torch.equal(rope.apply_bshd(q, freqs), megatron_bshd(q.contiguous(), freqs))
+    assert torch.equal(fusions.rope_bshd(q, freqs), megatron_bshd(q.contiguous(), freqs))
 
 
 @pytest.mark.parametrize("offsets", [False, True])
@@ -97,7 +98,7 @@ def test_packed_rows_equal_megatron_in_both_position_mappings(offsets, dtype):
     cu = torch.tensor([0, 5, 6, 18, 25], dtype=torch.int32)
     freqs = angles(T if offsets else max(lengths), D)
     t = torch.randn(T, H, D).to(dtype).requires_grad_(True)
-    ours = rope.apply_thd(t, cu, freqs)
+    ours = fusions.rope_thd(t, cu, freqs)
     assert torch.equal(ours, megatron_thd(t.detach(), cu, freqs))
     g = torch.randn(T, H, D).to(dtype)
     ours.backward(g)
@@ -111,25 +112,25 @@ def test_the_tables_follow_new_angles_and_a_new_packing():
     torch.manual_seed(3)
     t = torch.randn(6, 1, 2, 8)
     a, b = angles(6, 8), angles(6, 8, base=500.0)
-    assert torch.equal(rope.apply_bshd(t, a), megatron_bshd(t, a))
-    assert torch.equal(rope.apply_bshd(t, b), megatron_bshd(t, b))
+    assert torch.equal(fusions.rope_bshd(t, a), megatron_bshd(t, a))
+    assert torch.equal(fusions.rope_bshd(t, b), megatron_bshd(t, b))
     b.mul_(0.5)  # changed in place: the cached cos / sin must not be reused
-    assert torch.equal(rope.apply_bshd(t, b), megatron_bshd(t, b))
+    assert torch.equal(fusions.rope_bshd(t, b), megatron_bshd(t, b))
     p = torch.randn(6, 2, 8)
     long = angles(6, 8)
     for cu in (torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 4, 6], dtype=torch.int32)):
-        assert torch.equal(rope.apply_thd(p, cu, long[:4]), megatron_thd(p, cu, long[:4]))
+        assert torch.equal(fusions.rope_thd(p, cu, long[:4]), megatron_thd(p, cu, long[:4]))
 
 
 def test_what_the_kernel_does_not_cover_goes_to_megatron():
     torch.manual_seed(4)
     t = torch.randn(5, 1, 2, 8)
     partial = angles(5, 4)  # rotary_percent < 1: only the first 4 of 8 channels turn
-    assert torch.equal(rope.apply_bshd(t, partial), megatron_bshd(t, partial))
+    assert torch.equal(fusions.rope_bshd(t, partial), megatron_bshd(t, partial))
     from megatron.core.models.common.embeddings import rope_utils
 
     full = angles(5, 8)
-    assert torch.equal(rope.apply_bshd(t, full, interleaved=True),
+    assert torch.equal(fusions.rope_bshd(t, full, interleaved=True),
                        rope_utils._apply_rotary_pos_emb_bshd(t, full, rotary_interleaved=True))
 
 
@@ -144,8 +145,8 @@ def test_install_serves_megatrons_hook_and_the_trainer_turns_fusion_on(tmp_path)
     cpu_shim.install()
     cfg = ModelConfig.from_dir(make_model("qwen3", "tiny", str(tmp_path / "m"), seed=0))
     assert transformer_config(cfg).apply_rope_fusion
-    assert rope_utils.fused_apply_rotary_pos_emb is rope.apply_bshd  # no TransformerEngine here
-    assert rope_utils.fused_apply_rotary_pos_emb_thd is rope.apply_thd
+    assert rope_utils.fused_apply_rotary_pos_emb is fusions.rope_bshd  # no TransformerEngine here
+    assert rope_utils.fused_apply_rotary_pos_emb_thd is fusions.rope_thd
 
 
 KERNEL_CHECK = r"""
@@ -192,10 +193,10 @@ def test_cuda_kernel_equals_megatron_at_a_real_shape():
     qkv = torch.randn(S, B, 3 * H * D, device="cuda", dtype=torch.bfloat16)
     q = qkv[..., : H * D].view(S, B, H, D)
     freqs = angles(S, D, base=1e6).cuda()
-    assert torch.equal(rope.apply_bshd(q, freqs), megatron_bshd(q.contiguous(), freqs))
+    assert torch.equal(fusions.rope_bshd(q, freqs), megatron_bshd(q.contiguous(), freqs))
     lengths = [1000, 3000, 96, 4096]
     cu = torch.tensor([0, 1000, 4000, 4096, 8192], dtype=torch.int32, device="cuda")
     p = torch.randn(8192, H, D, device="cuda", dtype=torch.bfloat16)
     long = angles(max(lengths), D, base=1e6).cuda()
-    assert torch.equal(rope.apply_thd(p, cu, long), megatron_thd(p, cu, long))
+    assert torch.equal(fusions.rope_thd(p, cu, long), megatron_thd(p, cu, long))
     assert rope._KERNEL_OK[0]

@@ -1,7 +1,7 @@
-"""The fused SwiGLU (engines/kernels/swiglu.py) equals megatron-core's unfused ``silu(a) * b``
-forward to the bit on CPU and its gradient within one rounding; the Triton kernel (under
-Triton's interpreter, and on CUDA) equals the torch reference; a bias goes to Megatron's code;
-the trainer's MLPs call it."""
+"""The fused SwiGLU (engines/kernels/swiglu.py; engines/trainer/fusions.py serves it to Megatron)
+equals megatron-core's unfused ``silu(a) * b`` forward to the bit on CPU and its gradient
+within one rounding; the Triton kernel (under Triton's interpreter, and on CUDA) equals the
+torch reference; a bias goes to Megatron's code; the trainer's MLPs call it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from engines.kernels import swiglu  # noqa: E402
+from engines.trainer import fusions  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,9 +44,9 @@ def test_equals_the_unfused_code(dtype):
 def test_odd_width_is_refused_and_a_bias_goes_to_megatron():
     with pytest.raises(ValueError, match="even"):
         swiglu.swiglu(torch.randn(2, 5))
-    swiglu.install()
+    fusions.install()
     x, bias = torch.randn(4, 8), torch.randn(8)
-    assert torch.allclose(swiglu.bias_swiglu(x, bias), unfused(x + bias), atol=1e-6)
+    assert torch.allclose(fusions.bias_swiglu(x, bias), unfused(x + bias), atol=1e-6)
 
 
 def test_the_trainers_mlp_calls_the_fused_swiglu(tmp_path, monkeypatch):
@@ -59,7 +60,7 @@ def test_the_trainers_mlp_calls_the_fused_swiglu(tmp_path, monkeypatch):
     cpu_shim.install()
     cfg = ModelConfig.from_dir(make_model("qwen3", "tiny", str(tmp_path / "m"), seed=0))
     assert transformer_config(cfg).bias_activation_fusion
-    assert mlp.bias_swiglu_impl is swiglu.bias_swiglu
+    assert mlp.bias_swiglu_impl is fusions.bias_swiglu
 
 
 KERNEL_CHECK = r"""

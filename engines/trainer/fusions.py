@@ -1,0 +1,63 @@
+"""The trainer's fused elementwise ops, served where megatron-core looks for
+TransformerEngine's (none here): RoPE (``rope_utils.fused_apply_rotary_pos_emb[_thd]``, used
+with ``TransformerConfig.apply_rope_fusion``) and SwiGLU (``mlp.bias_swiglu_impl``, used
+with ``bias_activation_fusion``), by engines/kernels/rope.py and swiglu.py. :func:`install`
+runs before the TransformerConfig is built (its checks look for the RoPE hook). Cases the
+kernels do not cover (interleaved or partial rotary dimensions, context parallelism, a bias,
+FP8 or offloaded activations) go to megatron-core's own code unchanged; where
+TransformerEngine is installed its RoPE stays."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.kernels import rope, swiglu
+
+_MEGATRON_SWIGLU: list = [None]
+
+
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, **kwargs) -> torch.Tensor:
+    """megatron-core's ``fused_apply_rotary_pos_emb`` (``t`` ``[S, B, H, D]``)."""
+    if interleaved or kwargs or not rope.covers(t, freqs) or freqs.shape[0] < t.shape[0]:
+        from megatron.core.models.common.embeddings import rope_utils
+
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    return rope.rope(t, freqs)
+
+
+def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
+             **kwargs) -> torch.Tensor:
+    """megatron-core's ``fused_apply_rotary_pos_emb_thd`` (``t`` ``[T, H, D]``, one packed row):
+    where the angles cover exactly the packed tokens, token ``i`` takes angle row ``i``
+    (Megatron's offset mapping), else each sequence's tokens take rows ``0, 1, ...``."""
+    if cp_size != 1 or kwargs or not rope.covers(t, freqs):
+        from megatron.core import parallel_state
+        from megatron.core.models.common.embeddings import rope_utils
+
+        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs,
+                                                    cp_group=parallel_state.get_context_parallel_group())
+    tokens = t.shape[0]
+    positions = None if freqs.shape[0] == tokens else rope.packed_positions(cu_seqlens, tokens)
+    return rope.rope(t[:, None], freqs, positions)[:, 0]
+
+
+def bias_swiglu(x: torch.Tensor, bias, fp8_input_store: bool = False, cpu_offload_input: bool = False):
+    """megatron-core's ``bias_swiglu_impl``."""
+    if bias is not None or fp8_input_store or cpu_offload_input:
+        return _MEGATRON_SWIGLU[0](x, bias, fp8_input_store, cpu_offload_input)
+    return swiglu.swiglu(x)
+
+
+def install() -> dict:
+    """Serve megatron-core's hooks; the TransformerConfig options that turn them on."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import mlp
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = rope_bshd
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd
+    if mlp.bias_swiglu_impl is not bias_swiglu:
+        _MEGATRON_SWIGLU[0] = mlp.bias_swiglu_impl
+        mlp.bias_swiglu_impl = bias_swiglu
+    return {"apply_rope_fusion": True, "bias_activation_fusion": True}
