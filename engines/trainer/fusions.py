@@ -1,17 +1,19 @@
 """The trainer's fused elementwise ops, served where megatron-core looks for
 TransformerEngine's (none here): RoPE (``rope_utils.fused_apply_rotary_pos_emb[_thd]``, used
 with ``TransformerConfig.apply_rope_fusion``) and SwiGLU (``mlp.bias_swiglu_impl``, used
-with ``bias_activation_fusion``), by engines/kernels/rope.py and swiglu.py. :func:`install`
-runs before the TransformerConfig is built (its checks look for the RoPE hook). Cases the
-kernels do not cover (interleaved or partial rotary dimensions, context parallelism, a bias,
-FP8 or offloaded activations) go to megatron-core's own code unchanged; where
-TransformerEngine is installed its RoPE stays."""
+with ``bias_activation_fusion``), by engines/kernels/rope.py and swiglu.py; and RMSNorm
+(:func:`fuse_norms`: the model's ``torch.nn.RMSNorm`` modules, Megatron's local-spec norm,
+become :class:`FusedRMSNorm`, engines/kernels/rms_norm.py). :func:`install` runs before the
+TransformerConfig is built (its checks look for the RoPE hook). Cases the kernels do not
+cover (interleaved or partial rotary dimensions, context parallelism, a bias, FP8 or
+offloaded activations) go to megatron-core's own code unchanged; where TransformerEngine is
+installed its RoPE stays."""
 
 from __future__ import annotations
 
 import torch
 
-from engines.kernels import rope, swiglu
+from engines.kernels import rms_norm, rope, swiglu
 
 _MEGATRON_SWIGLU: list = [None]
 
@@ -61,3 +63,24 @@ def install() -> dict:
         _MEGATRON_SWIGLU[0] = mlp.bias_swiglu_impl
         mlp.bias_swiglu_impl = bias_swiglu
     return {"apply_rope_fusion": True, "bias_activation_fusion": True}
+
+
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (same parameters, same state dict) computed by one kernel each way."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or tuple(self.normalized_shape) != tuple(x.shape[-1:]):
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm.rms_norm(x, self.weight, eps)
+
+
+def fuse_norms(model: torch.nn.Module) -> int:
+    """Make every plain ``torch.nn.RMSNorm`` of ``model`` a :class:`FusedRMSNorm` (in place:
+    parameters and hooks stay); how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.RMSNorm:
+            module.__class__ = FusedRMSNorm
+            count += 1
+    return count

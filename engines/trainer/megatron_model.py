@@ -119,7 +119,7 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
         use_sdpa(spec)
     elif attention != "local":
         raise ValueError(f"attention must be 'sdpa' or 'local', not {attention!r}")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
@@ -129,6 +129,10 @@ def build_gpt(cfg: ModelConfig, tp: int = 1, dtype=torch.float32, ep: int = 1, a
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         parallel_output=True,
     )
+    from engines.trainer.fusions import fuse_norms
+
+    fuse_norms(model)  # Megatron's local-spec RMSNorm in one kernel each way
+    return model
 
 
 def _qkv_rows(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

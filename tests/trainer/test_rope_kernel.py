@@ -1,8 +1,9 @@
 """The fused RoPE (engines/kernels/rope.py; engines/trainer/fusions.py serves it to Megatron)
 equals megatron-core's unfused RoPE to the bit in its forward, for padded rows and packed
 ones (both of Megatron's position mappings), fp32 and bf16, contiguous or a view of a QKV
-projection; its backward equals the exact transpose; the Triton kernel (under Triton's interpreter on CPU, and on CUDA) equals the torch reference;
-what the kernel does not cover goes to Megatron's code."""
+projection; its backward equals the exact transpose; the Triton kernel (under Triton's
+interpreter on CPU, and on CUDA) equals the torch reference; what the kernel does not cover
+goes to Megatron's code."""
 
 from __future__ import annotations
 
