@@ -7,9 +7,12 @@ become :class:`FusedRMSNorm`, engines/kernels/rms_norm.py). :func:`install` runs
 TransformerConfig is built (its checks look for the RoPE hook). Cases the kernels do not
 cover (interleaved or partial rotary dimensions, context parallelism, a bias, FP8 or
 offloaded activations) go to megatron-core's own code unchanged; where TransformerEngine is
-installed its RoPE stays."""
+installed its RoPE stays. ``RELAY_TRAINER_FUSIONS=0`` in the trainer's environment keeps
+megatron-core's unfused code (for comparisons)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -50,8 +53,14 @@ def bias_swiglu(x: torch.Tensor, bias, fp8_input_store: bool = False, cpu_offloa
     return swiglu.swiglu(x)
 
 
+def enabled() -> bool:
+    return os.environ.get("RELAY_TRAINER_FUSIONS", "1") != "0"
+
+
 def install() -> dict:
     """Serve megatron-core's hooks; the TransformerConfig options that turn them on."""
+    if not enabled():
+        return {"apply_rope_fusion": False, "bias_activation_fusion": False}
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import mlp
 
@@ -78,6 +87,8 @@ class FusedRMSNorm(torch.nn.RMSNorm):
 def fuse_norms(model: torch.nn.Module) -> int:
     """Make every plain ``torch.nn.RMSNorm`` of ``model`` a :class:`FusedRMSNorm` (in place:
     parameters and hooks stay); how many."""
+    if not enabled():
+        return 0
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.RMSNorm:
