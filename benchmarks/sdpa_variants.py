@@ -1,5 +1,6 @@
 """The trainer's attention choices on this GPU, side by side in one run: causal SDPA forward +
-backward with the KV heads expanded (``repeat_interleave``) against ``enable_gqa``, and a
+backward with the KV heads expanded (``repeat_interleave``) against ``enable_gqa``, each of
+SDPA's fused backends alone (flash, cuDNN, memory-efficient: ms and TFLOP/s), and a
 packed micro-batch as one ``varlen_attn`` call against one SDPA call per row. Prints one JSON
 line: milliseconds per forward + backward and peak memory of each, and which API this torch has.
 
@@ -52,6 +53,19 @@ def main() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
 
     out["expanded_ms"], out["expanded_peak_gb"] = timed(expanded)
+    # each fused backend alone (GQA as the trainer calls it), with its achieved TFLOP/s
+    # (causal forward 2 S^2 d a head, backward 2.5x that)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flops = 3.5 * 2 * s * s * d * h
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                ms, _ = timed(gqa)
+            out[f"{name.lower()}_ms"] = ms
+            out[f"{name.lower()}_tflops"] = flops / (ms / 1e3) / 1e12
+        except Exception as e:  # noqa: BLE001 - reported
+            out[f"{name.lower()}_error"] = f"{type(e).__name__}: {e}"[:200]
     try:
         out["enable_gqa_ms"], out["enable_gqa_peak_gb"] = timed(gqa)
     except Exception as e:  # noqa: BLE001 - reported
