@@ -23,6 +23,8 @@ issue's anchor step: a no-grad forward (old log-probs), a forward/backward of th
 tokens' mean log-prob, an optimizer step (``anchor_*``); ``anchor_lean_*`` the same without
 the no-grad forward (the work ours does). On GPU with ``--bf16`` the anchor's params and Adam
 states are bf16, ours bf16 with fp32 master weights and Adam states (``anchor_precision``).
+``model_tflops``: the model FLOPs of the step (:func:`train_flops`) a second; on GPU ``mfu``
+against a bf16 matmul's TFLOP/s measured in the same run (``matmul_tflops``).
 ``--packed`` trains one packed micro-batch (``--use-dynamic-batch-size``); ``--recompute
 full`` recomputes every layer in backward; ``--lengths a,b`` spreads the rows' lengths
 evenly over [a, b] (a GRPO-like batch) instead of ``--seq`` each. The model's positions
@@ -177,6 +179,21 @@ async def bench(args, path: str) -> dict:
     return out
 
 
+def train_flops(path: str, lengths: list[int]) -> float:
+    """Model FLOPs of one training pass (forward + backward, 3x the forward) over rows of
+    ``lengths``: the matmuls (2 per weight per token; the tied LM head counted once) and causal
+    attention (``QK^T`` and ``PV`` over the keys before each query: ``4 d_q`` per pair)."""
+    from engines.models.model import ModelConfig
+
+    c = ModelConfig.from_dir(path)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    tokens = sum(lengths)
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return 3 * (2 * weights * tokens + 4 * q * c.num_layers * pairs)
+
+
 def row_lengths(args) -> list[int]:
     if not args.lengths:
         return [args.seq] * args.batch
@@ -278,6 +295,12 @@ def main() -> None:
         make_model("qwen3", args.size, path, seed=0, dtype=dtype, init_device=args.device,
                    max_position_embeddings=positions)
     out = asyncio.run(bench(args, path))
+    out["model_tflops"] = train_flops(path, row_lengths(args)) / out["step_s"] / 1e12
+    if args.device == "cuda":  # model FLOP utilization against this GPU's bf16 matmul, measured now
+        from benchmarks.engine_bench import matmul_flops
+
+        out["matmul_tflops"] = matmul_flops("cuda") / 1e12
+        out["mfu"] = out["model_tflops"] / out["matmul_tflops"]
     if args.anchor:
         out.update(run_anchor(args, path))
         if "anchor_tokens_per_s" in out:
