@@ -1,30 +1,41 @@
 #!/bin/bash
-# Issue 49's figures on one GPU, each side by side in one run: the trainer against
-# transformers (SDPA, AdamW) at 4 x 2,048 and 1 x 8,192 tokens (0.6B shape, bf16), the same
-# with the tree before the change (BEFORE: a checkout of it); the built-in engine's decode at
-# 8,192-token prompts (batches 1, 16, 64) with this tree and BEFORE's; the decode timeline at
-# batch 16 (the share of a step outside the CUDA graph); SDPA's GQA and varlen choices.
-# PART=grpo instead: the GRPO step benchmark (one GPU, Defer-swap, --bf16) with this tree and
-# BEFORE's, then one step of 64 samples with 8,192-token responses (phases and memory).
+# Issue 49's figures on one GPU, each side by side in one run. PART picks one call's worth:
+#   grpo (default): the GRPO step benchmark (one GPU, Defer-swap, --bf16), this tree and BEFORE's
+#     alternated twice (after, before, after, before: neither side gets the other's warm caches
+#     alone), then one step of 64 samples with 8,192-token responses (phases and memory);
+#   trainer: the trainer against transformers on a GRPO-like batch (64 rows of 256..8,192
+#     tokens, packed micro-batches of 32,768) and at 1 x 32,768 (ours alone: its MFU);
+#   decode: the built-in engine's decode at 8,192-token prompts (batches 1, 16, 64) with this
+#     tree and BEFORE's, at the judge's length (10,112-token prompts: max_context_len 10,240),
+#     the decode timeline at batch 16, SDPA's backends.
+# BEFORE: a checkout of the tree to compare with; SITE: where the carried wheels are installed.
 # One JSON line per run on stdout and in $OUT/speed.jsonl (OUT: where to write, default /tmp).
 set -uo pipefail
 out=${OUT:-/tmp}/speed.jsonl
 site=${SITE:-/tmp/site}
 run() { echo "== $*" >&2; timeout "$1" "${@:2}" 2>&1 | grep -v USDT | tail -1 | sed "s/^{/{${TAG:-}/" | tee -a "$out"; }
 before() { [ -n "${BEFORE:-}" ] && (cd "$BEFORE" && PYTHONPATH="$site:$BEFORE" TAG='"before": true, ' run "$@"); }
-if [ "${PART:-}" = grpo ]; then
+case "${PART:-grpo}" in
+grpo)
   G="python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 1 --modes defer --train-args=--bf16"
-  before 240 $G --steps 3
-  run 240 $G --steps 3
+  for _ in 1 2; do
+    run 150 $G --steps 3
+    before 150 $G --steps 3
+  done
   run 540 $G --steps 1 --prompts 8 --n 8 --response-len 8192
-  exit 0
-fi
-TB="python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16 --train-only"
-E="python benchmarks/engine_bench.py --size 0.6b --prompt 8192 --new 128 --batches 1,16,64 --skip-hf-above 0 --no-swap"
-run 90 $TB --batch 1 --seq 8192 --steps 2 --anchor
-run 90 $E
-before 90 $E
-before 60 $TB --batch 1 --seq 8192 --steps 2
-run 90 $TB --batch 4 --seq 2048 --steps 3 --anchor
-run 60 python benchmarks/decode_timeline.py --size 0.6b --batch 16 --prompt 8192 --new 64
-run 40 python benchmarks/sdpa_variants.py
+  ;;
+trainer)
+  TB="python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16 --train-only"
+  run 300 $TB --batch 64 --lengths 256,8192 --packed --micro-batch-tokens 32768 --steps 2 --anchor
+  run 120 $TB --batch 1 --seq 32768 --steps 2
+  ;;
+decode)
+  E="python benchmarks/engine_bench.py --size 0.6b --new 128 --skip-hf-above 0 --no-swap"
+  run 90 $E --prompt 8192 --batches 1,16,64
+  before 90 $E --prompt 8192 --batches 1,16,64
+  run 90 $E --prompt 10112 --batches 1,16,64
+  run 60 python benchmarks/decode_timeline.py --size 0.6b --batch 16 --prompt 8192 --new 64
+  run 40 python benchmarks/sdpa_variants.py
+  ;;
+*) echo "PART must be grpo, trainer or decode, not ${PART}" >&2; exit 2 ;;
+esac
