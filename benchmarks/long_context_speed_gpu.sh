@@ -7,7 +7,8 @@
 #     tokens, packed micro-batches of 32,768) and at 1 x 32,768 (ours alone: its MFU);
 #   decode: the built-in engine's decode at 8,192-token prompts (batches 1, 16, 64) with this
 #     tree and BEFORE's, at the judge's length (10,112-token prompts: max_context_len 10,240),
-#     the decode timeline at batch 16, SDPA's backends.
+#     the decode timeline at batch 16, SDPA's backends, the decode attention kernel alone over
+#     its launch choices at 8,192 and 10,240 positions (what a retune would take).
 # BEFORE: a checkout of the tree to compare with; SITE: where the carried wheels are installed.
 # One JSON line per run on stdout and in $OUT/speed.jsonl (OUT: where to write, default /tmp).
 set -uo pipefail
@@ -36,6 +37,8 @@ decode)
   run 90 $E --prompt 10112 --batches 1,16,64
   run 60 python benchmarks/decode_timeline.py --size 0.6b --batch 16 --prompt 8192 --new 64
   run 40 python benchmarks/sdpa_variants.py
+  run 240 python benchmarks/decode_kernel_sweep.py --context 8192 --batches 1,16,64
+  run 120 python benchmarks/decode_kernel_sweep.py --context 10240 --batches 16,64
   ;;
 *) echo "PART must be grpo, trainer or decode, not ${PART}" >&2; exit 2 ;;
 esac

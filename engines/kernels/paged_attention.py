@@ -202,7 +202,10 @@ def decode_config(rows: int, kv_heads: int, device: torch.device) -> tuple[int, 
     return 64, 4, 3
 
 
-def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int | None = None):
+def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int | None = None,
+                   config: tuple[int, int, int] | None = None):
+    """The Triton decode attention; ``splits`` and ``config`` ((tile, warps, stages)) override
+    the tuned choices (benchmarks/decode_kernel_sweep.py)."""
     b, h, d = q.shape
     _, page, kvh, _ = k_cache.shape
     if h % kvh:
@@ -220,7 +223,9 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
         ml = torch.empty((b, h, splits, 2), dtype=torch.float32, device=q.device)
         part = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
     d_p = max(16, triton.next_power_of_2(d))
-    tile, warps, stages = decode_config(b, kvh, q.device) if splits == 1 else (64, 4, 3)  # split: tuned at batch 1
+    if config is None:
+        config = decode_config(b, kvh, q.device) if splits == 1 else (64, 4, 3)  # split: tuned at batch 1
+    tile, warps, stages = config
     _decode_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, ml, part, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
