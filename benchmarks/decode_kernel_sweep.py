@@ -65,7 +65,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two choices only (a smoke run)")
     args = ap.parse_args()
     from benchmarks._bandwidth import read_bandwidth
-    from engines.kernels.paged_attention import decode_config, decode_splits, paged_decode_attention_ref
+    from engines.kernels.paged_attention import (decode_config, decode_splits, multiprocessors,
+                                                 paged_decode_attention_ref)
 
     dev = torch.device(args.device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -74,7 +75,7 @@ def main() -> None:
     out: dict = {"context": ctx, "heads": h, "kv_heads": kvh, "dim": d, "page": page,
                  "read_gb_s": read / 1e9 if read else None}
     grid = [(1, 64, 4, 3), (2, 64, 4, 3)] if args.quick else [
-        (s, t, w, st) for s, t, w, st in itertools.product((1, 2, 4, 8, 16), (64, 128), (4, 8), (2, 3))
+        (s, t, w, st) for s, t, w, st in itertools.product((1, 2, 4, 8, 16, 32, 64), (64, 128), (4, 8), (2, 3))
     ]
     for b in (int(x) for x in args.batches.split(",")):
         pages = ctx // page
@@ -88,8 +89,10 @@ def main() -> None:
         ref = paged_decode_attention_ref(q, k, v, tables, lens, scale)
         tuned_splits = decode_splits(b, kvh, dev, pages * page) if dev.type == "cuda" else 1
         tuned = (tuned_splits, *(decode_config(b, kvh, dev) if tuned_splits == 1 else (64, 4, 3)))
-        results = [timed_choice(choice, (q, k, v, tables, lens, scale), ref, dev)
-                   for choice in [tuned] + [c for c in grid if c != tuned]]
+        # splits past 16 programs an SM (or past the context's tiles) are not tried
+        most = 16 * multiprocessors(dev) if dev.type == "cuda" else 1 << 30
+        sweep = [c for c in grid if c != tuned and b * kvh * c[0] <= max(most, b * kvh) and c[0] * c[1] <= ctx]
+        results = [timed_choice(choice, (q, k, v, tables, lens, scale), ref, dev) for choice in [tuned] + sweep]
         timed = [(c, s) for c, s, err in results if s is not None]
         out[f"b{b}"] = {
             "tuned": figure(*timed[0], kv_bytes, read) if timed and timed[0][0] == tuned else {"error": results[0][2]},
