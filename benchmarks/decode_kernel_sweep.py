@@ -65,8 +65,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two choices only (a smoke run)")
     args = ap.parse_args()
     from benchmarks._bandwidth import read_bandwidth
-    from engines.kernels.paged_attention import (decode_config, decode_splits, multiprocessors,
-                                                 paged_decode_attention_ref)
+    from engines.kernels.paged_attention import (
+        decode_config,
+        decode_splits,
+        multiprocessors,
+        paged_decode_attention_ref,
+    )
 
     dev = torch.device(args.device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
