@@ -208,11 +208,12 @@ def trainer_fit(cfg, plan, total: int | None, source: str) -> list[str]:
     states = size.params / tp * per_param
     tokens = max(cfg.micro_batch_tokens, cfg.rollout_max_response_len)
     act = 2 if cfg.bf16 else 4
-    # kept for backward per token and layer (fused attention: nothing S x S), as measured on an
-    # H200 (0.6B shape, bf16: 35.0 GB peak at 8,192 tokens, 17.1 GB at 32,768 with full
-    # recompute): ~20 hidden-sized and ~9 MLP-sized values (the local spec's unfused norms,
-    # RoPE and SwiGLU keep their fp32 and bf16 intermediates)
-    per_layer = act * (20 * size.hidden + 9 * size.intermediate) / tp
+    # kept for backward per token and layer (fused attention: nothing S x S; the fused norms,
+    # RoPE and SwiGLU keep their inputs only), as measured on an H100 (0.6B shape, bf16: 23.0
+    # GiB peak at 8,192 tokens, 33.6 GiB at 16,384: 1.39 MB a token): ~13 hidden-sized values
+    # (norm inputs and outputs, q / k / v before and after their norms, the attention output)
+    # and ~4 MLP-sized ones (fc1's two halves, SwiGLU's output, slack)
+    per_layer = act * (13 * size.hidden + 4 * size.intermediate) / tp
     if cfg.recompute_granularity == "full":  # each layer's input kept, one layer's activations again
         activations = tokens * (size.layers * act * size.hidden + per_layer)
         how = "full recompute: layer inputs + one layer"

@@ -122,7 +122,7 @@ def test_the_trainers_fit_grows_with_the_micro_batchs_tokens_and_recompute_bring
     assert "4.02B params / TP 1 x 7.5 B (weights, grads, optimizer)" in line and "activations of 4,096 tokens" in line
     long = ("--bf16", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "65536")
     with pytest.raises(PlanError, match=r"the trainer cannot fit: .* activations of 65,536 tokens \(36 layers x "
-                                        r"271\.0 KiB per token\) = 609\.75 GiB.*--recompute-granularity full"):
+                                        r"141\.0 KiB per token\) = 317\.25 GiB.*--recompute-granularity full"):
         plan(policy, judge, *long)
     again = plan(policy, judge, *long, "--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1")
