@@ -106,7 +106,7 @@ def _failed(e: Exception) -> None:
 
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool | None = None):
     """:func:`rms_norm_ref`'s contract, by the Triton kernel where usable."""
-    if _usable(x, use_triton) and x.shape[-1] <= 65536:
+    if _usable(x, use_triton) and 0 < x.shape[-1] <= 65536 and x.numel():  # no rows: nothing to launch
         n = x.shape[-1]
         xc = x.contiguous()
         rows = xc.numel() // n
@@ -124,7 +124,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool 
 def backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, g: torch.Tensor,
              use_triton: bool | None = None):
     """:func:`rms_norm_grad_ref`'s contract, by the Triton kernel where usable."""
-    if _usable(x, use_triton) and x.shape[-1] <= 65536:
+    if _usable(x, use_triton) and 0 < x.shape[-1] <= 65536 and x.numel():
         n = x.shape[-1]
         xc, gc = x.contiguous(), g.contiguous()
         rows = xc.numel() // n

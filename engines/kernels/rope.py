@@ -146,7 +146,7 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions, back
           use_triton: bool | None = None) -> torch.Tensor:
     """``t`` (or, ``backward``, a gradient) rotated; a new contiguous ``[S, B, H, D]`` tensor."""
     usable = (triton_usable(t.device) and _KERNEL_OK[0]) if use_triton is None else use_triton
-    if usable and t.stride(-1) == 1:
+    if usable and t.stride(-1) == 1 and t.numel():  # nothing to launch for no rows
         S, B, H, D = t.shape
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         try:

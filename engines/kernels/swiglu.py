@@ -71,7 +71,7 @@ _BLOCK = 1024
 def _swiglu(x: torch.Tensor, g: torch.Tensor | None, use_triton: bool | None = None) -> torch.Tensor:
     """Forward (``g`` None: ``[..., n]`` of ``x`` ``[..., 2n]``) or backward (``[..., 2n]``)."""
     usable = (triton_usable(x.device) and _KERNEL_OK[0]) if use_triton is None else use_triton
-    if usable:
+    if usable and x.numel():  # nothing to launch for no rows (an expert no token was routed to)
         n = x.shape[-1] // 2
         rows = x.numel() // (2 * n)
         xc = x.contiguous()
