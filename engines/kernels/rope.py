@@ -27,35 +27,34 @@ from engines.kernels.paged_attention import triton, triton_usable
 
 class _Tables:
     """``cos`` / ``sin`` of the last angle tensor seen (per dtype), and the positions of the
-    last packing seen: every layer of one forward passes the same tensors."""
+    last packing seen: every layer of one forward passes the same tensors. Each entry is one
+    tuple, swapped whole (two models' forwards in threads of one process never mix entries)."""
 
     def __init__(self) -> None:
-        self.angles = None
-        self.key: tuple = ()
-        self.value: tuple = ()
-        self.bounds = None
-        self.bounds_key: tuple = ()
-        self.positions = None
+        self.tables: tuple = (None, (), ())  # (angles, key, (cos, sin))
+        self.packing: tuple = (None, (), None)  # (cu_seqlens, key, positions)
 
     def cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[P, D]`` rows of ``(cos(freqs), sin(freqs))`` rounded to ``dtype``."""
         key = (freqs._version, freqs.shape, dtype)
-        if self.angles is not freqs or self.key != key:
+        angles, seen, value = self.tables
+        if angles is not freqs or seen != key:
             flat = freqs.reshape(freqs.shape[0], freqs.shape[-1])
-            self.value = (flat.cos().to(dtype).contiguous(), flat.sin().to(dtype).contiguous())
-            self.angles, self.key = freqs, key
-        return self.value
+            value = (flat.cos().to(dtype).contiguous(), flat.sin().to(dtype).contiguous())
+            self.tables = (freqs, key, value)
+        return value
 
     def packed_positions(self, cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
         """Each token's position in its own sequence (``int32 [tokens]``) of the packing ``cu_seqlens``."""
         key = (cu_seqlens._version, cu_seqlens.shape, tokens)
-        if self.bounds is not cu_seqlens or self.bounds_key != key:
+        bounds, seen, positions = self.packing
+        if bounds is not cu_seqlens or seen != key:
             starts = cu_seqlens[:-1].long()
             lengths = cu_seqlens[1:].long() - starts
             index = torch.arange(tokens, device=cu_seqlens.device)
-            self.positions = (index - starts.repeat_interleave(lengths, output_size=tokens)).to(torch.int32)
-            self.bounds, self.bounds_key = cu_seqlens, key
-        return self.positions
+            positions = (index - starts.repeat_interleave(lengths, output_size=tokens)).to(torch.int32)
+            self.packing = (cu_seqlens, key, positions)
+        return positions
 
 
 _TABLES = _Tables()
