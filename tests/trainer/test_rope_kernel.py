@@ -204,4 +204,3 @@ def test_cuda_kernel_equals_megatron_at_a_real_shape():
     long = angles(max(lengths), D, base=1e6).cuda()
     assert torch.equal(fusions.rope_thd(p, cu, long), megatron_thd(p, cu, long))
     assert rope._KERNEL_OK[0]
-
