@@ -1,14 +1,17 @@
 #!/bin/bash
-# Issue 49's figures on one GPU, each side by side in one run. PART picks one call's worth:
+# Issue 49's figures on one GPU, each side by side in one run. PART picks one call's worth
+# (each under the device's 10 minutes a call):
 #   grpo (default): the GRPO step benchmark (one GPU, Defer-swap, --bf16), this tree and BEFORE's
 #     alternated twice (after, before, after, before: neither side gets the other's warm caches
-#     alone), then one step of 64 samples with 8,192-token responses (phases and memory);
+#     alone);
+#   long: one GRPO step of 64 samples with 8,192-token responses (phases and memory);
 #   trainer: the trainer against transformers on a GRPO-like batch (64 rows of 256..8,192
 #     tokens, packed micro-batches of 32,768) and at 1 x 32,768 (ours alone: its MFU);
 #   decode: the built-in engine's decode at 8,192-token prompts (batches 1, 16, 64) with this
 #     tree and BEFORE's, at the judge's length (10,112-token prompts: max_context_len 10,240),
-#     the decode timeline at batch 16, SDPA's backends, the decode attention kernel alone over
-#     its launch choices at 8,192 and 10,240 positions (what a retune would take).
+#     the decode timeline at batch 16;
+#   sweep: the decode attention kernel alone over its launch choices at 8,192 and 10,240
+#     positions (what a retune would take), SDPA's backends.
 # BEFORE: a checkout of the tree to compare with; SITE: where the carried wheels are installed.
 # One JSON line per run on stdout and in $OUT/speed.jsonl (OUT: where to write, default /tmp).
 set -uo pipefail
@@ -20,10 +23,13 @@ case "${PART:-grpo}" in
 grpo)
   G="python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 1 --modes defer --train-args=--bf16"
   for _ in 1 2; do
-    run 150 $G --steps 3
-    before 150 $G --steps 3
+    run 140 $G --steps 3
+    before 140 $G --steps 3
   done
-  run 540 $G --steps 1 --prompts 8 --n 8 --response-len 8192
+  ;;
+long)
+  run 570 python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 1 --modes defer \
+    --train-args=--bf16 --steps 1 --prompts 8 --n 8 --response-len 8192
   ;;
 trainer)
   TB="python benchmarks/trainer_bench.py --device cuda --size 0.6b --bf16 --train-only"
@@ -36,9 +42,11 @@ decode)
   before 90 $E --prompt 8192 --batches 1,16,64
   run 90 $E --prompt 10112 --batches 1,16,64
   run 60 python benchmarks/decode_timeline.py --size 0.6b --batch 16 --prompt 8192 --new 64
-  run 40 python benchmarks/sdpa_variants.py
-  run 240 python benchmarks/decode_kernel_sweep.py --context 8192 --batches 1,16,64
-  run 120 python benchmarks/decode_kernel_sweep.py --context 10240 --batches 16,64
   ;;
-*) echo "PART must be grpo, trainer or decode, not ${PART}" >&2; exit 2 ;;
+sweep)
+  run 300 python benchmarks/decode_kernel_sweep.py --context 8192 --batches 1,16,64
+  run 180 python benchmarks/decode_kernel_sweep.py --context 10240 --batches 16,64
+  run 40 python benchmarks/sdpa_variants.py
+  ;;
+*) echo "PART must be grpo, long, trainer, decode or sweep, not ${PART}" >&2; exit 2 ;;
 esac
