@@ -3,7 +3,7 @@ lists every layer's): ``settings()`` gives their values."""
 
 from __future__ import annotations
 
-from relay.variables import Layer, Variable, integer, seconds, text, threads_from
+from relay.variables import Layer, Variable, flag_off, integer, seconds, text, threads_from
 
 VARIABLES = (
     Variable("RELAY_CACHE", "cache", ".cache", text, "engines",
@@ -13,6 +13,9 @@ VARIABLES = (
     Variable("RELAY_TRAINER_CPU_THREADS", "trainer_cpu_threads", 0, threads_from(0, "(0: chosen for you)"), "engines",
              "intra-op threads of each CPU trainer rank (0: 1 in relay train, whose workers share the cores; "
              "the cores shared out among the ranks in relay sft)"),
+    Variable("RELAY_TRAINER_FUSIONS", "trainer_fusions", True, flag_off, "engines",
+             "0: the trainer runs megatron-core's unfused RoPE, SwiGLU and RMSNorm instead of its fused "
+             "kernels (for comparisons)"),
     Variable("RELAY_SGLANG_LAUNCH", "sglang_launch", "sglang.launch_server", text, "engines",
              "the module the SGLang engine runs to start its server"),
     Variable("RELAY_DIST_INIT_TIMEOUT", "dist_init_timeout", 60.0, seconds, "engines",

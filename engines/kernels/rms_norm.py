@@ -6,9 +6,9 @@ backward; nothing else is saved besides the input.
 Rounding as torch's: ``x * rsqrt(mean(x^2) + eps) * weight`` in float32, rounded once to the
 input's dtype. The backward (``dx = r (gw - x̂
 mean(gw x̂))``, ``dw = sum g x̂``, ``x̂ = x r``, ``gw = g w``) is float32; ``dw`` is summed per
-block of rows in float32, then over the blocks. On CUDA Triton kernels; elsewhere torch code
-with the same contract (the reference the kernels are tested against under
-``TRITON_INTERPRET=1``).
+block of rows in float32, then over the blocks. On CUDA Triton kernels; elsewhere
+:func:`rms_norm` is torch's own ``rms_norm`` (its values and gradients); the kernels are
+tested against their torch reference under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -158,4 +158,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension, differentiable in ``x`` and ``weight``."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"RMSNorm weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]}")
-    return _RMSNorm.apply(x, weight, eps)
+    if triton_usable(x.device) and _KERNEL_OK[0]:
+        return _RMSNorm.apply(x, weight, eps)
+    return torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)  # torch's own, gradient included

@@ -9,8 +9,9 @@ activations' dtype once a forward (computed for the first layer's call, then reu
 the same angle tensor comes), each product is rounded to that dtype and their sum again,
 as the unfused code's bf16 ops round. The backward (``dx1 = g1 cos1 + g2 sin2``, ``dx2 = g2
 cos2 - g1 sin1``) is computed in float32 and rounded once. On CUDA one Triton program rotates
-every head of one token; elsewhere torch code with the same contract runs (the reference the
-kernel is tested against under ``TRITON_INTERPRET=1``).
+every head of one token. Elsewhere :func:`rope` runs the same rotation in torch ops under
+autograd (Megatron's values and gradients to the bit); the kernel's torch reference
+(``rope_ref`` / ``rope_grad_ref``) is what it is tested against under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ class _RoPE(torch.autograd.Function):
         return _rope(g, cos, sin, positions, backward=True), None, None, None
 
 
+def runs(t: torch.Tensor) -> bool:
+    """Whether :func:`rope` runs the kernel for ``t`` (CUDA, or Triton's interpreter)."""
+    return triton_usable(t.device) and _KERNEL_OK[0]
+
+
 def covers(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     """Whether :func:`rope` takes ``t`` with ``freqs``: the whole head rotated, a power-of-two
     head size."""
@@ -192,4 +198,6 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None = 
     """``t`` ``[S, B, H, D]`` rotated by the angles ``freqs`` ``[P, 1, 1, D]`` (Megatron's
     layout: ``cat(f, f)``), row ``s`` by angle row ``positions[s]`` (``s`` where None)."""
     cos, sin = _TABLES.cos_sin(freqs, t.dtype)
-    return _RoPE.apply(t, cos, sin, positions)
+    if runs(t):
+        return _RoPE.apply(t, cos, sin, positions)
+    return rope_ref(t, cos, sin, positions)  # torch's ops under autograd: Megatron's gradient to the bit

@@ -5,8 +5,9 @@ only). The trainer serves megatron-core's fused-SwiGLU call with it (engines/tra
 
 Rounding as the unfused bf16 code's: ``silu(a)`` rounded to the dtype, then the product
 rounded (math in float32 between). The backward, ``da = g b silu'(a)``, ``db = g silu(a)``,
-is float32 rounded once. On CUDA a Triton kernel; elsewhere torch code with the same
-contract (the reference the kernel is tested against under ``TRITON_INTERPRET=1``).
+is float32 rounded once. On CUDA a Triton kernel; elsewhere :func:`swiglu` runs the unfused
+torch ops under autograd (their values and gradients to the bit); the kernel is tested
+against its torch reference under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -105,4 +106,6 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` of ``x = [a, b]`` (last dimension, even), differentiable."""
     if x.shape[-1] % 2:
         raise ValueError(f"SwiGLU needs an even last dimension, not {x.shape[-1]}")
-    return _SwiGLU.apply(x)
+    if triton_usable(x.device) and _KERNEL_OK[0]:
+        return _SwiGLU.apply(x)
+    return swiglu_ref(x)  # torch's ops under autograd: the unfused code's gradient to the bit

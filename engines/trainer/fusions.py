@@ -6,13 +6,12 @@ with ``bias_activation_fusion``), by engines/kernels/rope.py and swiglu.py; and 
 become :class:`FusedRMSNorm`, engines/kernels/rms_norm.py). :func:`install` runs before the
 TransformerConfig is built (its checks look for the RoPE hook). Cases the kernels do not
 cover (interleaved or partial rotary dimensions, context parallelism, a bias, FP8 or
-offloaded activations) go to megatron-core's own code unchanged; where TransformerEngine is
-installed its RoPE stays. ``RELAY_TRAINER_FUSIONS=0`` in the trainer's environment keeps
+offloaded activations), and every call where no kernel runs (CPU: there the ops are
+megatron-core's and torch's own, gradients bit for bit), go to megatron-core's own code;
+where TransformerEngine is installed its RoPE stays. ``RELAY_TRAINER_FUSIONS=0`` in the trainer's environment keeps
 megatron-core's unfused code (for comparisons)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -23,7 +22,7 @@ _MEGATRON_SWIGLU: list = [None]
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, **kwargs) -> torch.Tensor:
     """megatron-core's ``fused_apply_rotary_pos_emb`` (``t`` ``[S, B, H, D]``)."""
-    if interleaved or kwargs or not rope.covers(t, freqs) or freqs.shape[0] < t.shape[0]:
+    if interleaved or kwargs or not rope.covers(t, freqs) or freqs.shape[0] < t.shape[0] or not rope.runs(t):
         from megatron.core.models.common.embeddings import rope_utils
 
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
@@ -35,7 +34,7 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     """megatron-core's ``fused_apply_rotary_pos_emb_thd`` (``t`` ``[T, H, D]``, one packed row):
     where the angles cover exactly the packed tokens, token ``i`` takes angle row ``i``
     (Megatron's offset mapping), else each sequence's tokens take rows ``0, 1, ...``."""
-    if cp_size != 1 or kwargs or not rope.covers(t, freqs):
+    if cp_size != 1 or kwargs or not rope.covers(t, freqs) or not rope.runs(t):
         from megatron.core import parallel_state
         from megatron.core.models.common.embeddings import rope_utils
 
@@ -54,7 +53,10 @@ def bias_swiglu(x: torch.Tensor, bias, fp8_input_store: bool = False, cpu_offloa
 
 
 def enabled() -> bool:
-    return os.environ.get("RELAY_TRAINER_FUSIONS", "1") != "0"
+    """``RELAY_TRAINER_FUSIONS`` (engines/settings.py): not ``0``."""
+    from engines.settings import settings
+
+    return settings().trainer_fusions
 
 
 def install() -> dict:

@@ -62,6 +62,52 @@ class MegatronCheck(Actor):
         }
 
 
+    @endpoint
+    def fused_ops_parity(self, path: str, seq: int = 24) -> dict:
+        """Whether the model with the fused ops (engines/trainer/fusions.py) gives the logits
+        and every gradient of megatron-core's unfused model (``RELAY_TRAINER_FUSIONS=0``) bit
+        for bit, padded and packed (where no kernel runs: CPU)."""
+        import torch
+        import torch.distributed as dist
+        from safetensors.torch import load_file
+
+        from engines.models.model import ModelConfig
+        from engines.trainer import cpu_shim
+        from engines.trainer.batching import packed_inputs
+        from engines.trainer.megatron_model import build_gpt, causal_mask, hf_to_megatron
+
+        cpu_shim.install()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://")
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+            model_parallel_cuda_manual_seed(1234)
+        cfg = ModelConfig.from_dir(path)
+        weights = hf_to_megatron(cfg, load_file(os.path.join(path, "model.safetensors")))
+        torch.manual_seed(0)
+        ids = torch.randint(5, 100, (2, seq))
+        rows = [[int(t) for t in ids[0, : seq // 3]], [int(t) for t in ids[1]]]
+        out = []
+        for fused in ("1", "0"):
+            os.environ["RELAY_TRAINER_FUSIONS"] = fused
+            try:
+                gpt = build_gpt(cfg)
+            finally:
+                os.environ.pop("RELAY_TRAINER_FUSIONS")
+            gpt.load_state_dict(weights, strict=False)
+            logits = gpt(ids, torch.arange(seq)[None].expand(2, -1), causal_mask(seq))
+            pids, pos, _, params, _ = packed_inputs(rows, torch.device("cpu"))
+            packed = gpt(pids, pos, None, packed_seq_params=params)
+            (logits.square().mean() + packed.square().mean()).backward()
+            out.append((logits.detach(), packed.detach(),
+                        {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}))
+        (la, pa, ga), (lb, pb, gb) = out
+        return {"logits": torch.equal(la, lb), "packed": torch.equal(pa, pb), "grads": sorted(ga) == sorted(gb),
+                "unequal_grads": [n for n in ga if n in gb and not torch.equal(ga[n], gb[n])]}
+
+
 class LongContextCheck(Actor):
     """Fused attention and chunked log-probs against Megatron's own attention and whole logits."""
 

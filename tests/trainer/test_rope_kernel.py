@@ -62,8 +62,17 @@ def exact_grad(t, freqs, g, positions=None):
     return x.grad
 
 
+@pytest.fixture
+def fused_path(monkeypatch):
+    """The fused path on CPU: the custom autograd function with the kernel's torch reference
+    inside (on CPU the trainer itself takes megatron-core's code:
+    tests/trainer/test_megatron_model.py)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(rope, "runs", lambda t: True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padded_rows_equal_megatron_bit_for_bit(dtype):
+def test_padded_rows_equal_megatron_bit_for_bit(dtype, fused_path):
     torch.manual_seed(0)
     S, B, H, D = 37, 3, 5, 16
     t = (torch.randn(S, B, H, D) * 3).to(dtype).requires_grad_(True)
@@ -78,7 +87,7 @@ def test_padded_rows_equal_megatron_bit_for_bit(dtype):
     assert (t.grad.double() - ref).abs().max() <= tol * (1 + ref.abs().max())
 
 
-def test_a_view_of_a_qkv_projection_equals_the_contiguous_copy():
+def test_a_view_of_a_qkv_projection_equals_the_contiguous_copy(fused_path):
     torch.manual_seed(1)
     S, B, H, D = 11, 2, 4, 8
     qkv = torch.randn(S, B, 3 * H * D)
@@ -90,7 +99,7 @@ def test_a_view_of_a_qkv_projection_equals_the_contiguous_copy():
 
 @pytest.mark.parametrize("offsets", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_rows_equal_megatron_in_both_position_mappings(offsets, dtype):
+def test_packed_rows_equal_megatron_in_both_position_mappings(offsets, dtype, fused_path):
     """Angles for the longest sequence: each sequence starts at position 0; angles covering
     exactly the packed tokens: Megatron's offset mapping (token i takes row i)."""
     torch.manual_seed(2)
@@ -109,7 +118,7 @@ def test_packed_rows_equal_megatron_in_both_position_mappings(offsets, dtype):
     assert (t.grad.double() - ref).abs().max() <= tol * (1 + ref.abs().max())
 
 
-def test_the_tables_follow_new_angles_and_a_new_packing():
+def test_the_tables_follow_new_angles_and_a_new_packing(fused_path):
     torch.manual_seed(3)
     t = torch.randn(6, 1, 2, 8)
     a, b = angles(6, 8), angles(6, 8, base=500.0)
@@ -123,7 +132,7 @@ def test_the_tables_follow_new_angles_and_a_new_packing():
         assert torch.equal(fusions.rope_thd(p, cu, long[:4]), megatron_thd(p, cu, long[:4]))
 
 
-def test_what_the_kernel_does_not_cover_goes_to_megatron():
+def test_what_the_kernel_does_not_cover_goes_to_megatron(fused_path):
     torch.manual_seed(4)
     t = torch.randn(5, 1, 2, 8)
     partial = angles(5, 4)  # rotary_percent < 1: only the first 4 of 8 channels turn
