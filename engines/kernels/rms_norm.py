@@ -140,6 +140,11 @@ def backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, g: torch
     return rms_norm_grad_ref(x, weight, rstd, g)
 
 
+def runs(x: torch.Tensor) -> bool:
+    """Whether the kernels run for ``x`` (CUDA, or Triton's interpreter)."""
+    return triton_usable(x.device) and _KERNEL_OK[0]
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -158,6 +163,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension, differentiable in ``x`` and ``weight``."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"RMSNorm weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]}")
-    if triton_usable(x.device) and _KERNEL_OK[0]:
+    if runs(x):
         return _RMSNorm.apply(x, weight, eps)
     return torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)  # torch's own, gradient included

@@ -90,6 +90,11 @@ def _swiglu(x: torch.Tensor, g: torch.Tensor | None, use_triton: bool | None = N
     return swiglu_ref(x) if g is None else swiglu_grad_ref(x, g)
 
 
+def runs(x: torch.Tensor) -> bool:
+    """Whether the kernels run for ``x`` (CUDA, or Triton's interpreter)."""
+    return triton_usable(x.device) and _KERNEL_OK[0]
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -106,6 +111,6 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` of ``x = [a, b]`` (last dimension, even), differentiable."""
     if x.shape[-1] % 2:
         raise ValueError(f"SwiGLU needs an even last dimension, not {x.shape[-1]}")
-    if triton_usable(x.device) and _KERNEL_OK[0]:
+    if runs(x):
         return _SwiGLU.apply(x)
     return swiglu_ref(x)  # torch's ops under autograd: the unfused code's gradient to the bit

@@ -17,9 +17,18 @@ from engines.kernels import rms_norm
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.fixture(params=["torch", "fused"])
+def path(request, monkeypatch):
+    """Both paths on CPU: torch's own rms_norm (what the trainer runs there) and the custom
+    autograd function with the kernels' torch reference inside (what runs around them on CUDA)."""
+    if request.param == "fused" and not torch.cuda.is_available():
+        monkeypatch.setattr(rms_norm, "runs", lambda x: True)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(9, 2, 40), (33, 4, 16)])  # a hidden row; per-head rows (q/k norms)
-def test_equals_torch_rmsnorm(dtype, shape):
+def test_equals_torch_rmsnorm(dtype, shape, path):
     torch.manual_seed(0)
     norm = torch.nn.RMSNorm(shape[-1], eps=1e-6).to(dtype)
     with torch.no_grad():

@@ -25,8 +25,17 @@ def unfused(x):
     return torch.nn.functional.silu(a) * b
 
 
+@pytest.fixture(params=["torch", "fused"])
+def path(request, monkeypatch):
+    """Both paths on CPU: torch's ops (what the trainer runs there) and the custom autograd
+    function with the kernel's torch reference inside (what runs around the kernel on CUDA)."""
+    if request.param == "fused" and not torch.cuda.is_available():
+        monkeypatch.setattr(swiglu, "runs", lambda x: True)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equals_the_unfused_code(dtype):
+def test_equals_the_unfused_code(dtype, path):
     torch.manual_seed(0)
     x = (torch.randn(7, 3, 2 * 40) * 4).to(dtype)
     mine = x.clone().requires_grad_(True)
