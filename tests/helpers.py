@@ -150,3 +150,18 @@ async def start_trainer(actor_cls, path: str, gpus: int = 1, **kw):
 async def stop_trainer(procs, t) -> None:
     await t.shutdown.call().result(60)
     await procs.stop()
+
+
+def under_triton_interpreter(code: str, timeout: float = 300) -> float:
+    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (how CPU checks Triton
+    kernels) from the repository root; the number its last stdout line prints. Its stderr is
+    the assertion message when it fails."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.strip().splitlines()[-1])

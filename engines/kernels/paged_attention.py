@@ -41,6 +41,24 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def launch_or_fall_back(ok: list, what: str, kernel, grid, *args, **meta) -> bool:
+    """Launch ``kernel[grid](*args, **meta)``; where it cannot compile or run here (never for
+    out-of-memory, which is raised), set ``ok[0]`` False (the module's later calls take its
+    torch path), say so once on stderr and return False."""
+    try:
+        kernel[grid](*args, **meta)
+        return True
+    except Exception as e:  # noqa: BLE001 - a compile/launch failure: the torch path is exact too
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        import sys
+
+        ok[0] = False
+        print(f"relay trainer: the fused {what} kernel cannot run here ({type(e).__name__}: {str(e)[:300]}); "
+              "using the torch path", file=sys.stderr, flush=True)
+        return False
+
+
 def paged_decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float, use_triton: bool | None = None
 ):

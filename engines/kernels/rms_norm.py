@@ -13,11 +13,9 @@ tested against their torch reference under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from engines.kernels.paged_attention import triton, triton_usable
+from engines.kernels.paged_attention import launch_or_fall_back, triton, triton_usable
 
 # ----------------------------------------------------------------------------- torch reference
 
@@ -96,14 +94,6 @@ def _usable(x: torch.Tensor, use_triton: bool | None) -> bool:
     return (triton_usable(x.device) and _KERNEL_OK[0]) if use_triton is None else use_triton
 
 
-def _failed(e: Exception) -> None:
-    if isinstance(e, torch.OutOfMemoryError):
-        raise e
-    _KERNEL_OK[0] = False
-    print(f"relay trainer: the fused RMSNorm kernel cannot run here ({type(e).__name__}: {str(e)[:300]}); "
-          "using the torch path", file=sys.stderr, flush=True)
-
-
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool | None = None):
     """:func:`rms_norm_ref`'s contract, by the Triton kernel where usable."""
     if _usable(x, use_triton) and 0 < x.shape[-1] <= 65536 and x.numel():  # no rows: nothing to launch
@@ -113,11 +103,9 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool 
         y = torch.empty_like(xc)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         R, block = _shape(n)
-        try:
-            _forward_kernel[(triton.cdiv(rows, R),)](xc, weight, y, rstd, rows, n, eps, R=R, BLOCK=block)
+        if launch_or_fall_back(_KERNEL_OK, "RMSNorm", _forward_kernel, (triton.cdiv(rows, R),), xc, weight, y, rstd,
+                               rows, n, eps, R=R, BLOCK=block):
             return y, rstd
-        except Exception as e:  # noqa: BLE001 - a compile/launch failure: the reference path is exact too
-            _failed(e)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -132,11 +120,9 @@ def backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, g: torch
         programs = triton.cdiv(rows, R)
         dx = torch.empty_like(xc)
         part = torch.empty(programs, n, dtype=torch.float32, device=x.device)
-        try:
-            _backward_kernel[(programs,)](xc, weight, rstd.contiguous(), gc, dx, part, rows, n, R=R, BLOCK=block)
+        if launch_or_fall_back(_KERNEL_OK, "RMSNorm", _backward_kernel, (programs,), xc, weight, rstd.contiguous(), gc,
+                               dx, part, rows, n, R=R, BLOCK=block):
             return dx, part.sum(0)
-        except Exception as e:  # noqa: BLE001
-            _failed(e)
     return rms_norm_grad_ref(x, weight, rstd, g)
 
 

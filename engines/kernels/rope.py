@@ -17,11 +17,10 @@ autograd (Megatron's values and gradients to the bit); the kernel's torch refere
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
-from engines.kernels.paged_attention import triton, triton_usable
+from engines.kernels.paged_attention import launch_or_fall_back, triton, triton_usable
 
 # ----------------------------------------------------------------------------- tables
 
@@ -149,18 +148,11 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions, back
     if usable and t.stride(-1) == 1 and t.numel():  # nothing to launch for no rows
         S, B, H, D = t.shape
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        try:
-            _rope_kernel[(S * B,)](t, t.stride(0), t.stride(1), t.stride(2), out, cos, sin,
-                                   positions if positions is not None else cos, B, H,
-                                   HAS_POS=positions is not None, BACKWARD=backward, HALF=D // 2,
-                                   BLOCK_H=triton.next_power_of_2(H), **_NO_FMA)
+        if launch_or_fall_back(_KERNEL_OK, "RoPE", _rope_kernel, (S * B,), t, t.stride(0), t.stride(1), t.stride(2),
+                               out, cos, sin, positions if positions is not None else cos, B, H,
+                               HAS_POS=positions is not None, BACKWARD=backward, HALF=D // 2,
+                               BLOCK_H=triton.next_power_of_2(H), **_NO_FMA):
             return out
-        except Exception as e:  # noqa: BLE001 - a compile/launch failure: the reference is exact too
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            _KERNEL_OK[0] = False
-            print(f"relay trainer: the fused RoPE kernel cannot run here ({type(e).__name__}: {str(e)[:300]}); "
-                  "using the torch path", file=sys.stderr, flush=True)
     return (rope_grad_ref if backward else rope_ref)(t, cos, sin, positions)
 
 

@@ -12,11 +12,9 @@ against its torch reference under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from engines.kernels.paged_attention import triton, triton_usable
+from engines.kernels.paged_attention import launch_or_fall_back, triton, triton_usable
 
 # ----------------------------------------------------------------------------- torch reference
 
@@ -77,16 +75,9 @@ def _swiglu(x: torch.Tensor, g: torch.Tensor | None, use_triton: bool | None = N
         rows = x.numel() // (2 * n)
         xc = x.contiguous()
         out = torch.empty((*x.shape[:-1], 2 * n if g is not None else n), dtype=x.dtype, device=x.device)
-        try:
-            _swiglu_kernel[(rows, triton.cdiv(n, _BLOCK))](xc, g.contiguous() if g is not None else xc, out, n,
-                                                           BACKWARD=g is not None, BLOCK=_BLOCK)
+        if launch_or_fall_back(_KERNEL_OK, "SwiGLU", _swiglu_kernel, (rows, triton.cdiv(n, _BLOCK)), xc,
+                               g.contiguous() if g is not None else xc, out, n, BACKWARD=g is not None, BLOCK=_BLOCK):
             return out
-        except Exception as e:  # noqa: BLE001 - a compile/launch failure: the reference path is exact too
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            _KERNEL_OK[0] = False
-            print(f"relay trainer: the fused SwiGLU kernel cannot run here ({type(e).__name__}: {str(e)[:300]}); "
-                  "using the torch path", file=sys.stderr, flush=True)
     return swiglu_ref(x) if g is None else swiglu_grad_ref(x, g)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.kernels.paged_attention import triton, triton_usable
+from engines.kernels.paged_attention import launch_or_fall_back, triton, triton_usable
 
 #: rows projected at once (a chunk of logits in the weights' dtype: ROWS x vocab)
 ROWS = 4096
@@ -120,18 +120,7 @@ def _kernels(device: torch.device, use_triton: bool | None) -> bool:
 
 def _launch(kernel, grid, *args, **meta) -> bool:
     """Run ``kernel``; False (after the one warning) where it cannot run here."""
-    try:
-        kernel[grid](*args, **meta)
-        return True
-    except Exception as e:  # noqa: BLE001 - a compile/launch failure: the reference path is exact too
-        if isinstance(e, torch.OutOfMemoryError):
-            raise
-        import sys
-
-        _KERNELS_OK[0] = False
-        print(f"relay trainer: the fused log-prob kernel cannot run here ({type(e).__name__}: {str(e)[:300]}); "
-              "using the torch path", file=sys.stderr, flush=True)
-        return False
+    return launch_or_fall_back(_KERNELS_OK, "log-prob", kernel, grid, *args, **meta)
 
 
 def row_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, use_triton: bool | None = None):

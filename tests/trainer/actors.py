@@ -9,16 +9,30 @@ from engines.trainer.actor import TrainerActor
 from relay import Actor, endpoint
 
 
+def _megatron_tp1() -> None:
+    """This process's gloo group and Megatron's parallel state at TP = 1 (once)."""
+    import torch.distributed as dist
+
+    from engines.trainer import cpu_shim
+
+    cpu_shim.install()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://")
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(1234)
+
+
 class MegatronCheck(Actor):
     @endpoint
     def hf_roundtrip_and_logits(self, path: str, seq: int = 24) -> dict:
         import torch
-        import torch.distributed as dist
         import transformers
         from safetensors.torch import load_file
 
         from engines.models.model import ModelConfig
-        from engines.trainer import cpu_shim
         from engines.trainer.hybrid_layers import NOT_TRAINED
         from engines.trainer.megatron_model import (
             build_gpt,
@@ -27,14 +41,7 @@ class MegatronCheck(Actor):
             megatron_to_hf,
         )
 
-        cpu_shim.install()
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://")
-            from megatron.core import parallel_state
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-            model_parallel_cuda_manual_seed(1234)
+        _megatron_tp1()
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         cfg = ModelConfig.from_dir(path)
         hf_sd = load_file(os.path.join(path, "model.safetensors"))
@@ -68,22 +75,13 @@ class MegatronCheck(Actor):
         and every gradient of megatron-core's unfused model (``RELAY_TRAINER_FUSIONS=0``) bit
         for bit, padded and packed (where no kernel runs: CPU)."""
         import torch
-        import torch.distributed as dist
         from safetensors.torch import load_file
 
         from engines.models.model import ModelConfig
-        from engines.trainer import cpu_shim
         from engines.trainer.batching import packed_inputs
         from engines.trainer.megatron_model import build_gpt, causal_mask, hf_to_megatron
 
-        cpu_shim.install()
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://")
-            from megatron.core import parallel_state
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-            model_parallel_cuda_manual_seed(1234)
+        _megatron_tp1()
         cfg = ModelConfig.from_dir(path)
         weights = hf_to_megatron(cfg, load_file(os.path.join(path, "model.safetensors")))
         torch.manual_seed(0)
@@ -117,22 +115,13 @@ class LongContextCheck(Actor):
         ``attention="local"`` with whole logits and ``"sdpa"`` with logits in chunks of 5 (and
         ``recompute``: Megatron's activation recompute settings)."""
         import torch
-        import torch.distributed as dist
         from safetensors.torch import load_file
 
         from engines.kernels import token_logprobs as token_kernels
         from engines.models.model import ModelConfig
-        from engines.trainer import cpu_shim
         from engines.trainer.megatron_model import build_gpt, causal_mask, hf_to_megatron, token_logprobs
 
-        cpu_shim.install()
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://")
-            from megatron.core import parallel_state
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-            model_parallel_cuda_manual_seed(1234)
+        _megatron_tp1()
         cfg = ModelConfig.from_dir(path)
         sd = hf_to_megatron(cfg, load_file(os.path.join(path, "model.safetensors")))
         torch.manual_seed(0)

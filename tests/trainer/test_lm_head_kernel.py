@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engines.kernels import token_logprobs as K
+from tests.helpers import under_triton_interpreter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,10 +101,7 @@ print(worst)
 
 def test_triton_kernels_equal_the_reference_under_the_interpreter():
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+    assert under_triton_interpreter(KERNEL_CHECK) < 1e-5
 
 
 TP_CHECK = r"""

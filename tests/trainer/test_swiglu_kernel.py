@@ -6,8 +6,6 @@ torch reference; a bias goes to Megatron's code; the trainer's MLPs call it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ pytest.importorskip("megatron.core")
 
 from engines.kernels import swiglu  # noqa: E402
 from engines.trainer import fusions  # noqa: E402
+from tests.helpers import under_triton_interpreter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,10 +96,7 @@ print(worst)
 
 def test_triton_kernel_equals_the_reference_under_the_interpreter():
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout.strip().splitlines()[-1]) <= 2.0  # within two rounding steps of the output's scale
+    assert under_triton_interpreter(KERNEL_CHECK) <= 2.0  # within two rounding steps of the output's scale
 
 
 @pytest.mark.gpu
