@@ -94,6 +94,16 @@ class Scheduler:
         """Arrivals or aborts not yet taken by a step."""
         return not self._incoming.empty() or not self._abort_ids.empty()
 
+    def can_admit(self) -> bool:
+        """Engine thread: whether the next step would admit the head of the waiting queue (it
+        is not quarantined, ``max_running`` has room and the free blocks hold its tokens): a
+        request the last step's prefill budget left waiting, or one that finished requests
+        made room for."""
+        if not self.waiting or len(self.running) >= self.max_running or self.quarantined():
+            return False
+        seq = self.waiting[0]
+        return self.blocks.blocks_for(seq.n_tokens) - len(seq.blocks) <= len(self.blocks.free_blocks)
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.has_input())
 

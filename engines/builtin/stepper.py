@@ -2,7 +2,8 @@
 :meth:`Stepper.steps`): the scheduler plans a step, the model runner runs it, the sampler
 picks the tokens and the scheduler appends them; with ``run_ahead``, decode steps are
 launched before the tokens of the one before are read (:meth:`Stepper._run_ahead`), except
-while the requests of a failed step run apart (the scheduler's quarantine)."""
+while the requests of a failed step run apart (the scheduler's quarantine) and while a waiting
+request could be admitted (a chain never holds back a prefill)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,9 @@ class Stepper:
     def _run_ahead(self, step: tuple, done: list[Sequence], checked: bool) -> tuple | None:
         """Launch the decode step after ``step`` before ``step``'s tokens are read: its
         requests (those not finished, nor ending by length with ``step``'s token) feed those
-        tokens from the device. Only when nothing waits to be admitted or aborted, the
+        tokens from the device. Only when nothing arrived, no waiting request could be admitted
+        now (:meth:`Scheduler.can_admit`: one the last step's prefill budget left waiting, or
+        one that finished requests made room for), nothing waits to be aborted, the
         engine runs on one GPU, every request samples on the device (:meth:`Sampler.on_device`)
         and free blocks hold the next slots. A request that ``step`` ends has a void row (its
         KV write lands in its own, not yet reused, block); every other row is as a regular
@@ -87,7 +90,7 @@ class Stepper:
         and so any of them, all sample on the device: not asked again, row by row)."""
         seqs, sampled, greedy = step
         if (not self.run_ahead or self.paused() or self.runner.tp is not None or self.scheduler.has_input()
-                or (done and self.scheduler.waiting_count()) or self.scheduler.quarantined()):
+                or self.scheduler.quarantined() or self.scheduler.can_admit()):
             return None
         live = [s for s in seqs if s.finish_reason is None and len(s.output) + 1 < s.sampling.max_new_tokens]
         if (not live or not (checked or all(self.sampler.on_device(s.sampling) for s in live))

@@ -175,3 +175,36 @@ def test_long_chains_run_ahead_and_a_finished_request_is_reported_within_a_few_s
     assert seen["long_at_report"] is not None
     assert seen["long_at_report"] <= 3 + stepper_module.REPORT_WITHIN + 1, seen
     assert seen["calls"] <= 8, seen  # chains of 8 took one scheduled step per 9 tokens (24 here)
+
+
+def test_requests_left_waiting_by_the_prefill_budget_are_admitted_before_running_ahead(llama):
+    """Prompts that a step's prefill budget (``max_prefill_tokens``) admits one at a time all
+    run together: a chain of decode steps run ahead gives way to a waiting request that could
+    be admitted (before, each request's whole generation ran ahead before the next one's
+    prefill, so long prompts decoded a few rows at a time, one group after another)."""
+    prompts = [[5 + (i * 3 + r) % 90 for i in range(40)] for r in range(4)]
+    seen = {"most_running": 0, "first_output_then": None}
+
+    async def main():
+        eng = TorchEngine(llama, run_ahead=True, kv_cache_tokens=4096, max_prefill_tokens=64)
+        decode = eng.runner.decode
+
+        def watched(seqs, *args, **kwargs):  # every decode step, scheduled or run ahead
+            if len(seqs) > seen["most_running"]:
+                seen["most_running"] = len(seqs)
+                seen["first_output_then"] = max(len(s.output) for s in seqs)
+            return decode(seqs, *args, **kwargs)
+
+        eng.runner.decode = watched
+        try:
+            res = await asyncio.gather(*(eng.generate(p, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+                                         for p in prompts))
+            return res, await eng.stats()
+        finally:
+            await eng.close()
+
+    res, stats = run(main(), 120)
+    assert [len(r.token_ids) for r in res] == [40] * 4
+    assert seen["most_running"] == 4, seen  # the four decode together
+    assert seen["first_output_then"] <= 4, seen  # admitted a step apart, not a generation apart
+    assert stats["steps_run_ahead"] > 20, stats  # and the four still ran ahead together
