@@ -184,6 +184,10 @@ DECODE_SPLITS = 16
 #: (sequence, KV head) programs, as measured at 128-token prompts (docs/PERFORMANCE.md)
 LONG_CONTEXT_TOKENS = 2048
 PROGRAMS_PER_SM = 8
+#: a long context splits over at most this many programs (batch 1 of 8 KV heads at 8,192
+#: positions on an H100: 32 splits read at 59% of the bandwidth, 16 at 45%; batch 2 a few %
+#: faster, batch 4 alike: benchmarks/decode_kernel_sweep.py, docs/PERFORMANCE.md)
+LONG_DECODE_SPLITS = 32
 
 
 @functools.cache
@@ -196,7 +200,7 @@ def decode_splits(rows: int, kv_heads: int, device: torch.device, span: int = 0)
     """The context splits of a decode batch of ``rows`` sequences whose block tables span
     ``span`` tokens (their width times the page). Short spans: ``DECODE_SPLITS`` when the
     (sequence, KV head) programs are at most a quarter of the SMs, else 1. Long spans
-    (over ``LONG_CONTEXT_TOKENS``): the largest power of two, at most ``DECODE_SPLITS``, that
+    (over ``LONG_CONTEXT_TOKENS``): the largest power of two, at most ``LONG_DECODE_SPLITS``, that
     keeps the (sequence, KV head, split) programs within ``PROGRAMS_PER_SM`` an SM; splits
     past a sequence's length are empty (they return at once). Programs are counted at the
     next power of two of ``rows``, so that a CUDA graph's padded batch (the graph buckets
@@ -206,7 +210,7 @@ def decode_splits(rows: int, kv_heads: int, device: torch.device, span: int = 0)
     if span <= LONG_CONTEXT_TOKENS:
         return DECODE_SPLITS if programs * 4 <= multiprocessors(device) else 1
     room = PROGRAMS_PER_SM * multiprocessors(device) // programs
-    return max(1, min(DECODE_SPLITS, 1 << (room.bit_length() - 1) if room else 1))
+    return max(1, min(LONG_DECODE_SPLITS, 1 << (room.bit_length() - 1) if room else 1))
 
 
 def decode_config(rows: int, kv_heads: int, device: torch.device) -> tuple[int, int, int]:
@@ -218,6 +222,13 @@ def decode_config(rows: int, kv_heads: int, device: torch.device) -> tuple[int, 
     if triton.next_power_of_2(rows) * kv_heads >= 8 * multiprocessors(device):
         return 64, 2, 3
     return 64, 4, 3
+
+
+def split_config(splits: int) -> tuple[int, int, int]:
+    """(tile, warps, stages) of a split decode: 8 warps at ``LONG_DECODE_SPLITS`` splits (batch 1
+    at 8,192 positions, H100: as fast as the best choice swept, 24% faster than 4 warps), else
+    4 (tuned at batch 1 of short contexts)."""
+    return (64, 8, 3) if splits >= LONG_DECODE_SPLITS else (64, 4, 3)
 
 
 def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int | None = None,
@@ -242,7 +253,7 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
         part = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
     d_p = max(16, triton.next_power_of_2(d))
     if config is None:
-        config = decode_config(b, kvh, q.device) if splits == 1 else (64, 4, 3)  # split: tuned at batch 1
+        config = decode_config(b, kvh, q.device) if splits == 1 else split_config(splits)
     tile, warps, stages = config
     _decode_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, ml, part, scale, q.stride(0), q.stride(1),

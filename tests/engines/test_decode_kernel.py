@@ -58,7 +58,7 @@ def test_kernel_matches_reference_across_shapes():
 
 
 def test_split_context_kernel_matches_reference():
-    """The context of each (sequence, KV head) split over 2, 3 and 16 programs (most of them
+    """The context of each (sequence, KV head) split over 2, 3, 16 and 32 programs (most of them
     empty for short contexts) and combined gives the reference's attention; the batch sizes
     that split are the ones ``decode_splits`` names."""
     out = _interpret("""
@@ -74,23 +74,25 @@ def test_split_context_kernel_matches_reference():
             lens = torch.randint(1, width * page + 1, (b,), dtype=torch.int32)
             lens[0] = width * page
             ref = paged_decode_attention_ref(q, k, v, tables, lens, d ** -0.5)
-            for splits in (2, 3, 16):
+            for splits in (2, 3, 16, 32):
                 out = _triton_decode(q, k, v, tables, lens, d ** -0.5, splits=splits)
                 worst = max(worst, (out - ref).abs().max().item())
         cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
         short = [decode_splits(1, 1, cpu, 2048) == DECODE_SPLITS, decode_splits(2, 1, cpu, 256),
                  decode_splits(1, 2, cpu, 2048)]
         long = [decode_splits(8, 1, cpu, 8192), decode_splits(4, 2, cpu, 4096), decode_splits(5, 2, cpu, 2049),
-                decode_splits(64, 1, cpu, 8192)]
+                decode_splits(64, 1, cpu, 8192), decode_splits(1, 1, cpu, 8192)]
         print(worst, *short, *long)
     """)
-    worst, one, two_rows, two_heads, eight, four_by_two, five_by_two, many = out.split()[-8:]
+    worst, one, two_rows, two_heads, eight, four_by_two, five_by_two, many, single = out.split()[-9:]
     assert float(worst) < 1e-5
     # tables spanning at most 2,048 tokens: split only with at most a quarter of the 4 "SMs" busy
     assert (one, two_rows, two_heads) == ("True", "1", "1")
     # longer: 8 programs an SM x 4 "SMs": 8 rows of 1 KV head split in 4, 4 rows x 2 heads
     # also, 5 rows count as 8 (2), 64 rows do not split
     assert (eight, four_by_two, five_by_two, many) == ("4", "4", "2", "1")
+    # one row of one head: 32 programs on 4 "SMs" (past the 16 of a short context's split)
+    assert single == "32"
 
 
 def test_kernel_ignores_context_past_each_length():
