@@ -18,6 +18,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -50,9 +51,16 @@ def units(trace: dict) -> tuple[list[dict], list[dict]]:
         graph = call is not None and call["name"].startswith("cudaGraphLaunch")
         label = f"graph[{len(items)} kernels]" if graph else items[0]["name"][:60]
         out.append({"start": start, "end": end, "label": label, "graph": graph, "kernels": len(items),
-                    "queued": None if call is None else call["ts"]})
+                    "queued": None if call is None else call["ts"],
+                    "parts": [(i["name"], i["dur"]) for i in items] if graph else []})
     out.sort(key=lambda u: u["start"])
     return out, sorted(calls.values(), key=lambda e: e["ts"])
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without its template arguments and launch shapes (a short key that groups
+    one op's kernels)."""
+    return re.split(r"[<(]", name, maxsplit=1)[0].strip()[:60]
 
 
 def summarize(trace: dict) -> dict:
@@ -65,6 +73,10 @@ def summarize(trace: dict) -> dict:
     lo, hi = decode[0]["start"], decode[-1]["end"]
     window = [u for u in work if lo <= u["start"] and u["end"] <= hi]
     steps = len(decode)
+    inside: dict = collections.Counter()  # the decode graph's own kernels by name (their busy time)
+    for u in decode:
+        for name, dur in u["parts"]:
+            inside[kernel_family(name)] += dur
     other: dict = collections.Counter()
     for u in window:
         if not (u["graph"] and u["kernels"] == decode_kernels):
@@ -96,6 +108,8 @@ def summarize(trace: dict) -> dict:
         "wall_ms": round((hi - lo) / per, 4),
         "graph_ms": round(sum(u["end"] - u["start"] for u in decode) / per, 4),
         "graph_kernels": decode_kernels,
+        "graph_busy_ms": round(sum(inside.values()) / per, 4),
+        "graph_top": {k: round(v / per, 4) for k, v in inside.most_common(10)},
         "other_gpu_ms": round(sum(other.values()) / per, 4),
         "other_gpu_top": {k: round(v / per, 4) for k, v in other.most_common(8)},
         "idle_ms": round(idle / per, 4),
@@ -142,18 +156,19 @@ def main() -> None:
             await generate(4)  # captures the batch's graph
             with torch.profiler.profile(activities=activities) as prof:
                 await generate(a.new)
+            stats = await eng.stats()
             await eng.close()
-            return prof
+            return prof, stats
 
-        prof = asyncio.run(run())
+        prof, stats = asyncio.run(run())
         out = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(out)
         if a.trace:
             shutil.copy(out, a.trace)
         with open(out) as f:
             trace = json.load(f)
-        print(json.dumps({"batch": a.batch, "new": a.new, "temperature": a.temperature, "seeded": a.seeded,
-                          **summarize(trace)}))
+        print(json.dumps({"batch": a.batch, "prompt": a.prompt, "new": a.new, "temperature": a.temperature,
+                          "seeded": a.seeded, "step_failures": stats.get("step_failures"), **summarize(trace)}))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

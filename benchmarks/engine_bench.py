@@ -47,21 +47,30 @@ def sync(device: str) -> None:
 async def builtin_tok_s(eng: TorchEngine, batch: int, prompt: int, new: int, temperature: float = 0.0,
                         seeded: bool = False) -> tuple[float, float]:
     """(tokens/s of ``batch`` requests of ``new`` tokens each, end to end: prefill included;
-    seconds a decode step takes: the run's time less that of the same requests for one token
-    (prefill and the first token), over the ``new`` - 1 steps left)."""
+    seconds a decode step of the whole batch takes: the run's time less that of the same
+    requests for ``decode_from(new)`` tokens, over the steps between. Both runs hold the same
+    prefills and the steps while the batch is admitted (long prompts are admitted a few a
+    step, ``max_prefill_tokens``), so the difference is steps of every row decoding.)"""
     prompts = [[5 + (i + j) % 90 for j in range(prompt)] for i in range(batch)]
     sp = {"temperature": temperature, "max_new_tokens": new, "ignore_eos": True}
     seeds = [{"seed": 64 * i} if seeded else {} for i in range(batch)]  # a GRPO rollout seeds each sample
+    first = decode_from(new)
     await asyncio.gather(
-        *(eng.generate(p, {**sp, **k, "max_new_tokens": 2}) for p, k in zip(prompts, seeds))
-    )  # warm-up (captures this batch's graph)
+        *(eng.generate(p, {**sp, **k, "max_new_tokens": first}) for p, k in zip(prompts, seeds))
+    )  # warm-up: captures the graphs of this batch and of those its admission steps decode
     times = []
-    for tokens in (1, new):
+    for tokens in (first, new):
         t = time.perf_counter()
         res = await asyncio.gather(*(eng.generate(p, {**sp, **k, "max_new_tokens": tokens})
                                      for p, k in zip(prompts, seeds)))
         times.append(time.perf_counter() - t)
-    return sum(len(r.token_ids) for r in res) / times[1], (times[1] - times[0]) / max(1, new - 1)
+    return sum(len(r.token_ids) for r in res) / times[1], (times[1] - times[0]) / max(1, new - first)
+
+
+def decode_from(new: int) -> int:
+    """The shorter run's tokens in :func:`builtin_tok_s`'s decode step: a quarter of ``new``
+    (past the admission of a batch of long prompts), at least 1."""
+    return max(1, new // 4)
 
 
 def hf_tok_s(model, batch: int, prompt: int, new: int, device: str, static_compile: bool = False) -> float:
@@ -237,10 +246,15 @@ def main() -> None:
                 key = next((k for k in ((b, True), (b, False), b) if k in graphs.graphs), None)
                 if key is not None:  # (batch, long context) keys; a plain batch key in older trees
                     graph = graphs.graphs[key][0]
-                    # at the mean context of a generation's steps (the roofline's), not the last step's
-                    # inputs left in the shared buffers (the largest batch's final context)
-                    graphs.meta[3, :b] = prompt + new // 2
-                    graphs.meta[1, :b] = prompt + new // 2 - 1
+                    # at the mean context of the decode steps measured (the roofline's), each row's
+                    # table of distinct blocks, not the inputs left in the shared buffers (the last
+                    # batch's: a row past its blocks reads the scratch block, from the L2 cache)
+                    ctx = prompt + (decode_from(new) + new) // 2
+                    bs, nb = eng.runner.blocks.block_size, eng.runner.blocks.num_blocks
+                    cols = -(-ctx // bs)
+                    graphs.tables[:b, :cols] = (torch.arange(b * cols, device=graphs.tables.device) % nb).view(b, cols)
+                    graphs.meta[3, :b] = ctx
+                    graphs.meta[1, :b] = ctx - 1
                     sync(dev)
                     t = time.perf_counter()
                     for _ in range(20):
@@ -299,8 +313,10 @@ def main() -> None:
                 result[f"flops_frac_b{b}"] = round(flops_step / step_s / (result["matmul_tflops"] * 1e12), 4)
                 if f"graph_ms_b{b}" in result:  # time outside the decode graph: host, sampling, prefill share
                     result[f"outside_graph_share_b{b}"] = round(1 - result[f"graph_ms_b{b}"] / (step_s * 1e3), 3)
-                # decode alone (prefill left out: the step time by difference, see builtin_tok_s)
+                # decode alone (prefill left out: the step time by difference, see builtin_tok_s),
+                # at the mean context of the steps measured
                 decode_s = result[f"decode_step_ms_b{b}"] / 1e3
+                bytes_step = read_bytes + b * (prompt + (decode_from(new) + new) / 2) * kv_per_token + b * state_per_seq
                 result[f"decode_roofline_frac_b{b}"] = round(bytes_step / decode_s / (result["read_gb_s"] * 1e9), 3)
                 if f"graph_ms_b{b}" in result:  # a decode step's time outside its graph: host work not overlapped
                     result[f"decode_host_share_b{b}"] = round(1 - result[f"graph_ms_b{b}"] / (decode_s * 1e3), 3)
