@@ -226,3 +226,52 @@ def _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_c
     logits, _ = linear(x, model.lm_head.weight, model.lm_head.bias, norm_weight=model.model.norm.weight,
                        residual=residual, eps=eps)
     return model._vocab(logits, keep_dtype=True)
+
+
+def prefill_fits(model: nn.Module) -> bool:
+    """Whether :func:`prefill_fused` serves ``model`` (its norms, attention and rotary
+    embedding are the ones the fused kernels compute: no zero-centred norm weights, no gated
+    attention, the rotary embedding over the whole head)."""
+    cfg = model.cfg
+    return not cfg.norm_offset and not cfg.attn_output_gate and cfg.rotary_dim == cfg.head_dim
+
+
+def prefill_fused(model: nn.Module, input_ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """``CausalLM.prefill`` with the decode step's kernels over every token (see the module
+    docstring; :func:`prefill_fits` says which models): per layer one RMSNorm kernel (with the
+    residual sum), one q/k/v GEMM, ``qkv_rope_write`` (q/k norms, rotary, K/V into their
+    slots), causal attention over the written K/V (grouped-query heads unexpanded), one o GEMM,
+    one RMSNorm kernel, one gate/up GEMM, ``silu_mul``, the down GEMM. Same roundings as a
+    decode step of the same tokens. Returns each prompt's last-token logits [S, vocab] float32."""
+    cfg = model.cfg
+    s_count, length = input_ids.shape
+    h, kvh, d, eps = cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    x = model.model.embed_tokens(input_ids).view(s_count * length, -1)
+    positions = torch.arange(length, device=x.device).repeat(s_count)
+    flat_slots = slots.reshape(-1)
+    residual = None
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if residual is None:
+            hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps), x
+        else:
+            hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual=residual)
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+        q = qkv_rope_write(_qkv(attn, hidden), *norms, positions, model.inv_freq, flat_slots, k_cache[i], v_cache[i],
+                           h, kvh, eps)
+        # the K/V just written, read back per token (padding: the scratch slot, seen by padding only)
+        k = k_cache[i].view(-1, kvh, d).index_select(0, flat_slots).view(s_count, length, kvh, d)
+        v = v_cache[i].view(-1, kvh, d).index_select(0, flat_slots).view(s_count, length, kvh, d)
+        # right padding needs no mask: a real token never sees a later position
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.view(s_count, length, h, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=h != kvh)
+        o = o.transpose(1, 2).reshape(s_count * length, h * d)
+        hidden, residual = rms_norm(model._reduce(attn.o_proj(o)), layer.post_attention_layernorm.weight, eps,
+                                    residual=residual)
+        mlp = layer.mlp
+        x = model._reduce(mlp(hidden) if isinstance(mlp, SparseMoE) else _mlp(mlp, hidden))
+    last = torch.arange(s_count, device=x.device) * length + lens.to(x.device) - 1
+    hidden, _ = rms_norm(x[last], model.model.norm.weight, eps, residual=residual[last])
+    return model._vocab(model.lm_head(hidden))

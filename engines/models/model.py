@@ -366,6 +366,11 @@ class CausalLM(nn.Module):
         ``lens`` [S] their lengths, ``slots`` [S, L] the cache slot (block * block_size +
         offset) each token's K/V is written to (padding: a scratch slot). Causal attention
         within each prompt; returns each prompt's last-token logits [S, vocab] (float32)."""
+        if triton_usable(input_ids.device):  # the per-layer work in few kernels: engines/models/fused_decode.py
+            from engines.models.fused_decode import prefill_fits, prefill_fused
+
+            if prefill_fits(self):
+                return prefill_fused(self, input_ids, lens, slots, k_cache, v_cache)
         cfg = self.cfg
         s_count, length = input_ids.shape
         x = self.model.embed_tokens(input_ids)

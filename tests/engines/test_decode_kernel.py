@@ -442,6 +442,47 @@ def test_under_the_interpreter_a_launch_patches_the_language_once_not_once_a_hel
     assert float(worst) < 1e-5
 
 
+def test_fused_prefill_matches_the_torch_prefill(tmp_path):
+    """The prefill through the decode step's kernels (engines/models/fused_decode.py
+    ``prefill_fused``: RMSNorm with the residual sum, one q/k/v GEMM, ``qkv_rope_write``,
+    grouped-query attention unexpanded, silu_mul) gives the torch prefill's last-token logits
+    and writes the same K and V into every real token's slot, for right-padded prompts of
+    three lengths, with q/k norms (qwen3), q/k/v biases (qwen2), neither (llama) and MoE layers
+    (qwen3_moe)."""
+    out = _interpret(f"""
+        import asyncio, os, torch
+        from engines.builtin import TorchEngine
+        from engines.models import fused_decode
+        from engines.models.model_builder import make_model
+        torch.manual_seed(0)
+        for arch in ("qwen3", "qwen2", "llama", "qwen3_moe"):
+            eng = TorchEngine(make_model(arch, "tiny", {str(tmp_path)!r} + "/" + arch, seed=3), kv_cache_tokens=1024,
+                              block_size=8)
+            model, runner = eng.runner.model, eng.runner
+            ids, lens = torch.randint(5, 90, (3, 21)), torch.tensor([21, 13, 7])
+            scratch = runner.blocks.scratch_block * 8
+            slots = torch.randperm(scratch)[:63].view(3, 21)
+            slots[1, 13:] = slots[2, 7:] = scratch  # padding
+            caches = [(torch.zeros_like(runner.k), torch.zeros_like(runner.v)) for _ in range(2)]
+            os.environ["TRITON_INTERPRET"] = "0"  # the torch prefill (triton_usable reads it per call)
+            ref = model.prefill(ids, lens, slots, *caches[0])
+            os.environ["TRITON_INTERPRET"] = "1"
+            fused = model.prefill(ids, lens, slots, *caches[1])
+            real = slots[slots != scratch]
+            kv = lambda c: c.view(c.shape[0], -1, *c.shape[3:])[:, real]
+            gap = max((fused - ref).abs().max().item(), *((kv(a) - kv(b)).abs().max().item()
+                                                          for a, b in zip(caches[0], caches[1])))
+            print(arch, int(fused_decode.prefill_fits(model)), model.cfg.num_heads // model.cfg.num_kv_heads, gap,
+                  ref.abs().max().item())
+            asyncio.run(eng.close())
+    """)
+    rows = [line.split() for line in out.strip().splitlines()[-4:]]
+    assert [r[0] for r in rows] == ["qwen3", "qwen2", "llama", "qwen3_moe"], out
+    for arch, fits, groups, gap, scale in rows:
+        assert fits == "1" and int(groups) > 1, (arch, fits, groups)  # the fused path ran, with GQA
+        assert float(gap) < 1e-5 and float(scale) > 0.1, (arch, gap, scale)
+
+
 def test_packed_projections_follow_loads_updates_and_sleep(tmp_path):
     """Each layer's q/k/v and gate/up parameters are views of one packed tensor (what the
     fused decode step multiplies by): equal to the parameters after loading, after a weight
