@@ -11,7 +11,8 @@
 #     tree and BEFORE's, at the judge's length (10,112-token prompts: max_context_len 10,240),
 #     the decode timeline at batch 16;
 #   sweep: the decode attention kernel alone over its launch choices at 8,192 and 10,240
-#     positions (what a retune would take), SDPA's backends.
+#     positions (what a retune would take), SDPA's backends;
+#   tests: the CUDA tests of the kernels these figures rest on (engines and trainer, -m gpu).
 # BEFORE: a checkout of the tree to compare with; SITE: where the carried wheels are installed.
 # One JSON line per run on stdout and in $OUT/speed.jsonl (OUT: where to write, default /tmp).
 set -uo pipefail
@@ -48,5 +49,10 @@ sweep)
   run 180 python benchmarks/decode_kernel_sweep.py --context 10240 --batches 16,64
   run 40 python benchmarks/sdpa_variants.py
   ;;
-*) echo "PART must be grpo, long, trainer, decode or sweep, not ${PART}" >&2; exit 2 ;;
+tests)
+  timeout 420 python -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_gpu.py \
+    tests/trainer/test_lm_head_kernel.py tests/trainer/test_rope_kernel.py tests/trainer/test_swiglu_kernel.py \
+    tests/trainer/test_rms_norm_kernel.py 2>&1 | tail -15
+  ;;
+*) echo "PART must be grpo, long, trainer, decode, sweep or tests, not ${PART}" >&2; exit 2 ;;
 esac
