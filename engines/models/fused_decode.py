@@ -154,8 +154,26 @@ def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tabl
     if few_rows(model, x):
         return _decode_few_rows(model, x, positions, slots, block_tables, context_lens, k_cache, v_cache)
     cfg = model.cfg
-    b, h, kvh, d, eps = x.shape[0], cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    b, h, d = x.shape[0], cfg.local_heads, cfg.head_dim
     scale = d**-0.5
+
+    def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+        o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
+        return o.view(b, h * d)
+
+    x, residual = _layers(model, x, positions, slots, k_cache, v_cache, attend)
+    hidden, _ = rms_norm(x, model.model.norm.weight, cfg.rms_norm_eps, residual=residual)
+    return model._vocab(model.lm_head(hidden), keep_dtype=True)
+
+
+def _layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache, v_cache,
+            attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer over the token rows ``x`` [N, hidden] (at ``positions``, their K/V
+    written to ``slots``): ``attend(layer index, q [N, H, D])`` gives the attention output
+    [N, H D] (decode: the paged kernel; prefill: SDPA). Returns the last MLP output and the
+    residual sum before it (the final RMSNorm adds them)."""
+    cfg = model.cfg
+    h, kvh, eps = cfg.local_heads, cfg.local_kv_heads, cfg.rms_norm_eps
     residual = None
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -166,15 +184,11 @@ def decode_fused(model: nn.Module, x: torch.Tensor, positions, slots, block_tabl
         norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
         q = qkv_rope_write(_qkv(attn, hidden), *norms, positions, model.inv_freq, slots, k_cache[i], v_cache[i],
                            h, kvh, eps)
-        o = paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, context_lens, scale)
-        hidden, residual = rms_norm(
-            model._reduce(attn.o_proj(o.view(b, h * d))), layer.post_attention_layernorm.weight, eps,
-            residual=residual,
-        )
+        hidden, residual = rms_norm(model._reduce(attn.o_proj(attend(i, q))), layer.post_attention_layernorm.weight,
+                                    eps, residual=residual)
         mlp = layer.mlp
         x = model._reduce(mlp(hidden) if isinstance(mlp, SparseMoE) else _mlp(mlp, hidden))
-    hidden, _ = rms_norm(x, model.model.norm.weight, eps, residual=residual)
-    return model._vocab(model.lm_head(hidden), keep_dtype=True)
+    return x, residual
 
 
 def few_rows(model: nn.Module, x: torch.Tensor) -> bool:
@@ -246,20 +260,12 @@ def prefill_fused(model: nn.Module, input_ids: torch.Tensor, lens: torch.Tensor,
     decode step of the same tokens. Returns each prompt's last-token logits [S, vocab] float32."""
     cfg = model.cfg
     s_count, length = input_ids.shape
-    h, kvh, d, eps = cfg.local_heads, cfg.local_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    h, kvh, d = cfg.local_heads, cfg.local_kv_heads, cfg.head_dim
     x = model.model.embed_tokens(input_ids).view(s_count * length, -1)
     positions = torch.arange(length, device=x.device).repeat(s_count)
     flat_slots = slots.reshape(-1)
-    residual = None
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        if residual is None:
-            hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps), x
-        else:
-            hidden, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual=residual)
-        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
-        q = qkv_rope_write(_qkv(attn, hidden), *norms, positions, model.inv_freq, flat_slots, k_cache[i], v_cache[i],
-                           h, kvh, eps)
+
+    def attend(i: int, q: torch.Tensor) -> torch.Tensor:
         # the K/V just written, read back per token (padding: the scratch slot, seen by padding only)
         k = k_cache[i].view(-1, kvh, d).index_select(0, flat_slots).view(s_count, length, kvh, d)
         v = v_cache[i].view(-1, kvh, d).index_select(0, flat_slots).view(s_count, length, kvh, d)
@@ -267,11 +273,9 @@ def prefill_fused(model: nn.Module, input_ids: torch.Tensor, lens: torch.Tensor,
         o = torch.nn.functional.scaled_dot_product_attention(
             q.view(s_count, length, h, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             enable_gqa=h != kvh)
-        o = o.transpose(1, 2).reshape(s_count * length, h * d)
-        hidden, residual = rms_norm(model._reduce(attn.o_proj(o)), layer.post_attention_layernorm.weight, eps,
-                                    residual=residual)
-        mlp = layer.mlp
-        x = model._reduce(mlp(hidden) if isinstance(mlp, SparseMoE) else _mlp(mlp, hidden))
+        return o.transpose(1, 2).reshape(s_count * length, h * d)
+
+    x, residual = _layers(model, x, positions, flat_slots, k_cache, v_cache, attend)
     last = torch.arange(s_count, device=x.device) * length + lens.to(x.device) - 1
-    hidden, _ = rms_norm(x[last], model.model.norm.weight, eps, residual=residual[last])
+    hidden, _ = rms_norm(x[last], model.model.norm.weight, cfg.rms_norm_eps, residual=residual[last])
     return model._vocab(model.lm_head(hidden))
