@@ -73,6 +73,11 @@ def decode_from(new: int) -> int:
     return max(1, new // 4)
 
 
+def decode_context(prompt: int, new: int) -> int:
+    """The mean context of the decode steps :func:`builtin_tok_s` measures (the roofline's)."""
+    return prompt + (decode_from(new) + new) // 2
+
+
 def hf_tok_s(model, batch: int, prompt: int, new: int, device: str, static_compile: bool = False) -> float:
     """transformers ``generate`` tokens/s; ``static_compile``: static KV cache, which makes
     transformers torch.compile the forward (warmed up at this exact shape first)."""
@@ -249,7 +254,7 @@ def main() -> None:
                     # at the mean context of the decode steps measured (the roofline's), each row's
                     # table of distinct blocks, not the inputs left in the shared buffers (the last
                     # batch's: a row past its blocks reads the scratch block, from the L2 cache)
-                    ctx = prompt + (decode_from(new) + new) // 2
+                    ctx = decode_context(prompt, new)
                     bs, nb = eng.runner.blocks.block_size, eng.runner.blocks.num_blocks
                     cols = -(-ctx // bs)
                     graphs.tables[:b, :cols] = (torch.arange(b * cols, device=graphs.tables.device) % nb).view(b, cols)
@@ -316,7 +321,7 @@ def main() -> None:
                 # decode alone (prefill left out: the step time by difference, see builtin_tok_s),
                 # at the mean context of the steps measured
                 decode_s = result[f"decode_step_ms_b{b}"] / 1e3
-                bytes_step = read_bytes + b * (prompt + (decode_from(new) + new) / 2) * kv_per_token + b * state_per_seq
+                bytes_step = read_bytes + b * decode_context(prompt, new) * kv_per_token + b * state_per_seq
                 result[f"decode_roofline_frac_b{b}"] = round(bytes_step / decode_s / (result["read_gb_s"] * 1e9), 3)
                 if f"graph_ms_b{b}" in result:  # a decode step's time outside its graph: host work not overlapped
                     result[f"decode_host_share_b{b}"] = round(1 - result[f"graph_ms_b{b}"] / (decode_s * 1e3), 3)

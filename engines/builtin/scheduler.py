@@ -101,8 +101,11 @@ class Scheduler:
         made room for."""
         if not self.waiting or len(self.running) >= self.max_running or self.quarantined():
             return False
-        seq = self.waiting[0]
-        return self.blocks.blocks_for(seq.n_tokens) - len(seq.blocks) <= len(self.blocks.free_blocks)
+        return self._blocks_to_admit(self.waiting[0]) <= len(self.blocks.free_blocks)
+
+    def _blocks_to_admit(self, seq: Sequence) -> int:
+        """The free blocks ``seq``'s admission takes (as a prefill of its own)."""
+        return self.blocks.blocks_for(seq.n_tokens) - len(seq.blocks)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.has_input())
@@ -192,7 +195,7 @@ class Scheduler:
                     seq.blocks.append(self.blocks.take())
                 plan.followers[seq.request_id] = lead
             else:
-                need = self.blocks.blocks_for(seq.n_tokens) - len(seq.blocks)
+                need = self._blocks_to_admit(seq)
                 if need > len(self.blocks.free_blocks):
                     break
                 if plan.prefill and (len(plan.prefill) + 1) * max(longest, seq.n_tokens) > self.max_prefill_tokens:
