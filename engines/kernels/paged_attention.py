@@ -97,10 +97,9 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, K, V, BT, LENS, OUT, ML, PART, COUNT, scale, s_qb, s_qh, s_kn, s_kt, s_kh, s_btb, s_ob,
-                       s_oh, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-                       PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
-                       LAST_COMBINES: tl.constexpr):
+    def _decode_kernel(Q, K, V, BT, LENS, OUT, ML, PART, scale, s_qb, s_qh, s_kn, s_kt, s_kh, s_btb, s_ob, s_oh,
+                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                       PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         length = tl.load(LENS + seq)
@@ -158,33 +157,6 @@ if triton is not None:
             tl.store(ML + row * 2 + 1, l_i, mask=gmask)
             part = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
             tl.store(PART + row[:, None] * D + d[None, :], part, mask=gmask[:, None] & dmask[None, :])
-            if LAST_COMBINES:  # the split that finishes last combines them all (no second kernel)
-                tl.debug_barrier()  # every thread's partial stored before the release below
-                counter = COUNT + seq * tl.num_programs(1) + kvh
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                    tl.debug_barrier()
-                    base = row - split
-                    m_max = tl.full([GROUP_P], float("-inf"), tl.float32)
-                    for s in range(SPLITS):
-                        m_max = tl.maximum(m_max, tl.load(ML + (base + s) * 2, mask=gmask, other=float("-inf"),
-                                                          cache_modifier=".cg"))
-                    num = tl.zeros([GROUP_P, D_P], tl.float32)
-                    den = tl.zeros([GROUP_P], tl.float32)
-                    for s in range(SPLITS):
-                        m_s = tl.load(ML + (base + s) * 2, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                        l_s = tl.load(ML + (base + s) * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
-                        w = tl.where(l_s > 0, tl.exp(m_s - m_max) * l_s, 0.0)  # an empty split weighs nothing
-                        p_s = tl.load(PART + (base + s)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
-                                      other=0.0, cache_modifier=".cg")
-                        num += w[:, None] * p_s
-                        den += w
-                    out = num / tl.where(gmask, den, 1.0)[:, None]
-                    tl.store(
-                        OUT + seq * s_ob + heads[:, None] * s_oh + d[None, :],
-                        out.to(OUT.dtype.element_ty),
-                        mask=gmask[:, None] & dmask[None, :],
-                    )
-                    tl.atomic_xchg(counter, 0)  # ready for the next launch
 
     @triton.jit
     def _combine_kernel(ML, PART, OUT, s_ob, s_oh, H, D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr,
@@ -259,30 +231,10 @@ def split_config(splits: int) -> tuple[int, int, int]:
     return (64, 8, 3) if splits >= LONG_DECODE_SPLITS else (64, 4, 3)
 
 
-#: per device, the split decode's arrival counters (one per (sequence, KV head), zero between
-#: launches: the split that finishes last combines and resets its counter). Launches on one
-#: device share them, so they must not run concurrently: the engines decode on one stream.
-_COUNTERS: dict = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least ``n`` zeroed counters on ``device``; None while a CUDA graph is being captured
-    and none as many were allocated before (an allocation there would be the graph's, and its
-    zeroing would not run): the caller then combines in a second kernel."""
-    have = _COUNTERS.get(device)
-    if have is not None and have.numel() >= n:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    _COUNTERS[device] = have = torch.zeros(max(1024, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
-    return have
-
-
 def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int | None = None,
-                   config: tuple[int, int, int] | None = None, last_combines: bool = True):
+                   config: tuple[int, int, int] | None = None):
     """The Triton decode attention; ``splits`` and ``config`` ((tile, warps, stages)) override
-    the tuned choices (benchmarks/decode_kernel_sweep.py). A split context is combined by the
-    split that finishes last (``last_combines``), else by a second kernel."""
+    the tuned choices (benchmarks/decode_kernel_sweep.py)."""
     b, h, d = q.shape
     _, page, kvh, _ = k_cache.shape
     if h % kvh:
@@ -303,15 +255,13 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
     if config is None:
         config = decode_config(b, kvh, q.device) if splits == 1 else split_config(splits)
     tile, warps, stages = config
-    counters = _arrival_counters(q.device, b * kvh) if splits > 1 and last_combines else None
     _decode_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, ml, part, out if counters is None else counters, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=d_p,
-        PAGE=page, TILE=tile, IEEE=ieee, SPLITS=splits, LAST_COMBINES=counters is not None, num_warps=warps,
-        num_stages=stages,
+        q, k_cache, v_cache, block_tables, context_lens, out, ml, part, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=d_p, PAGE=page, TILE=tile, IEEE=ieee,
+        SPLITS=splits, num_warps=warps, num_stages=stages,
     )
-    if splits > 1 and counters is None:
+    if splits > 1:
         _combine_kernel[(b, h)](ml, part, out, out.stride(0), out.stride(1), h, D=d, D_P=d_p, SPLITS=splits,
                                 SPLITS_P=triton.next_power_of_2(splits), num_warps=1)
     return out

@@ -145,38 +145,6 @@ def test_decode_kernel_bf16_matches_reference():
     assert (out - ref).abs().max().item() < 2e-2
 
 
-def test_split_decode_combined_by_its_last_split_under_cuda_graphs():
-    """Long contexts (32 splits at batches 1 and 4): the split that finishes last
-    combines the others' partials. Eager, it matches the reference and the second-kernel
-    combine; captured in a CUDA graph and replayed 50 times on new queries, every replay
-    equals the eager launch (a race on the arrival counters would not)."""
-    from engines.kernels.paged_attention import _COUNTERS, _triton_decode, paged_decode_attention_ref
-
-    torch.manual_seed(2)
-    page, width = 16, 512
-    for b in (1, 4):
-        blocks = b * width
-        k = torch.randn(blocks, page, 8, 128, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(blocks, page, 8, 128, device="cuda", dtype=torch.bfloat16)
-        tables = torch.randperm(blocks, device="cuda").view(b, width).to(torch.int32)
-        lens = torch.tensor([width * page - 7 * i for i in range(b)], device="cuda", dtype=torch.int32)
-        q = torch.randn(b, 16, 128, device="cuda", dtype=torch.bfloat16)
-        out = _triton_decode(q, k, v, tables, lens, 128**-0.5)
-        second = _triton_decode(q, k, v, tables, lens, 128**-0.5, last_combines=False)
-        ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, lens, 128**-0.5)
-        assert (out.float() - ref).abs().max().item() < 2e-2
-        assert (out.float() - second.float()).abs().max().item() < 1e-2
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = _triton_decode(q, k, v, tables, lens, 128**-0.5)
-        for _ in range(50):
-            q.copy_(torch.randn_like(q))
-            graph.replay()
-            assert torch.equal(static, _triton_decode(q, k, v, tables, lens, 128**-0.5))
-        torch.cuda.synchronize()
-        assert int(_COUNTERS[q.device].abs().sum()) == 0
-
-
 def test_cuda_graph_decode_equals_eager_decode(model_06b):
     """Eight requests decode at batch 8 (no padding): the captured graph gives exactly the
     eager step's tokens and log-probs."""
