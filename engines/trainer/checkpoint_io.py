@@ -21,6 +21,7 @@ import shutil
 import torch
 
 from engines.trainer import cpu_shim
+from engines.trainer.optim import adam_step_counter
 
 FORMAT = 2
 MANIFEST = "relay-checkpoint.json"
@@ -288,9 +289,9 @@ def _master_from_weights(request: dict, saved: dict) -> dict:
 @torch.no_grad()
 def _put_torch(trainer, loaded: dict, adam_step: int) -> None:
     opt = trainer.opt.opt
+    steps = adam_step_counter(opt, adam_step)
     for i, p in enumerate(trainer.model.parameters()):
-        opt.state[p] = {"step": torch.tensor(float(adam_step), dtype=torch.float32),
-                        **{k: loaded[i][k].to(p.device, p.dtype).clone() for k in MOMENTS}}
+        opt.state[p] = {"step": steps[p], **{k: loaded[i][k].to(p.device, p.dtype).clone() for k in MOMENTS}}
 
 
 @torch.no_grad()
@@ -312,6 +313,5 @@ def _put_megatron(trainer, loaded: dict, adam_step: int) -> None:
             for j, p in enumerate(params):
                 loaded[i][j].setdefault("param", p.detach())  # no master weights saved: the weights
             part.load_parameter_state_from_fully_reshardable(loaded[i])
-            for group in part.optimizer.param_groups:
-                for p in group["params"]:
-                    part.optimizer.state[p]["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
+            for p, step in adam_step_counter(part.optimizer, adam_step).items():
+                part.optimizer.state[p]["step"] = step

@@ -186,3 +186,54 @@ def test_nccl_broadcast_export_into_an_engine_on_another_gpu(tmp_path):
     assert other2.token_ids == ref2.token_ids and other2.logprobs == ref2.logprobs and other2.weight_version == 2
     assert len(groups[0]) == 1 and groups[1] == groups[0]  # auto chose the broadcast group, kept for push 2
     assert [e[2] for e in events if e[1] == "update_weights"] == [1, 2]
+
+
+def test_fused_adam_on_cuda_equals_the_foreach_path_and_steps_from_loaded_counters():
+    """``fuse_on_cuda``: torch AdamW's fused kernel gives the default (foreach) path's params
+    to float32 rounding over three steps; counters made by ``adam_step_counter`` (as the
+    checkpoint loaders make them) live on the device and the fused step runs from them."""
+    from engines.trainer.optim import adam_step_counter, fuse_on_cuda
+
+    torch.manual_seed(0)
+    shapes = [(1000,), (33, 7), (64, 128)]
+    plain = [torch.randn(s, device="cuda", requires_grad=True) for s in shapes]
+    fused = [p.detach().clone().requires_grad_() for p in plain]
+    a = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
+    b = torch.optim.AdamW(fused, lr=1e-2, weight_decay=0.1)
+    fuse_on_cuda(b)
+    assert all(g["fused"] and not g["foreach"] for g in b.param_groups)
+    for step in range(4):
+        if step == 3:  # a resumed run: the counters as a checkpoint loader puts them
+            for p, counter in adam_step_counter(b, 3).items():
+                assert counter.device == p.device
+                b.state[p]["step"] = counter
+        for p, q in zip(plain, fused):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    assert max((p - q).abs().max().item() for p, q in zip(plain, fused)) < 1e-5
+    assert all(float(b.state[p]["step"]) == 4.0 for p in fused)
+
+
+def test_checkpoint_round_trip_with_the_fused_optimizer_on_cuda(tmp_path):
+    """bf16 params with Megatron's optimizer (fused Adam on CUDA): a checkpoint saved after a
+    step loads back and training goes on (the loaded step counters on the device)."""
+    path = make_model("qwen3", "tiny", str(tmp_path / "tiny"), seed=0, dtype="bfloat16", init_device="cuda")
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        await setup_torch_distributed(procs)
+        t = procs.spawn("trainer", TrainerActor, path, lr=1e-4, bf16=True)
+        await t.initialized(600)
+        first = (await t.sft_step.call_one(SEQS, MASKS).result(600))["loss"]
+        await t.save_checkpoint.call_one(str(tmp_path / "ckpt")).result(600)
+        second = (await t.sft_step.call_one(SEQS, MASKS).result(600))["loss"]
+        await t.load_checkpoint.call_one(str(tmp_path / "ckpt")).result(600)
+        again = (await t.sft_step.call_one(SEQS, MASKS).result(600))["loss"]
+        await t.shutdown.call().result(60)
+        await procs.stop()
+        return first, second, again
+
+    first, second, again = run(main(), 880)
+    assert abs(again - second) < 1e-3 * max(1.0, abs(second)), (first, second, again)
