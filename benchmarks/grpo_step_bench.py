@@ -87,9 +87,9 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
             "--resource",
             json.dumps({"actor": [1, g], "rollout": [1, g], "genrm": [1, g]}),
             "--sglang-mem-fraction-static",
-            "0.8",
+            str(args.mem_fraction),
             "--genrm-engine-config",
-            json.dumps({"mem_fraction_static": 0.8, **judge_context(args)}),
+            json.dumps({"mem_fraction_static": args.mem_fraction, **judge_context(args)}),
         ]
     run_dir = os.path.join(cache, "runs", f"{mode}-{int(time.time())}")
     cmd = [
@@ -149,6 +149,7 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
         "layers": args.layers,
         "gpus": g,
         "train_args": args.train_args,
+        **({"mem_fraction": args.mem_fraction} if mode == "defer" else {}),
         "steps": len(recs),
         "wall_s": round(wall, 1),
         "started_s": _started_s(p.stdout + p.stderr),
@@ -203,6 +204,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-tokens", type=int, default=None,
                     help="the engines' KV cache (default: every sample's prompt and response at once, at least 65,536)")
     ap.add_argument("--modes", default="split,defer", help="comma-separated: split, shared (co-resident), defer")
+    ap.add_argument("--mem-fraction", type=float, default=0.8,
+                    help="Defer-swap: the rollout engines' and the judge's mem_fraction_static (smaller: the trainer "
+                         "may stay on the device between steps, when the engines' wakes fit beside it)")
     ap.add_argument("--train-args", default="", help="extra `relay train` flags, e.g. '--bf16'")
     ap.add_argument("--cache", default=engines_settings().cache + "/grpo-bench")
     args = ap.parse_args()

@@ -4,6 +4,8 @@
 #   grpo (default): the GRPO step benchmark (one GPU, Defer-swap, --bf16), this tree and BEFORE's
 #     alternated twice (after, before, after, before: neither side gets the other's warm caches
 #     alone);
+#   resident: the same benchmark with the engines at 0.8 and at 0.4 of the GPU, alternated
+#     twice (at 0.4 the trainer's state may stay on the device between steps);
 #   long: one GRPO step of 64 samples with 8,192-token responses (phases and memory);
 #   trainer: the trainer against transformers on a GRPO-like batch (64 rows of 256..8,192
 #     tokens, packed micro-batches of 32,768) and at 1 x 32,768 (ours alone: its MFU);
@@ -26,6 +28,13 @@ grpo)
   for _ in 1 2; do
     run 140 $G --steps 3
     before 140 $G --steps 3
+  done
+  ;;
+resident)
+  G="python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 1 --modes defer --train-args=--bf16"
+  for _ in 1 2; do
+    run 140 $G --steps 3 --mem-fraction 0.8
+    run 140 $G --steps 3 --mem-fraction 0.4
   done
   ;;
 long)
@@ -54,5 +63,5 @@ tests)
     tests/trainer/test_lm_head_kernel.py tests/trainer/test_rope_kernel.py tests/trainer/test_swiglu_kernel.py \
     tests/trainer/test_rms_norm_kernel.py 2>&1 | tail -15
   ;;
-*) echo "PART must be grpo, long, trainer, decode, sweep or tests, not ${PART}" >&2; exit 2 ;;
+*) echo "PART must be grpo, resident, long, trainer, decode, sweep or tests, not ${PART}" >&2; exit 2 ;;
 esac
