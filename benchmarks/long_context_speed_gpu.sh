@@ -4,8 +4,9 @@
 #   grpo (default): the GRPO step benchmark (one GPU, Defer-swap, --bf16), this tree and BEFORE's
 #     alternated twice (after, before, after, before: neither side gets the other's warm caches
 #     alone);
-#   resident: the same benchmark with the engines at 0.8 and at 0.4 of the GPU, alternated
-#     twice (at 0.4 the trainer's state may stay on the device between steps);
+#   resident: the same benchmark as it is, with the engines at 0.4 of the GPU (the trainer's
+#     state may then stay on the device between steps), and at 0.4 with micro-batches of 32,768
+#     tokens (default 8,192), alternated twice;
 #   long: one GRPO step of 64 samples with 8,192-token responses (phases and memory);
 #   trainer: the trainer against transformers on a GRPO-like batch (64 rows of 256..8,192
 #     tokens, packed micro-batches of 32,768) and at 1 x 32,768 (ours alone: its MFU);
@@ -33,8 +34,9 @@ grpo)
 resident)
   G="python benchmarks/grpo_step_bench.py --device cuda --size 0.6b --gpus 1 --modes defer --train-args=--bf16"
   for _ in 1 2; do
-    run 140 $G --steps 3 --mem-fraction 0.8
-    run 140 $G --steps 3 --mem-fraction 0.4
+    run 100 $G --steps 3
+    run 100 $G --steps 3 --mem-fraction 0.4
+    run 100 $G --steps 3 --mem-fraction 0.4 "--train-args=--bf16 --micro-batch-tokens 32768"
   done
   ;;
 long)
