@@ -166,6 +166,8 @@ def run_mode(mode: str, args, policy: str, judge: str, data: dict, cache: str) -
     out["swap_moves_s"] = {k.removeprefix("time/swap_"): round(statistics.fmean(r.get(k, 0.0) for r in steady), 3)
                            for k in moves}  # the swap phase, move by move (launcher/rl/swaps.py)
     out["rollout_tokens_per_s"] = round(statistics.fmean(r["rollout/tokens_per_s"] for r in steady), 1)
+    for key in ("rollout/graph_capture_s", "judge/graph_capture_s"):  # inside the rollout and judge phases
+        out[key.replace("/", "_")] = round(statistics.fmean(r.get(key, 0.0) for r in steady), 3)
     for key in ("mem/gpu_used_generating", "mem/gpu_used_training", "mem/gpu_used_synced"):
         if key in steady[-1]:
             out[key.split("/", 1)[1] + "_gib"] = [round(b / 2**30, 2) for b in steady[-1][key]]

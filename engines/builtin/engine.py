@@ -411,6 +411,9 @@ class TorchEngine(Engine):
             "tp_size": 1 if self.tp is None else self.tp.size,
             "ep_size": self.cfg.ep_size,
             "cuda_graphs": graphs.batch_sizes() if graphs is not None else [],  # captured batch sizes
+            # since start: every capture (a sleep and a wake drop the graphs) and its seconds
+            "cuda_graph_captures": self.runner.graph_captures,
+            "cuda_graph_capture_s": self.runner.graph_capture_s,
             "weight_update_groups": sorted(self.weights.groups),
             "asleep": [t for t, present in (("weights", self.weights.present), ("kv_cache", kv_present))
                        if not present],

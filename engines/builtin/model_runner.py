@@ -6,6 +6,8 @@ again by sleep/wake; a hybrid model's linear-attention state pool with them:
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -60,6 +62,9 @@ class ModelRunner:
         model.tp = tp
         self.model = model
         self.prefill_tokens = 0  # prompt tokens actually run through prefill
+        # decode CUDA graphs captured (every sleep and wake drops them) and the seconds that took
+        self.graph_captures = 0
+        self.graph_capture_s = 0.0
         self.graphs: DecodeGraphs | None = None
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -401,6 +406,7 @@ class DecodeGraphs:
 
     def _capture(self, key: tuple[int, bool]) -> None:
         dev = self.runner.device
+        started = time.perf_counter()
         torch.cuda.synchronize(dev)
         before = torch.cuda.mem_get_info(dev)[0]
         side = torch.cuda.Stream(dev)
@@ -418,6 +424,8 @@ class DecodeGraphs:
         self.graphs[key] = (graph, out)
         torch.cuda.synchronize(dev)
         self.bytes += max(0, before - torch.cuda.mem_get_info(dev)[0])  # device memory the capture took
+        self.runner.graph_captures += 1
+        self.runner.graph_capture_s += time.perf_counter() - started
 
     def run(self, meta: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor | None = None,
             ids: torch.Tensor | None = None) -> torch.Tensor:

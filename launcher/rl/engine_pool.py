@@ -184,6 +184,13 @@ async def engine_bytes(engines: list[PooledEngine]) -> int:
     return int(sum(v for s in stats for k, v in s["bytes"].items() if k != "cpu_backup"))
 
 
+def graph_capture_s(stats: list[dict]) -> float:
+    """The seconds the engines of these ``stats`` spent capturing decode CUDA graphs since
+    they started (a sleep and a wake drop the graphs, so each colocated step captures them
+    again; 0 for an engine that does not say, as SGLang's)."""
+    return sum(float(s.get("cuda_graph_capture_s", 0.0)) for s in stats)
+
+
 async def all_or_cancel(waits: list[Awaitable]) -> None:
     """Await every start-up step; on a failure, cancel (and retrieve) the others."""
     futures = [asyncio.ensure_future(w) for w in waits]

@@ -17,7 +17,7 @@ import relay
 from relay import Actor, ActorError
 
 from . import timeouts
-from .engine_pool import PooledEngine, call_engines
+from .engine_pool import PooledEngine, call_engines, graph_capture_s
 from .rollout import ALL_MEMORY
 
 
@@ -110,7 +110,8 @@ class Judge:
         snapshot = await self.service.metrics_snapshot.call_one().result(timeouts.CONTROL)
         stats = await call_engines(self.engines, "stats")
         totals: dict = {"requests": 0, "cache_hits": 0, "parse_failures": 0, "latency_sum": 0.0, "latency_count": 0,
-                        "engine_requests": sum(s.get("requests_finished", 0) for s in stats)}
+                        "engine_requests": sum(s.get("requests_finished", 0) for s in stats),
+                        "graph_capture_s": graph_capture_s(stats)}
         for instance in snapshot.values():
             for key in ("requests", "cache_hits", "parse_failures"):
                 totals[key] += instance.get(key, 0)
@@ -139,4 +140,5 @@ def judge_deltas(before: dict, after: dict) -> dict:
             "judge/parse_failures": after["parse_failures"] - before["parse_failures"],
             "judge/parse_failure_rate": (after["parse_failures"] - before["parse_failures"]) / calls if calls else 0.0,
             "judge/latency_mean": latency_sum / latency_count if latency_count else 0.0,
-            "judge/engine_requests": after["engine_requests"] - before["engine_requests"]}
+            "judge/engine_requests": after["engine_requests"] - before["engine_requests"],
+            "judge/graph_capture_s": after["graph_capture_s"] - before["graph_capture_s"]}

@@ -215,8 +215,10 @@ class GRPOLoop:
         cfg, timer = self.cfg, self.timer
         timer.begin_step()
         judge_before = await self.judge.counts()
+        captured = await self.rollout.graph_capture_s()
         with timer.phase("rollout"):
             samples = await self._generate_batch(step, score_inline=not self.layout.judge_takes_turns)
+        captured = {"rollout/graph_capture_s": await self.rollout.graph_capture_s() - captured}
         memory = {"mem/rollout_bytes_generating": await self.rollout.device_bytes()}
         await self._record_gpu_use("generating", memory)
 
@@ -253,6 +255,7 @@ class GRPOLoop:
         record.update(canaries)
         record.update(memory)
         record.update(synced)
+        record.update(captured)
         record.update(await self.rollout.probe(self.rows[0]))
         return record
 

@@ -10,7 +10,7 @@ import threading
 
 from ..data import Row, prompt_ids
 from . import timeouts
-from .engine_pool import GONE, PooledEngine, answered, call_engines, engine_bytes, live
+from .engine_pool import GONE, PooledEngine, answered, call_engines, engine_bytes, graph_capture_s, live
 from .sample import Sample
 
 #: what an engine frees when it sleeps and restores when it wakes
@@ -175,6 +175,10 @@ class RolloutPool:
 
     async def device_bytes(self) -> int:
         return await engine_bytes(self.engines)
+
+    async def graph_capture_s(self) -> float:
+        """Seconds the engines spent capturing decode CUDA graphs since they started."""
+        return graph_capture_s(await call_engines(self.engines, "stats"))
 
     async def weight_versions(self) -> list[int]:
         return [s["weight_version"] for s in await call_engines(self.engines, "stats")]

@@ -246,12 +246,13 @@ def test_dapo_genrm_reaches_the_judge_at_the_address_it_is_given(monkeypatch):
 
 def test_judge_deltas_between_two_snapshots():
     before = {"requests": 10, "cache_hits": 2, "parse_failures": 1, "latency_sum": 1.0, "latency_count": 10,
-              "engine_requests": 8}
+              "engine_requests": 8, "graph_capture_s": 0.5}
     after = {"requests": 14, "cache_hits": 3, "parse_failures": 1, "latency_sum": 3.0, "latency_count": 14,
-             "engine_requests": 11}
+             "engine_requests": 11, "graph_capture_s": 0.75}
     d = judge_deltas(before, after)
     assert d["judge/requests"] == 4 and d["judge/cache_hits"] == 1 and d["judge/engine_calls"] == 3
     assert d["judge/latency_mean"] == pytest.approx(0.5) and d["judge/engine_requests"] == 3
+    assert d["judge/graph_capture_s"] == pytest.approx(0.25)
     assert judge_deltas({}, {}) == {}
 
 
