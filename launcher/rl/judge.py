@@ -141,4 +141,5 @@ def judge_deltas(before: dict, after: dict) -> dict:
             "judge/parse_failure_rate": (after["parse_failures"] - before["parse_failures"]) / calls if calls else 0.0,
             "judge/latency_mean": latency_sum / latency_count if latency_count else 0.0,
             "judge/engine_requests": after["engine_requests"] - before["engine_requests"],
-            "judge/graph_capture_s": after["graph_capture_s"] - before["graph_capture_s"]}
+            # an engine rebuilt meanwhile starts its count again: never below 0
+            "judge/graph_capture_s": max(0.0, after["graph_capture_s"] - before["graph_capture_s"])}

@@ -218,7 +218,7 @@ class GRPOLoop:
         captured = await self.rollout.graph_capture_s()
         with timer.phase("rollout"):
             samples = await self._generate_batch(step, score_inline=not self.layout.judge_takes_turns)
-        captured = {"rollout/graph_capture_s": await self.rollout.graph_capture_s() - captured}
+        captured = {"rollout/graph_capture_s": max(0.0, await self.rollout.graph_capture_s() - captured)}
         memory = {"mem/rollout_bytes_generating": await self.rollout.device_bytes()}
         await self._record_gpu_use("generating", memory)
 
