@@ -438,4 +438,4 @@ class MegatronAdamW(_Optimizer):
                 part.load_parameter_state_from_dp_zero(shard)
                 counters = adam_step_counter(part.optimizer, 0)
                 for p, step in steps.items():
-                    part.optimizer.state[p]["step"] = step.to(counters[p].device, copy=True)
+                    part.optimizer.state[p]["step"] = counters[p].copy_(step)

@@ -180,7 +180,11 @@ def answered(engines: list[PooledEngine], results: list) -> list:
 
 async def engine_bytes(engines: list[PooledEngine]) -> int:
     """Device bytes the engines hold (their CPU backups not counted)."""
-    stats = await call_engines(engines, "stats")
+    return held_bytes(await call_engines(engines, "stats"))
+
+
+def held_bytes(stats: list[dict]) -> int:
+    """Device bytes the engines of these ``stats`` hold (their CPU backups not counted)."""
     return int(sum(v for s in stats for k, v in s["bytes"].items() if k != "cpu_backup"))
 
 

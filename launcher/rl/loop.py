@@ -215,11 +215,13 @@ class GRPOLoop:
         cfg, timer = self.cfg, self.timer
         timer.begin_step()
         judge_before = await self.judge.counts()
-        captured = await self.rollout.graph_capture_s()
+        _, captured_before = await self.rollout.usage()
         with timer.phase("rollout"):
             samples = await self._generate_batch(step, score_inline=not self.layout.judge_takes_turns)
-        captured = {"rollout/graph_capture_s": max(0.0, await self.rollout.graph_capture_s() - captured)}
-        memory = {"mem/rollout_bytes_generating": await self.rollout.device_bytes()}
+        held, captured_after = await self.rollout.usage()
+        memory = {"mem/rollout_bytes_generating": held}
+        # an engine rebuilt meanwhile counts again from 0: never below 0
+        captures = {"rollout/graph_capture_s": max(0.0, captured_after - captured_before)}
         await self._record_gpu_use("generating", memory)
 
         async def judge_work() -> dict:  # the judge is awake (Defer-swap: woken for this)
@@ -255,7 +257,7 @@ class GRPOLoop:
         record.update(canaries)
         record.update(memory)
         record.update(synced)
-        record.update(captured)
+        record.update(captures)
         record.update(await self.rollout.probe(self.rows[0]))
         return record
 

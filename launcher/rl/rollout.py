@@ -10,7 +10,7 @@ import threading
 
 from ..data import Row, prompt_ids
 from . import timeouts
-from .engine_pool import GONE, PooledEngine, answered, call_engines, engine_bytes, graph_capture_s, live
+from .engine_pool import GONE, PooledEngine, answered, call_engines, graph_capture_s, held_bytes, live
 from .sample import Sample
 
 #: what an engine frees when it sleeps and restores when it wakes
@@ -173,12 +173,11 @@ class RolloutPool:
         """End every in-flight generation at once (each returns what it has so far)."""
         await call_engines(self.engines, "abort", timeout=timeouts.CONTROL)
 
-    async def device_bytes(self) -> int:
-        return await engine_bytes(self.engines)
-
-    async def graph_capture_s(self) -> float:
-        """Seconds the engines spent capturing decode CUDA graphs since they started."""
-        return graph_capture_s(await call_engines(self.engines, "stats"))
+    async def usage(self) -> tuple[int, float]:
+        """(device bytes the engines hold, seconds they spent capturing decode CUDA graphs since
+        they started), from one stats call."""
+        stats = await call_engines(self.engines, "stats")
+        return held_bytes(stats), graph_capture_s(stats)
 
     async def weight_versions(self) -> list[int]:
         return [s["weight_version"] for s in await call_engines(self.engines, "stats")]
