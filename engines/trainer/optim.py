@@ -381,32 +381,32 @@ class MegatronAdamW(_Optimizer):
 
     def step(self, what: str = "step") -> float:
         """Reduce-scatter the gradients (averaged over DP), clip, update this rank's shard,
-        all-gather the params; returns the gradient norm before clipping. Non-finite
-        gradients on any rank raise on every rank before the update (Megatron's optimizer
-        checks only under a loss scaler: fp32 and bf16 steps would apply them)."""
+        all-gather the params; returns the gradient norm before clipping. A non-finite norm
+        (NaN or inf in any rank's gradients reaches every rank's norm through its all-reduce)
+        raises on every rank before the update: Megatron's own ``step`` checks only under a
+        loss scaler, so fp32 and bf16 steps would apply them. Megatron's step in its parts
+        (prepare, norm, clip, update) with the check between: the norm is the one pass over
+        the gradients it makes anyway."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
         with cpu_shim.megatron_cuda_calls():
             self.ddp.finish_grad_sync()
             sum_tp_partial_grads(self.model, "main_grad")
-            self._check_finite(what)
-            ok, norm, _ = self.opt.step()
-        if not ok:
-            raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")
-        return float(norm)
-
-    def _check_finite(self, what: str) -> None:
-        """Every rank's gradient buffers (its own gradients, and its reduced shard) finite, or
-        FloatingPointError on every rank: one sum per buffer (NaN or inf anywhere makes it
-        non-finite; no buffer-sized temporary) and one all-reduce of a flag over the trainer's ranks."""
-        import torch.distributed as dist
-
-        buffers = list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
-        bad = torch.zeros((), device=self.device)
-        for b in buffers:
-            bad += (~torch.isfinite(b.grad_data.sum(dtype=torch.float64))).float()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad)
-        if bad.item():
-            check_finite_norm(float("nan"), what)
+            if self.opt.prepare_grads():
+                raise FloatingPointError(f"{what}: the loss scaler found non-finite gradients; not stepping")
+            norm = float(self.opt.get_grad_norm())
+            check_finite_norm(norm, what)
+            for part in self._parts:
+                clip = part.config.clip_grad
+                if getattr(part, "is_stub_optimizer", False) or not 0 < clip < math.inf:
+                    continue
+                if params := part.get_parameters():
+                    clip_grad_by_total_norm_fp32(
+                        params, clip, norm,
+                        use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            if not self.opt.step_with_ready_grads():
+                raise FloatingPointError(f"{what}: the optimizer skipped the step")
+        return norm
 
     def _storages(self) -> tuple[list, list, list]:
         """(param buffers, optimizer state + fp32 master shards, grad buffers)."""

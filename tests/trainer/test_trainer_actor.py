@@ -351,6 +351,35 @@ def test_a_non_finite_gradient_raises_on_every_rank_before_any_weight_changes(po
 
 
 @pytest.mark.parametrize("optimizer,gpus", [("torch", 1), ("megatron", 2)])
+def test_clip_grad_bounds_the_update_on_both_optimizer_paths(policy, optimizer, gpus):
+    """--clip-grad scales the whole gradient to that norm before the update: clipped to 1e-9
+    (far under Adam's eps) one step at lr 1e-2 leaves the log-probs almost where they were,
+    while the unclipped step moves them; both report the norm before clipping."""
+    import asyncio
+
+    async def one_step(clip_grad: float):
+        procs, t = await start(policy, gpus=gpus, optimizer=optimizer, clip_grad=clip_grad)
+        try:
+            before = (await t.compute_logprobs.call(SEQS).result(60)).values()[0]
+            shards = TrainBatch(SEQS, MASKS, ADV).shard(gpus)
+            stats = await asyncio.gather(*(t.slice(gpus=r).train_step.call_one(s).result(120)
+                                           for r, s in enumerate(shards)))
+            after = (await t.compute_logprobs.call(SEQS).result(60)).values()[0]
+        finally:
+            await stop(procs, t)
+        moved = max(abs(a - b) for ra, rb in zip(before, after) for a, b in zip(ra, rb))
+        return moved, stats[0]["grad_norm"]
+
+    async def main():
+        return [await one_step(0.0), await one_step(1e-9)]
+
+    (free, norm_free), (clipped, norm_clipped) = run(main(), 280)
+    assert free > 1e-2, free
+    assert clipped < 0.02 * free, (clipped, free)
+    assert norm_clipped == pytest.approx(norm_free, rel=1e-4) and norm_free > 1e-3
+
+
+@pytest.mark.parametrize("optimizer,gpus", [("torch", 1), ("megatron", 2)])
 def test_weight_decay_spares_norms_and_biases_on_both_optimizer_paths(policy, optimizer, gpus):
     """Megatron's rule (and the original's): 1-D weights and biases get no weight decay. With
     zero advantages the gradient is 0, so one step only decays: matrices shrink by lr x wd,
