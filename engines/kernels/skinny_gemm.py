@@ -15,9 +15,17 @@ programs per SM), and the input may first go through
 
 Accumulation is float32 in a fixed order per row, so a row's output does not depend on the
 other rows of the batch (graph replays at a padded size equal eager steps).
+
+On Hopper and later the kernel launches as a programmatic dependent (``pdl``, see
+:func:`pdl_enabled`): it may start while the kernel before it in the stream finishes, loads
+its first weight tile, then waits for that kernel (``gdc_wait``) before it reads its input or
+writes anything, and lets the next kernel start as soon as it has passed that wait. Hence the
+contract: the kernel just before it in the stream must not write the weight.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -60,13 +68,19 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(X, R, NW, W, BIAS, Y, ROUT, s_x, s_r, s_y, s_ro, N, eps,
                        K: tl.constexpr, ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_R: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_R: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         kr = tl.arange(0, BLOCK_K)
         rows = tl.arange(0, ROWS_P)
         iters: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+        # the first weight tile before anything the previous kernel writes (see the module docstring)
+        w_first = tl.load(W + n[:, None] * K + kr[None, :], mask=nm[:, None] & (kr < K)[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         inv = tl.zeros([ROWS_P], tl.float32)
         if PRE == 1:  # each row's 1 / rms over all K columns (of x + residual)
             for b in tl.static_range(ROWS):
@@ -85,7 +99,10 @@ if triton is not None:
         for c in tl.static_range(iters):
             k = c * BLOCK_K + kr
             km = k < K
-            w = tl.load(W + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            if c == 0:
+                w = w_first.to(tl.float32)
+            else:
+                w = tl.load(W + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
             for b in tl.static_range(ROWS):
                 inv_b = tl.sum(tl.where(rows == b, inv, 0.0), axis=0)
                 xb = _row_in(X, R, NW, ROUT, b, k, km, inv_b, s_x, s_r, s_ro, pid == 0, K, PRE, HAS_R)
@@ -95,6 +112,20 @@ if triton is not None:
             acc += tl.load(BIAS + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         out = Y + rows[:, None] * s_y + n[None, :]
         tl.store(out, acc.to(Y.dtype.element_ty), mask=(rows[:, None] < ROWS) & nm[None, :])
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the decode kernels launch as programmatic dependents on ``device``: CUDA of
+    compute capability 9 or more (Hopper), unless ``RELAY_DECODE_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("RELAY_DECODE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch arguments of a kernel with a ``PDL`` switch (see :func:`pdl_enabled`)."""
+    on = pdl_enabled(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -146,6 +177,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), r.stride(0), y.stride(0), out_sum.stride(0), n, eps,
         K=k, ROWS=rows, ROWS_P=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         PRE=2 if silu_input else int(norm_weight is not None), HAS_R=residual is not None, HAS_BIAS=bias is not None,
-        num_warps=warps,
+        num_warps=warps, **pdl_launch(x.device),
     )
     return (y, summed) if residual is not None else y

@@ -193,6 +193,28 @@ def test_cuda_graph_decode_equals_eager_decode_across_the_long_context_line(mode
     assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
 
 
+def test_batch_one_decode_with_programmatic_dependent_launch_equals_it_without(model_06b, monkeypatch):
+    """One request (the skinny-GEMM path, whose kernels launch as programmatic dependents on
+    Hopper): captured and eager steps with PDL give exactly the tokens and log-probs of the
+    steps without it (RELAY_DECODE_PDL=0), a long prompt included."""
+    from engines.kernels import skinny_gemm
+
+    assert skinny_gemm.pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    prompts = [list(range(7, 40)), [11 + i % 500 for i in range(3000)]]
+
+    async def main(graph):
+        eng = TorchEngine(model_06b, device="cuda", kv_cache_tokens=8192, cuda_graph=graph)
+        res = [await eng.generate(p, {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}) for p in prompts]
+        await eng.close()
+        return [(r.token_ids, r.logprobs) for r in res]
+
+    with_pdl = [run(main(graph), 300) for graph in (True, False)]
+    monkeypatch.setenv("RELAY_DECODE_PDL", "0")
+    assert not skinny_gemm.pdl_enabled(torch.device("cuda"))
+    without = [run(main(graph), 300) for graph in (True, False)]
+    assert with_pdl == without
+
+
 def test_sampling_keys_under_cuda_graphs(tmp_path):
     """Penalties and min_p apply to the logits of a CUDA-graph decode as to an eager one
     (graphs capture the forward only), and the defaults' rows beside penalized rows are
