@@ -39,6 +39,24 @@ def fuse_on_cuda(opt: torch.optim.Optimizer) -> None:
             group["fused"], group["foreach"] = True, False
 
 
+def clip_in_adam_step(opt: torch.optim.Optimizer, coef: float) -> bool:
+    """Where every group of ``opt`` runs torch's fused kernel (:func:`fuse_on_cuda`), have its
+    next ``step`` multiply the gradients by ``coef`` as it reads them (torch's ``grad_scale``,
+    which the kernel divides by: no pass of its own over the gradients; Megatron's fallback
+    scaling without apex made three over the fp32 gradients) and return True; else False, and
+    the caller scales them. :func:`end_adam_step` clears it after the step."""
+    groups = [g for g in opt.param_groups if g["params"]]
+    if not groups or not all(g.get("fused") for g in groups):
+        return False
+    opt.grad_scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=groups[0]["params"][0].device)
+    return True
+
+
+def end_adam_step(opt: torch.optim.Optimizer) -> None:
+    """Forget a :func:`clip_in_adam_step` scale (the next step's gradients are unscaled)."""
+    opt.grad_scale = None
+
+
 def adam_step_counter(opt: torch.optim.Optimizer, value: float | torch.Tensor) -> dict:
     """Per parameter of ``opt``, its Adam ``step`` counter of ``value`` as torch keeps it: a
     float32 scalar, on the parameter's device in a fused group (:func:`fuse_on_cuda`), else on
@@ -283,7 +301,10 @@ class TorchAdamW(_Optimizer):
         self._reduce_grads()
         sum_tp_partial_grads(self.model)
         norm = self._clip(what)
-        self.opt.step()
+        try:
+            self.opt.step()
+        finally:
+            end_adam_step(self.opt)
         return norm
 
     def _clip(self, what: str) -> float:
@@ -314,7 +335,7 @@ class TorchAdamW(_Optimizer):
         check_finite_norm(norm, what)
         if self.clip_grad > 0:
             coef = min(1.0, self.clip_grad / (norm + 1e-6))
-            if coef < 1.0:
+            if coef < 1.0 and not clip_in_adam_step(self.opt, coef):
                 for g in grads:
                     g.mul_(coef)
         return norm
@@ -400,12 +421,17 @@ class MegatronAdamW(_Optimizer):
                 clip = part.config.clip_grad
                 if getattr(part, "is_stub_optimizer", False) or not 0 < clip < math.inf:
                     continue
-                if params := part.get_parameters():
+                coef = clip / (norm + 1e-6)  # as clip_grad_by_total_norm_fp32
+                if coef < 1.0 and not clip_in_adam_step(part.optimizer, coef) and (params := part.get_parameters()):
                     clip_grad_by_total_norm_fp32(
                         params, clip, norm,
                         use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-            if not self.opt.step_with_ready_grads():
-                raise FloatingPointError(f"{what}: the optimizer skipped the step")
+            try:
+                if not self.opt.step_with_ready_grads():
+                    raise FloatingPointError(f"{what}: the optimizer skipped the step")
+            finally:
+                for part in self._parts:
+                    end_adam_step(part.optimizer)
         return norm
 
     def _storages(self) -> tuple[list, list, list]:

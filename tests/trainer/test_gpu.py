@@ -237,3 +237,59 @@ def test_checkpoint_round_trip_with_the_fused_optimizer_on_cuda(tmp_path):
 
     first, second, again = run(main(), 880)
     assert abs(again - second) < 1e-3 * max(1.0, abs(second)), (first, second, again)
+
+
+def test_clipping_inside_the_fused_adam_step_equals_scaling_the_gradients():
+    """``clip_in_adam_step``: a fused AdamW told to scale by ``coef`` steps exactly as the
+    foreach path on gradients multiplied by ``coef`` beforehand (to float32 rounding), and
+    the step after ``end_adam_step`` is unscaled again."""
+    from engines.trainer.optim import clip_in_adam_step, end_adam_step, fuse_on_cuda
+
+    torch.manual_seed(1)
+    shapes = [(4096,), (65, 33)]
+    plain = [torch.randn(s, device="cuda", requires_grad=True) for s in shapes]
+    fused = [p.detach().clone().requires_grad_() for p in plain]
+    a = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
+    b = torch.optim.AdamW(fused, lr=1e-2, weight_decay=0.1)
+    assert not clip_in_adam_step(b, 0.5)  # not fused yet: the caller must scale
+    end_adam_step(b)
+    fuse_on_cuda(b)
+    for coef in (0.25, 1e-3, None):
+        for p, q in zip(plain, fused):
+            q.grad = torch.randn_like(p) * 10
+            p.grad = q.grad * coef if coef is not None else q.grad.clone()
+        if coef is not None:
+            assert clip_in_adam_step(b, coef)
+        a.step()
+        b.step()
+        end_adam_step(b)
+        assert max((p - q).abs().max().item() for p, q in zip(plain, fused)) < 1e-5, coef
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "megatron"])
+def test_clip_grad_bounds_the_update_on_cuda(tmp_path, optimizer):
+    """tests/trainer/test_trainer_actor.py's clipping test on CUDA, where the clipping happens
+    inside the fused Adam step: clipped to 1e-9 one step barely moves the log-probs, unclipped
+    it moves them, and both report the same norm before clipping."""
+    path = make_model("qwen3", "tiny", str(tmp_path / "tiny"), seed=0, dtype="bfloat16", init_device="cuda")
+    adv = [1.0, -1.0] * 4
+
+    async def one_step(clip_grad):
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        await setup_torch_distributed(procs)
+        t = procs.spawn("trainer", TrainerActor, path, lr=1e-2, bf16=True, clip_grad=clip_grad, optimizer=optimizer)
+        await t.initialized(600)
+        before = await t.compute_logprobs.call_one(SEQS).result(600)
+        stats = await t.train_step.call_one(TrainBatch(SEQS, MASKS, adv)).result(600)
+        after = await t.compute_logprobs.call_one(SEQS).result(600)
+        await t.shutdown.call().result(60)
+        await procs.stop()
+        return max(abs(x - y) for rx, ry in zip(before, after) for x, y in zip(rx, ry)), stats["grad_norm"]
+
+    async def main():
+        return [await one_step(0.0), await one_step(1e-9)]
+
+    (free, norm_free), (clipped, norm_clipped) = run(main(), 880)
+    assert free > 1e-2, free
+    assert clipped < 0.02 * free, (clipped, free)
+    assert norm_clipped == pytest.approx(norm_free, rel=1e-3) and norm_free > 1e-3
