@@ -41,6 +41,21 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the decode step's Triton kernels launch as programmatic dependents on
+    ``device`` (each may start while the kernel before it finishes, and waits for it with
+    ``gdc_wait`` before reading anything that kernel may have written): CUDA of compute
+    capability 9 or more (Hopper), unless ``RELAY_DECODE_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("RELAY_DECODE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch arguments of a kernel with a ``PDL`` switch (see :func:`pdl_enabled`)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+
+
 def launch_or_fall_back(ok: list, what: str, kernel, grid, *args, **meta) -> bool:
     """Launch ``kernel[grid](*args, **meta)``; where it cannot compile or run here (never for
     out-of-memory, which is raised), set ``ok[0]`` False (the module's later calls take its
@@ -99,7 +114,11 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(Q, K, V, BT, LENS, OUT, ML, PART, scale, s_qb, s_qh, s_kn, s_kt, s_kh, s_btb, s_ob, s_oh,
                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-                       PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
+                       PAGE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+                       PDL: tl.constexpr):
+        if PDL:  # a programmatic dependent launch (pdl_launch): nothing read before the wait
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         length = tl.load(LENS + seq)
@@ -160,7 +179,10 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(ML, PART, OUT, s_ob, s_oh, H, D: tl.constexpr, D_P: tl.constexpr, SPLITS: tl.constexpr,
-                        SPLITS_P: tl.constexpr):
+                        SPLITS_P: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         seq = tl.program_id(0)
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS_P)
@@ -259,11 +281,11 @@ def _triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float
         q, k_cache, v_cache, block_tables, context_lens, out, ml, part, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=d, D_P=d_p, PAGE=page, TILE=tile, IEEE=ieee,
-        SPLITS=splits, num_warps=warps, num_stages=stages,
+        SPLITS=splits, num_warps=warps, num_stages=stages, **pdl_launch(q.device),
     )
     if splits > 1:
         _combine_kernel[(b, h)](ml, part, out, out.stride(0), out.stride(1), h, D=d, D_P=d_p, SPLITS=splits,
-                                SPLITS_P=triton.next_power_of_2(splits), num_warps=1)
+                                SPLITS_P=triton.next_power_of_2(splits), num_warps=1, **pdl_launch(q.device))
     return out
 
 

@@ -16,20 +16,19 @@ programs per SM), and the input may first go through
 Accumulation is float32 in a fixed order per row, so a row's output does not depend on the
 other rows of the batch (graph replays at a padded size equal eager steps).
 
-On Hopper and later the kernel launches as a programmatic dependent (``pdl``, see
-:func:`pdl_enabled`): it may start while the kernel before it in the stream finishes, loads
-its first weight tile, then waits for that kernel (``gdc_wait``) before it reads its input or
-writes anything, and lets the next kernel start as soon as it has passed that wait. Hence the
-contract: the kernel just before it in the stream must not write the weight.
+On Hopper and later the kernel launches as a programmatic dependent
+(``paged_attention.pdl_enabled``): it may start while the kernel before it in the stream
+finishes, loads its first weight tile, then waits for that kernel (``gdc_wait``) before it
+reads its input or writes anything, and lets the next kernel start as soon as it has passed
+that wait. Hence the contract: the kernel just before it in the stream must not write the
+weight (in a decode step: the embedding, attention or another projection).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from engines.kernels.paged_attention import multiprocessors, triton, triton_usable
+from engines.kernels.paged_attention import multiprocessors, pdl_launch, triton, triton_usable
 
 #: the most rows the kernel serves
 KERNEL_ROWS = 8
@@ -112,20 +111,6 @@ if triton is not None:
             acc += tl.load(BIAS + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         out = Y + rows[:, None] * s_y + n[None, :]
         tl.store(out, acc.to(Y.dtype.element_ty), mask=(rows[:, None] < ROWS) & nm[None, :])
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether the decode kernels launch as programmatic dependents on ``device``: CUDA of
-    compute capability 9 or more (Hopper), unless ``RELAY_DECODE_PDL=0``."""
-    if device.type != "cuda" or os.environ.get("RELAY_DECODE_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_launch(device: torch.device) -> dict:
-    """The launch arguments of a kernel with a ``PDL`` switch (see :func:`pdl_enabled`)."""
-    on = pdl_enabled(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engines.kernels import skinny_gemm
-from engines.kernels.paged_attention import paged_decode_attention, rms_norm, silu_mul, triton
+from engines.kernels.paged_attention import paged_decode_attention, pdl_launch, rms_norm, silu_mul, triton
 from engines.models.moe import SparseMoE
 
 if triton is not None:
@@ -36,7 +36,7 @@ if triton is not None:
         H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
         NORM: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # skinny_gemm's programmatic dependent launch: nothing read before the wait
+        if PDL:  # a programmatic dependent launch (pdl_launch): nothing read before the wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
@@ -82,7 +82,7 @@ def qkv_rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch
         qkv, q_norm if norm else qkv, k_norm if norm else qkv, positions, inv_freq, slots, q, k_cache, v_cache,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), eps,
         H=heads, KVH=kv_heads, D=d, HALF_P=triton.next_power_of_2(d // 2), D_P=triton.next_power_of_2(d),
-        NORM=norm, num_warps=1, **skinny_gemm.pdl_launch(qkv.device),
+        NORM=norm, num_warps=1, **pdl_launch(qkv.device),
     )
     return q
 

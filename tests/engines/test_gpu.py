@@ -194,12 +194,13 @@ def test_cuda_graph_decode_equals_eager_decode_across_the_long_context_line(mode
 
 
 def test_batch_one_decode_with_programmatic_dependent_launch_equals_it_without(model_06b, monkeypatch):
-    """One request (the skinny-GEMM path, whose kernels launch as programmatic dependents on
-    Hopper): captured and eager steps with PDL give exactly the tokens and log-probs of the
-    steps without it (RELAY_DECODE_PDL=0), a long prompt included."""
-    from engines.kernels import skinny_gemm
+    """One request (the skinny-GEMM path; its kernels, the q/k/v rotary write and the split
+    attention with its combine launch as programmatic dependents on Hopper): captured and eager
+    steps with PDL give exactly the tokens and log-probs of the steps without it
+    (RELAY_DECODE_PDL=0), a long prompt (a split attention) included."""
+    from engines.kernels.paged_attention import pdl_enabled
 
-    assert skinny_gemm.pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     prompts = [list(range(7, 40)), [11 + i % 500 for i in range(3000)]]
 
     async def main(graph):
@@ -210,7 +211,7 @@ def test_batch_one_decode_with_programmatic_dependent_launch_equals_it_without(m
 
     with_pdl = [run(main(graph), 300) for graph in (True, False)]
     monkeypatch.setenv("RELAY_DECODE_PDL", "0")
-    assert not skinny_gemm.pdl_enabled(torch.device("cuda"))
+    assert not pdl_enabled(torch.device("cuda"))
     without = [run(main(graph), 300) for graph in (True, False)]
     assert with_pdl == without
 
