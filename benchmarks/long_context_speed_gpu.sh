@@ -11,7 +11,8 @@
 #   trainer: the trainer against transformers on a GRPO-like batch (64 rows of 256..8,192
 #     tokens, packed micro-batches of 32,768) and at 1 x 32,768 (ours alone: its MFU);
 #   decode: the built-in engine's decode at 8,192-token prompts (batches 1, 16, 64) with this
-#     tree and BEFORE's, at the judge's length (10,112-token prompts: max_context_len 10,240),
+#     tree, this tree without programmatic dependent launch (RELAY_DECODE_PDL=0) and BEFORE's,
+#     at the judge's length (10,112-token prompts: max_context_len 10,240),
 #     the decode timeline at batch 16;
 #   sweep: the decode attention kernel alone over its launch choices at 8,192 and 10,240
 #     positions (what a retune would take), SDPA's backends;
@@ -51,6 +52,7 @@ trainer)
 decode)
   E="python benchmarks/engine_bench.py --size 0.6b --new 128 --skip-hf-above 0 --no-swap"
   run 90 $E --prompt 8192 --batches 1,16,64
+  RELAY_DECODE_PDL=0 TAG='"pdl": false, ' run 90 $E --prompt 8192 --batches 1,16,64
   before 90 $E --prompt 8192 --batches 1,16,64
   run 90 $E --prompt 10112 --batches 1,16,64
   run 60 python benchmarks/decode_timeline.py --size 0.6b --batch 16 --prompt 8192 --new 64

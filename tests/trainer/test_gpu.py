@@ -271,13 +271,15 @@ def test_clip_grad_bounds_the_update_on_cuda(tmp_path, optimizer):
     """tests/trainer/test_trainer_actor.py's clipping test on CUDA, where the clipping happens
     inside the fused Adam step: clipped to 1e-9 one step barely moves the log-probs, unclipped
     it moves them, and both report the same norm before clipping."""
-    path = make_model("qwen3", "tiny", str(tmp_path / "tiny"), seed=0, dtype="bfloat16", init_device="cuda")
+    bf16 = optimizer == "megatron"  # the torch path trains fp32 params only (bf16 needs fp32 masters)
+    path = make_model("qwen3", "tiny", str(tmp_path / "tiny"), seed=0, dtype="bfloat16" if bf16 else "float32",
+                      init_device="cuda")
     adv = [1.0, -1.0] * 4
 
     async def one_step(clip_grad):
         procs = this_host().spawn_procs(per_host={"gpus": 1})
         await setup_torch_distributed(procs)
-        t = procs.spawn("trainer", TrainerActor, path, lr=1e-2, bf16=True, clip_grad=clip_grad, optimizer=optimizer)
+        t = procs.spawn("trainer", TrainerActor, path, lr=1e-2, bf16=bf16, clip_grad=clip_grad, optimizer=optimizer)
         await t.initialized(600)
         before = await t.compute_logprobs.call_one(SEQS).result(600)
         stats = await t.train_step.call_one(TrainBatch(SEQS, MASKS, adv)).result(600)
