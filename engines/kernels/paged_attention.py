@@ -45,10 +45,20 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether the decode step's Triton kernels launch as programmatic dependents on
     ``device`` (each may start while the kernel before it finishes, and waits for it with
     ``gdc_wait`` before reading anything that kernel may have written): CUDA of compute
-    capability 9 or more (Hopper), unless ``RELAY_DECODE_PDL=0``."""
+    capability 9 or more (Hopper) with a Triton that has ``gdc_wait`` (3.3 and later), unless
+    ``RELAY_DECODE_PDL=0``."""
     if device.type != "cuda" or os.environ.get("RELAY_DECODE_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return torch.cuda.get_device_capability(device)[0] >= 9 and _triton_has_gdc()
+
+
+@functools.cache
+def _triton_has_gdc() -> bool:
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
 
 
 def pdl_launch(device: torch.device) -> dict:

@@ -584,3 +584,29 @@ def test_a_padded_graph_batch_runs_the_attention_as_the_eager_batch_does():
             assert decode_config(n, kv_heads, cpu) == decode_config(bucket(n), kv_heads, cpu), (n, kv_heads)
             seen.add(decode_config(n, kv_heads, cpu))
     assert len(seen) == 2, seen
+
+
+def test_programmatic_dependent_launch_only_on_hopper_with_gdc_and_not_when_turned_off(monkeypatch):
+    """``pdl_enabled``: CUDA of compute capability 9+ whose Triton has ``gdc_wait``; never on
+    the CPU (the interpreter) or an Ampere; ``RELAY_DECODE_PDL=0`` turns it off; ``pdl_launch``
+    then asks for ``launch_pdl`` only where it is on."""
+    import torch
+
+    from engines.kernels import paged_attention as pa
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("RELAY_DECODE_PDL", raising=False)
+    monkeypatch.setattr(pa, "_triton_has_gdc", lambda: True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert pa.pdl_enabled(cuda) and pa.pdl_launch(cuda) == {"PDL": True, "launch_pdl": True}
+    assert not pa.pdl_enabled(cpu) and pa.pdl_launch(cpu) == {"PDL": False}
+    capability[0] = (8, 0)
+    assert not pa.pdl_enabled(cuda)
+    capability[0] = (10, 0)
+    assert pa.pdl_enabled(cuda)
+    monkeypatch.setenv("RELAY_DECODE_PDL", "0")
+    assert not pa.pdl_enabled(cuda) and pa.pdl_launch(cuda) == {"PDL": False}
+    monkeypatch.delenv("RELAY_DECODE_PDL")
+    monkeypatch.setattr(pa, "_triton_has_gdc", lambda: False)  # an older Triton
+    assert not pa.pdl_enabled(cuda)
