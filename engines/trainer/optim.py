@@ -410,7 +410,7 @@ class MegatronAdamW(_Optimizer):
         the gradients it makes anyway."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        with cpu_shim.megatron_cuda_calls():
+        with cpu_shim.megatron_cuda_calls(), torch.no_grad():
             self.ddp.finish_grad_sync()
             sum_tp_partial_grads(self.model, "main_grad")
             if self.opt.prepare_grads():
