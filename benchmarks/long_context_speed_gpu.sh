@@ -10,6 +10,9 @@
 #   long: one GRPO step of 64 samples with 8,192-token responses (phases and memory);
 #   trainer: the trainer against transformers on a GRPO-like batch (64 rows of 256..8,192
 #     tokens, packed micro-batches of 32,768) and at 1 x 32,768 (ours alone: its MFU);
+#   trainer4b: the 4B shape at 1 x 8,192 against transformers, twice, then where its step goes
+#     (trainer_profile.py) and the trainer's CUDA tests (needs an H200: call the device with
+#     needs_h200; our peak is about 104 GB);
 #   decode: the built-in engine's decode at 8,192-token prompts (batches 1, 16, 64) with this
 #     tree, this tree without programmatic dependent launch (RELAY_DECODE_PDL=0) and BEFORE's,
 #     at the judge's length (10,112-token prompts: max_context_len 10,240),
@@ -49,6 +52,14 @@ trainer)
   run 300 $TB --batch 64 --lengths 256,8192 --packed --micro-batch-tokens 32768 --steps 2 --anchor
   run 120 $TB --batch 1 --seq 32768 --steps 2
   ;;
+trainer4b)
+  T4="python benchmarks/trainer_bench.py --device cuda --size 4b --bf16 --train-only --batch 1 --seq 8192"
+  run 150 $T4 --steps 2 --anchor
+  run 150 $T4 --steps 2 --anchor
+  timeout 120 python benchmarks/trainer_profile.py --device cuda --size 4b --bf16 --batch 1 --seq 8192 2>&1 \
+    | grep -v USDT | tail -40
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/trainer/test_gpu.py -k "fused or clip" 2>&1 | tail -3
+  ;;
 decode)
   E="python benchmarks/engine_bench.py --size 0.6b --new 128 --skip-hf-above 0 --no-swap"
   run 90 $E --prompt 8192 --batches 1,16,64
@@ -67,5 +78,5 @@ tests)
     tests/trainer/test_lm_head_kernel.py tests/trainer/test_rope_kernel.py tests/trainer/test_swiglu_kernel.py \
     tests/trainer/test_rms_norm_kernel.py 2>&1 | tail -15
   ;;
-*) echo "PART must be grpo, resident, long, trainer, decode, sweep or tests, not ${PART}" >&2; exit 2 ;;
+*) echo "PART must be grpo, resident, long, trainer, trainer4b, decode, sweep or tests, not ${PART}" >&2; exit 2 ;;
 esac
