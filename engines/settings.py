@@ -16,6 +16,9 @@ VARIABLES = (
     Variable("RELAY_TRAINER_FUSIONS", "trainer_fusions", True, flag_off, "engines",
              "0: the trainer runs megatron-core's unfused RoPE, SwiGLU and RMSNorm instead of its fused "
              "kernels (for comparisons)"),
+    Variable("RELAY_DECODE_PDL", "decode_pdl", True, flag_off, "engines",
+             "0: the built-in engine's decode kernels launch without programmatic dependent launch on Hopper "
+             "(for comparisons)"),
     Variable("RELAY_SGLANG_LAUNCH", "sglang_launch", "sglang.launch_server", text, "engines",
              "the module the SGLang engine runs to start its server"),
     Variable("RELAY_DIST_INIT_TIMEOUT", "dist_init_timeout", 60.0, seconds, "engines",

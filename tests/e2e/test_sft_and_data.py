@@ -20,7 +20,10 @@ RELAY = os.path.join(os.path.dirname(sys.executable), "relay")  # the console sc
 def test_relay_sft_learns_and_writes_a_loadable_checkpoint(trained):
     with open(os.path.join(trained["judge_sft_run"], "metrics.jsonl")) as f:
         evals = [r["eval/accuracy"] for r in map(json.loads, f) if "eval/accuracy" in r]
-    assert len(evals) == 2 and evals[1] > evals[0] + 0.3, evals  # held-out accuracy after 150 and 300 steps
+    # held-out accuracy (400 rows) after 150 and 300 steps: rising and well past chance (0.5). How
+    # fast it rises depends on the CPU's float kernels: [0.56, 0.815] on an AMX Xeon, where
+    # the tree that passed CI before (05ca1a3) gives the same
+    assert len(evals) == 2 and evals[1] > evals[0] + 0.2 and evals[1] >= 0.75, evals
     assert "held-out accuracy" in trained["judge_sft_stdout"]
     import asyncio
 
