@@ -46,10 +46,9 @@ def pdl_enabled(device: torch.device) -> bool:
     ``device`` (each may start while the kernel before it finishes, and waits for it with
     ``gdc_wait`` before reading anything that kernel may have written): CUDA of compute
     capability 9 or more (Hopper) with a Triton that has ``gdc_wait`` (3.3 and later), unless
-    ``RELAY_DECODE_PDL=0`` (engines/settings.py)."""
-    from engines.settings import settings
-
-    if device.type != "cuda" or not settings().decode_pdl:
+    ``RELAY_DECODE_PDL=0`` (listed in engines/settings.py; read here, as the kernels import
+    no other concept)."""
+    if device.type != "cuda" or os.environ.get("RELAY_DECODE_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9 and _triton_has_gdc()
 
