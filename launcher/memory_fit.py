@@ -34,6 +34,8 @@ class ModelSize:
     hidden: int = 0
     intermediate: int = 0  # a dense MLP's, or the experts' routed per token (top-k x moe size)
     vocab: int = 0
+    moe: bool = False  # routed experts
+    hybrid: bool = False  # linear-attention layers among the full ones
 
 
 def text_config(path: str) -> dict | None:
@@ -75,7 +77,7 @@ def model_size(path: str) -> ModelSize | None:
     inter = experts * int(d.get("moe_intermediate_size") or 0) + int(d.get("shared_expert_intermediate_size") or 0) \
         if experts else int(d.get("intermediate_size") or 4 * hidden)
     return ModelSize(int(weights), 2 * full * kv * head_dim * KV_BYTES, kv, bool(files), params, layers, hidden,
-                     inter, int(d.get("vocab_size") or 0))
+                     inter, int(d.get("vocab_size") or 0), moe=bool(experts), hybrid=full < layers)
 
 
 def _estimated_params(d: dict, layers: int, hidden: int, heads: int, kv: int, head_dim: int) -> int:
@@ -190,42 +192,38 @@ def check_memory_fit(cfg, plan) -> list[str]:
 
 def trainer_fit(cfg, plan, total: int | None, source: str) -> list[str]:
     """The trainer's line: per GPU, its weights, gradients and optimizer states plus the
-    activations of one micro-batch (``--micro-batch-tokens`` / ``--max-tokens-per-gpu``, or
-    the longest response when longer) and one chunk of logits, against the whole GPU (the
-    trainer has it while it trains). ValueError with the arithmetic when it cannot fit."""
+    activations of one micro-batch (``--micro-batch-tokens`` / ``--max-tokens-per-gpu``, the
+    automatic size when neither is given, or the longest response when longer) and one chunk
+    of logits, against the whole GPU (the trainer has it while it trains); the arithmetic is
+    engines/trainer/memory.py's. ValueError with the arithmetic when it cannot fit."""
+    from engines.trainer import memory
+
     size = model_size(cfg.hf_checkpoint) if cfg.hf_checkpoint else None
     if size is None or not size.params:
         return [f"memory fit of the trainer: not checked (cannot read {cfg.hf_checkpoint}/config.json)"]
     if total is None:
         return [f"memory fit of the trainer: not checked ({source}; say --gpu-memory-gb N)"]
-    from engines.trainer.megatron_model import LOGIT_CHUNK_TOKENS
-
     tp = cfg.tensor_model_parallel_size
     dp = max(1, cfg.actor_total // tp)
-    # bf16: param 2 + fp32 grad buffer 4 + fp32 master and Adam moments 12 over DP (the
-    # distributed optimizer); fp32: param 4 + grad 4 + Adam moments 8
-    per_param = (2 + 4 + 12 / dp) if cfg.bf16 else 16
+    full = cfg.recompute_granularity == "full"
+    per_param = memory.state_bytes_per_param(cfg.bf16, dp)
     states = size.params / tp * per_param
-    tokens = max(cfg.micro_batch_tokens, cfg.rollout_max_response_len)
-    act = 2 if cfg.bf16 else 4
-    # kept for backward per token and layer (fused attention: nothing S x S; the fused norms,
-    # RoPE and SwiGLU keep their inputs only), as measured on an H100 (0.6B shape, bf16: 23.0
-    # GiB peak at 8,192 tokens, 33.6 GiB at 16,384: 1.39 MB a token): ~13 hidden-sized values
-    # (norm inputs and outputs, q / k / v before and after their norms, the attention output)
-    # and ~4 MLP-sized ones (fc1's two halves, SwiGLU's output, slack)
-    per_layer = act * (13 * size.hidden + 4 * size.intermediate) / tp
-    if cfg.recompute_granularity == "full":  # each layer's input kept, one layer's activations again
-        activations = tokens * (size.layers * act * size.hidden + per_layer)
-        how = "full recompute: layer inputs + one layer"
-    else:
-        activations = tokens * size.layers * per_layer
-        how = f"{size.layers} layers x {per_layer / 1024:.1f} KiB per token"
-    # the fused LM head holds one chunk of logits in the weights' dtype (two in backward: the
-    # chunk projected again, then its gradient in place) and, over several chunks, a float32
-    # accumulator of the head's gradient
-    logits = 2 * min(tokens, LOGIT_CHUNK_TOKENS) * size.vocab / tp * act
-    if tokens > LOGIT_CHUNK_TOKENS:
-        logits += size.vocab * size.hidden / tp * 4
+    micro = cfg.micro_batch_tokens
+    chosen = ""
+    if micro is None and (size.moe or size.hybrid):  # the trainer's automatic size is not measured for these
+        micro = memory.CPU_MICRO_BATCH_TOKENS
+    elif micro is None:
+        micro = memory.auto_micro_batch_tokens(
+            total, size.params // tp, hidden=size.hidden, intermediate=size.intermediate, layers=size.layers,
+            vocab=size.vocab, tp=tp, dp=dp, bf16=cfg.bf16, full_recompute=full)
+        chosen = f" (micro-batch tokens automatic: {micro:,}; the trainer sizes them on its own GPU)"
+    tokens = max(micro, cfg.rollout_max_response_len)
+    per_token = memory.activation_bytes_per_token(size.hidden, size.intermediate, size.layers, tp, cfg.bf16, full)
+    activations = tokens * per_token
+    per_layer = memory.activation_bytes_per_token(size.hidden, size.intermediate, 1, tp, cfg.bf16)
+    how = "full recompute: layer inputs + one layer" if full else \
+        f"{size.layers} layers x {per_layer / 1024:.1f} KiB per token"
+    logits = memory.logit_bytes(tokens, size.vocab, size.hidden, tp, cfg.bf16)
     need = states + activations + logits
     arithmetic = (f"{size.params / 1e9:.2f}B params / TP {tp} x {per_param:.1f} B (weights, grads, optimizer) = "
                   f"{states / GIB:.2f} GiB + activations of {tokens:,} tokens ({how}) = {activations / GIB:.2f} GiB "
@@ -235,4 +233,4 @@ def trainer_fit(cfg, plan, total: int | None, source: str) -> list[str]:
         raise ValueError(f"the trainer cannot fit: {arithmetic}. Lower --max-tokens-per-gpu / --micro-batch-tokens, "
                          "turn on --recompute-granularity full (--recompute-method uniform --recompute-num-layers 1), "
                          "or raise --tensor-model-parallel-size")
-    return [f"memory fit of the trainer (estimate): {arithmetic}"]
+    return [f"memory fit of the trainer (estimate): {arithmetic}{chosen}"]

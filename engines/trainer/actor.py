@@ -68,7 +68,7 @@ class TrainerActor(Actor):
         total_iters: int = 1000,
         seed: int = 1234,
         loss: dict | None = None,
-        micro_batch_tokens: int = 8192,
+        micro_batch_tokens: int | None = None,  # None: sized to the GPU (_auto_micro_batch_tokens)
         bf16: bool = False,
         optimizer: str = "auto",
         ep: int = 1,
@@ -78,6 +78,7 @@ class TrainerActor(Actor):
         frozen: bool = False,
         recompute: dict | None = None,  # Megatron's recompute_granularity / _method / _num_layers
         pack: bool = False,  # micro-batches packed without padding (batching.packed_inputs)
+        reference_beside: bool = False,  # a frozen copy of the model shares the GPU (the KL's reference)
     ):
         self.model_path = model_path
         self.cpu_threads = cpu_threads  # intra-op threads on CPU (see _cpu_threads)
@@ -92,6 +93,7 @@ class TrainerActor(Actor):
         self.seed = seed
         self.loss_cfg = LossConfig(**(loss or {}))
         self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward/backward
+        self.reference_beside = reference_beside
         if optimizer not in ("auto", "torch", "megatron"):
             raise ValueError(f"optimizer must be 'auto', 'torch' or 'megatron', not {optimizer!r}")
         if bf16 and optimizer == "torch" and not frozen:
@@ -160,6 +162,36 @@ class TrainerActor(Actor):
                 ep_groups=(self.ep_group, self.expert_dp_group) if self.ep > 1 else None,
                 **self.opt_args,
             )
+        if self.micro_batch_tokens is None:
+            self.micro_batch_tokens = self._auto_micro_batch_tokens(dist)
+
+    def _auto_micro_batch_tokens(self, dist) -> int:
+        """No micro-batch size given: on a GPU the most tokens whose activations fit beside this
+        rank's state (and the reference's weights, when it shares the GPU), by
+        engines/trainer/memory.py's arithmetic, the least over the ranks (they plan alike). On
+        CPU, for a frozen reference (forward only), and for MoE and hybrid (linear-attention)
+        models, whose activations that arithmetic was not measured on:
+        memory.CPU_MICRO_BATCH_TOKENS."""
+        from engines.trainer import memory
+
+        cfg = self.cfg
+        if self.device.type != "cuda" or self.frozen or cfg.num_experts or cfg.hybrid:
+            return memory.CPU_MICRO_BATCH_TOKENS
+        params = sum(p.numel() for p in self.model.parameters())
+        tokens = memory.auto_micro_batch_tokens(
+            torch.cuda.get_device_properties(self.device).total_memory, params, hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size, layers=cfg.num_layers,
+            vocab=cfg.vocab_size, tp=self.tp, dp=self.dp_size, bf16=self.bf16,
+            full_recompute=(self.recompute or {}).get("recompute_granularity") == "full",
+            beside=params * (2 if self.bf16 else 4) if self.reference_beside else 0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            least = torch.tensor([tokens], device=self.device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            tokens = int(least.item())
+        if self.rank == 0:
+            print(f"relay trainer: micro-batch tokens {tokens:,} (sized to the GPU; --micro-batch-tokens sets them)",
+                  file=sys.stderr, flush=True)
+        return tokens
 
     def _init_parallel(self, dist) -> None:
         """torch.distributed and Megatron's model-parallel groups, once per process (a second
@@ -413,9 +445,11 @@ class TrainerActor(Actor):
     @endpoint
     def optimizer_info(self) -> dict:
         """Which optimizer path runs (``torch`` / ``megatron``), whether its state is sharded
-        over DP, the DP size, the params' dtype and the dtype the optimizer updates in."""
+        over DP, the DP size, the params' dtype and the dtype the optimizer updates in; the
+        padded tokens of a micro-batch (given, or sized to the GPU at setup)."""
         name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
         return {
+            "micro_batch_tokens": self.micro_batch_tokens,
             "kind": self.opt.kind,
             "distributed": self.opt.kind == "megatron",
             "dp": self.dp_size,

@@ -12,7 +12,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from engines.kernels.token_logprobs import ROWS as LOGIT_CHUNK_TOKENS  # noqa: F401 (memory_fit reads it)
 from engines.models.model import ModelConfig
 
 

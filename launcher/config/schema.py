@@ -212,9 +212,11 @@ class JobConfig:
     disable_rewards_normalization: bool = _opt(False, help="advantages are the raw rewards (no group mean or std)")
     disable_grpo_std_normalization: bool = _opt(
         False, help="advantages are rewards minus their group's mean, not divided by its std (Dr. GRPO)")
-    micro_batch_tokens: int = _opt(
-        8192,
-        help="trainer: padded tokens per forward/backward pass (gradients accumulate over micro-batches)",
+    micro_batch_tokens: int | None = _opt(
+        None,
+        help="trainer: padded tokens per forward/backward pass (gradients accumulate over micro-batches; the "
+        "gradient is the same whatever it is). Default: sized by the trainer on its GPU, the most (up to 32,768) "
+        "whose activations fit in 80% of it beside the trainer's state; 8,192 on CPU",
         minimum=1,
     )
     tensor_model_parallel_size: int = _opt(

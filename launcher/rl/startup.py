@@ -65,11 +65,12 @@ def total_optimizer_steps(cfg) -> int:
 def _spawn_trainers(cfg, plan: Plan, workers_by_bundle: dict) -> tuple[TrainerGroup, TrainerGroup | None]:
     actor_claim = next(c for c in plan.claims if c.role == "actor")
     actor_procs = attach_claim(plan, actor_claim, workers_by_bundle, "trainer")
+    reference_claim = next((c for c in plan.claims if c.role == "reference"), actor_claim)
     trainer = TrainerGroup.spawn_policy(cfg, actor_procs, actor_claim.size, total_optimizer_steps(cfg),
-                                        loss_options(cfg))
+                                        loss_options(cfg),
+                                        reference_beside=cfg.use_kl_loss and reference_claim is actor_claim)
     if not cfg.use_kl_loss:  # with a coefficient of 0 the KL is still computed and logged, as the original
         return trainer, None
-    reference_claim = next((c for c in plan.claims if c.role == "reference"), actor_claim)
     if reference_claim is actor_claim:
         reference_procs = actor_procs
     else:

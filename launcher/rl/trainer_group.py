@@ -66,10 +66,12 @@ class TrainerGroup:
 
     @classmethod
     def spawn_policy(cls, cfg, procs: ProcMesh, size: int, total_iters: int, loss: dict | None = None,
-                     cpu_threads: int | None = None) -> TrainerGroup:
+                     cpu_threads: int | None = None, reference_beside: bool = False) -> TrainerGroup:
         """The trained model, with the config's optimizer and LR schedule over
         ``total_iters`` optimizer steps (``loss``: GRPO's loss settings; None for SFT).
-        ``cpu_threads``: each rank's intra-op threads on CPU (default 1)."""
+        ``cpu_threads``: each rank's intra-op threads on CPU (default 1). ``reference_beside``:
+        the KL's reference model will share its GPUs (an automatic micro-batch size leaves room
+        for its weights)."""
         from engines.trainer.actor import TrainerActor
 
         _check_tp(cfg, size)
@@ -79,7 +81,7 @@ class TrainerGroup:
                        seed=cfg.seed, micro_batch_tokens=cfg.micro_batch_tokens, bf16=cfg.bf16,
                        optimizer=cfg.optimizer_impl, cpu_threads=cpu_threads,
                        adam=(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps), recompute=recompute_options(cfg),
-                       pack=cfg.use_dynamic_batch_size)
+                       pack=cfg.use_dynamic_batch_size, reference_beside=reference_beside)
         if loss is not None:
             options["loss"] = loss
         mesh = procs.spawn("trainer", TrainerActor, cfg.hf_checkpoint, **options)

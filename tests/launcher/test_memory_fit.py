@@ -130,3 +130,28 @@ def test_the_trainers_fit_grows_with_the_micro_batchs_tokens_and_recompute_bring
     big = model_dir(tmp_path / "big", DENSE_70B)  # its rollout engines over 8 GPUs fit; its trainer does not
     with pytest.raises(PlanError, match=r"the trainer cannot fit: 70\.\d+B params / TP 1"):
         plan(big, judge, "--bf16", "--rollout-num-gpus-per-engine", "4")
+
+
+#: Qwen3-0.6B's shape
+QWEN3_06B = {**QWEN3_4B, "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16,
+             "intermediate_size": 3072}
+
+
+def test_without_a_micro_batch_size_the_plan_shows_the_automatic_one_and_a_given_one_stays(tmp_path):
+    """No --micro-batch-tokens: the plan's trainer line says the size the trainer will pick on
+    an 80 GB GPU (the 0.6B shape: 32,768 tokens; the 4B shape over 8 data-parallel ranks:
+    fewer); a given size, or an MoE model (not measured: the old 8,192), is planned as is."""
+    small = model_dir(tmp_path / "small", QWEN3_06B)
+    judge = model_dir(tmp_path / "judge", {**QWEN3_4B, "num_hidden_layers": 4})
+    trainer_line = lambda p: next(m for m in p.memory if m.startswith("memory fit of the trainer"))  # noqa: E731
+    line = trainer_line(plan(small, judge, "--bf16"))
+    assert "activations of 32,768 tokens" in line and line.endswith("(micro-batch tokens automatic: 32,768; the "
+                                                                     "trainer sizes them on its own GPU)"), line
+    line = trainer_line(plan(small, judge, "--bf16", "--micro-batch-tokens", "16384"))
+    assert "activations of 16,384 tokens" in line and "automatic" not in line, line
+    line = trainer_line(plan(model_dir(tmp_path / "4b", QWEN3_4B), judge, "--bf16"))
+    assert "micro-batch tokens automatic: 6,144" in line, line  # 8 DP ranks: 7.5 B a parameter, 5.1 MB a token
+    moe = model_dir(tmp_path / "moe", {**QWEN3_06B, "model_type": "qwen3_moe", "num_experts": 8,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 768})
+    line = trainer_line(plan(moe, judge, "--bf16"))
+    assert "activations of 8,192 tokens" in line and "automatic" not in line, line

@@ -295,3 +295,32 @@ def test_clip_grad_bounds_the_update_on_cuda(tmp_path, optimizer):
     assert free > 1e-2, free
     assert clipped < 0.02 * free, (clipped, free)
     assert norm_clipped == pytest.approx(norm_free, rel=1e-3) and norm_free > 1e-3
+
+
+def test_the_automatic_micro_batch_fills_the_gpu_within_its_plan(tmp_path):
+    """Qwen3-0.6B-shaped model, bf16, no micro-batch size: the trainer sizes micro-batches to
+    this GPU (engines/trainer/memory.py: 32,768 tokens on an 80 GB one), and a step whose one
+    micro-batch holds that many tokens trains and peaks within the share of the GPU the
+    arithmetic planned for."""
+    from engines.trainer import memory
+
+    path = make_model("qwen3", "0.6b", str(tmp_path / "q06"), seed=0, dtype="bfloat16", init_device="cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        await setup_torch_distributed(procs)
+        t = procs.spawn("trainer", TrainerActor, path, lr=1e-5, bf16=True)
+        await t.initialized(600)
+        tokens = (await t.optimizer_info.call_one().result(60))["micro_batch_tokens"]
+        seqs = [[5 + (i * 7 + j * 3) % 1000 for j in range(2048)] for i in range(tokens // 2048)]
+        out = await t.sft_step.call_one(seqs, [[0] * 64 + [1] * 1984 for _ in seqs]).result(600)
+        mem = await t.gpu_memory.call_one()
+        await t.shutdown.call().result(60)
+        await procs.stop()
+        return tokens, out, mem
+
+    tokens, out, mem = run(main(), 880)
+    assert tokens >= (32768 if total >= 75 * (1 << 30) else memory.AUTO_MIN_TOKENS), (tokens, total)
+    assert out["loss"] == out["loss"], out
+    assert mem["peak"] <= memory.AUTO_GPU_SHARE * total, (mem["peak"] / (1 << 30), tokens)

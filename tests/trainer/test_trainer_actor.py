@@ -219,7 +219,8 @@ def test_dp2_distributed_optimizer_checkpoint_resume_is_exact(policy, tmp_path):
 
 def test_bf16_params_train_with_fp32_master_weights(policy):
     """--bf16: the model's params are bf16, the (Megatron) optimizer updates fp32 master
-    weights; SFT steps lower the loss, and an offload/onload cycle keeps the params."""
+    weights; SFT steps lower the loss, and an offload/onload cycle keeps the params. No
+    micro-batch size given on CPU: 8,192 tokens (engines/trainer/memory.py)."""
 
     async def main():
         procs, t = await start(policy, bf16=True)
@@ -234,6 +235,7 @@ def test_bf16_params_train_with_fp32_master_weights(policy):
 
     info, losses, lp, lp_after = run(main(), 280)
     assert info["kind"] == "megatron" and info["params_dtype"] == "bfloat16" and info["master_dtype"] == "float32", info
+    assert info["micro_batch_tokens"] == 8192, info
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] * 0.9, losses
     assert lp == lp_after
 
