@@ -32,8 +32,9 @@ from torch import nn
 from engines.kernels.linear_kernels import conv_decode, recurrent_decode
 from engines.kernels.paged_attention import triton_usable
 
-#: chunk length of the prefill's chunked delta rule
-CHUNK = 64
+#: chunk length of the chunked delta rule; sequences shorter than it take the power of two
+#: that holds them (at least MIN_CHUNK): a chunk's work is quadratic in its length
+CHUNK, MIN_CHUNK = 64, 16
 
 
 def hybrid_fields(d: dict) -> dict:
@@ -238,9 +239,12 @@ def chunked_delta_rule(q, k, v, beta, g, chunk: int = CHUNK):
     ``S0`` before it, the updates ``u`` solve ``(I + A) u = beta * v - beta * exp(c) * K S0``
     with ``A[t, i] = beta_t G[t, i] k_t.k_i`` (i < t); then ``o_t = exp(c_t) q_t S0 +
     sum_{i <= t} G[t, i] (q_t.k_i) u_i`` and the state after the chunk is
-    ``exp(c_C) S0 + sum_i exp(c_C - c_i) k_i u_i^T``."""
+    ``exp(c_C) S0 + sum_i exp(c_C - c_i) k_i u_i^T``. Any chunk length gives the same
+    result; a sequence shorter than ``chunk`` runs as one chunk of the power of two that holds
+    it (the tiny demo's ~30-token rows: 32, not 64)."""
     s, length, h, dk = k.shape
     dv = v.shape[-1]
+    chunk = min(chunk, max(MIN_CHUNK, 1 << (max(1, length) - 1).bit_length()))
     pad = -length % chunk
     # [S, H, chunks, chunk, ...]; padded positions have beta = g = 0 (no update, no decay)
     q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(s, h, -1, chunk, t.shape[-1])
@@ -252,14 +256,20 @@ def chunked_delta_rule(q, k, v, beta, g, chunk: int = CHUNK):
     kk = (k @ k.transpose(-1, -2)) * decay * beta[..., None]
     system = kk.tril(-1) + torch.eye(chunk, device=q.device)
     u_v = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    u_s = torch.linalg.solve_triangular(system, k * (beta * c.exp())[..., None], upper=False, unitriangular=True)
     qk = (q @ k.transpose(-1, -2)) * decay
-    q_in = q * c.exp()[..., None]  # reads the state before the chunk
     k_out = k * (c[..., -1:] - c).exp()[..., None]  # writes the state after it
-    state = q.new_zeros(s, h, dk, dv)
-    out = torch.empty_like(v)
-    for i in range(q.shape[2]):
-        u = u_v[:, :, i] - u_s[:, :, i] @ state
-        out[:, :, i] = q_in[:, :, i] @ state + qk[:, :, i] @ u
-        state = state * c[:, :, i, -1].exp()[..., None, None] + k_out[:, :, i].transpose(-1, -2) @ u
+    # the first chunk starts from a zero state: its updates are u_v's alone
+    u = u_v[:, :, 0]
+    outs = [qk[:, :, 0] @ u]
+    state = k_out[:, :, 0].transpose(-1, -2) @ u
+    chunks = q.shape[2]
+    if chunks > 1:  # the later ones read the state before them
+        u_s = torch.linalg.solve_triangular(system[:, :, 1:], k[:, :, 1:] * (beta * c.exp())[:, :, 1:, :, None],
+                                            upper=False, unitriangular=True)
+        q_in = q[:, :, 1:] * c[:, :, 1:].exp()[..., None]
+        for i in range(1, chunks):
+            u = u_v[:, :, i] - u_s[:, :, i - 1] @ state
+            outs.append(q_in[:, :, i - 1] @ state + qk[:, :, i] @ u)
+            state = state * c[:, :, i, -1].exp()[..., None, None] + k_out[:, :, i].transpose(-1, -2) @ u
+    out = torch.stack(outs, dim=2)  # (a list, not slices written in place: autograd keeps no copy per chunk)
     return out.reshape(s, h, -1, dv)[:, :, :length].transpose(1, 2), state
