@@ -210,7 +210,7 @@ def trainer_fit(cfg, plan, total: int | None, source: str) -> list[str]:
     states = size.params / tp * per_param
     micro = cfg.micro_batch_tokens
     chosen = ""
-    if micro is None and (size.moe or size.hybrid):  # the trainer's automatic size is not measured for these
+    if micro is None and not memory.sized_to_the_gpu(size.moe, size.hybrid):
         micro = memory.CPU_MICRO_BATCH_TOKENS
     elif micro is None:
         micro = memory.auto_micro_batch_tokens(

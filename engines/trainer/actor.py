@@ -169,13 +169,12 @@ class TrainerActor(Actor):
         """No micro-batch size given: on a GPU the most tokens whose activations fit beside this
         rank's state (and the reference's weights, when it shares the GPU), by
         engines/trainer/memory.py's arithmetic, the least over the ranks (they plan alike). On
-        CPU, for a frozen reference (forward only), and for MoE and hybrid (linear-attention)
-        models, whose activations that arithmetic was not measured on:
-        memory.CPU_MICRO_BATCH_TOKENS."""
+        CPU, for a frozen reference (forward only), and for the models that arithmetic was not
+        measured on (memory.sized_to_the_gpu): memory.CPU_MICRO_BATCH_TOKENS."""
         from engines.trainer import memory
 
         cfg = self.cfg
-        if self.device.type != "cuda" or self.frozen or cfg.num_experts or cfg.hybrid:
+        if self.device.type != "cuda" or self.frozen or not memory.sized_to_the_gpu(bool(cfg.num_experts), cfg.hybrid):
             return memory.CPU_MICRO_BATCH_TOKENS
         params = sum(p.numel() for p in self.model.parameters())
         tokens = memory.auto_micro_batch_tokens(

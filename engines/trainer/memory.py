@@ -18,6 +18,13 @@ AUTO_MIN_TOKENS, AUTO_MAX_TOKENS, AUTO_STEP_TOKENS = 4096, 32768, 1024
 AUTO_GPU_SHARE = 0.8
 
 
+def sized_to_the_gpu(moe: bool, hybrid: bool) -> bool:
+    """Whether an unset micro-batch size is sized to the GPU (:func:`auto_micro_batch_tokens`)
+    for such a model: not for MoE and hybrid (linear-attention) models, whose activations the
+    per-token arithmetic was not measured on (they keep CPU_MICRO_BATCH_TOKENS)."""
+    return not (moe or hybrid)
+
+
 def state_bytes_per_param(bf16: bool, dp: int) -> float:
     """bf16: param 2 + fp32 grad buffer 4 + fp32 master and Adam moments 12 over DP (the
     distributed optimizer); fp32: param 4 + grad 4 + Adam moments 8."""
