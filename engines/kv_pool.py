@@ -7,8 +7,9 @@ Defer-swap the rollout's KV cache is freed the moment before the judge's is allo
 colocated engine (``TorchEngine(lend_kv=True)``) does not free its cache's tensors on sleep:
 it *lends* them here, whole, and an engine that wakes on that device takes a lent tensor
 large enough for each of its own K and V (a view of the same memory) before asking the
-driver. Whatever is still lent when the trainer needs the memory is freed: the trainer calls
-:func:`release` before it onloads or reports free memory.
+driver. Whatever is still lent when the trainer needs the memory is the trainer's: its onload
+empties the pool with :func:`drain` (the memory stays in the allocator's cache for its state
+and activations), and it calls :func:`release` before it reports free memory.
 
 Thread-safe (engines run on their own threads). Lent memory is counted as free by the KV
 sizing (:func:`lent_bytes`)."""

@@ -23,7 +23,7 @@ from engines.trainer import batching, checkpoint_io
 from engines.trainer.batching import micro_batches  # noqa: F401 (re-exported: its home was this module)
 from engines.trainer.dist_init import _init_process_group
 from engines.trainer.loss import LossConfig, policy_loss, token_weights
-from engines.trainer.train_batch import StepStats, TrainBatch
+from engines.trainer.train_batch import StepStats, TrainBatch, check_response_masks
 from engines.weight_sync.sender import WeightSender
 from relay import Actor, endpoint
 
@@ -327,6 +327,7 @@ class TrainerActor(Actor):
     def sft_step(self, seqs: list, response_masks: list) -> dict:
         """One optimizer step of supervised fine-tuning: cross-entropy on the response tokens
         (token-level mean). Used by ``relay sft`` and the demo's warm-up."""
+        check_response_masks(seqs, response_masks)
         self._begin_step()
         total = max(1, sum(sum(m) for m in response_masks))
         loss_sum = 0.0
@@ -347,6 +348,7 @@ class TrainerActor(Actor):
     def greedy_match(self, seqs: list, response_masks: list) -> list:
         """Per sequence: does the argmax prediction equal every response token (teacher
         forced)? For a one-token answer this is exactly greedy decoding's accuracy."""
+        check_response_masks(seqs, response_masks)
         self.model.eval()
         out: list = [False] * len(seqs)
         for idx, width in self._micro(seqs):
@@ -422,7 +424,12 @@ class TrainerActor(Actor):
 
     @endpoint
     def onload(self) -> None:
-        kv_pool.release(self.device)  # what the worker's sleeping engines lent: even when resident
+        """Params back on the device before this returns; the optimizer state follows on a side
+        stream (engines/trainer/optim.py). What this worker's sleeping engines lent is the
+        trainer's now, even when it stayed resident: dropped into the allocator's cache, not
+        given back to the driver, so the state and the activations reuse it without a driver
+        allocation (the next offload empties the cache)."""
+        kv_pool.drain(self.device)
         if not self.offloaded:
             return
         self.opt.onload()
@@ -432,12 +439,14 @@ class TrainerActor(Actor):
     def save_checkpoint(self, path: str) -> None:
         """Weights, optimizer state, steps and RNG states through Megatron's dist_checkpointing
         (engines/trainer/checkpoint_io.py): every rank calls."""
+        self.opt.settle()
         checkpoint_io.save(self, path)
 
     @endpoint
     def load_checkpoint(self, path: str) -> int:
         """Every rank calls; any TP / DP / EP layout and either optimizer kind (format 2), the
         layout that wrote it (format 1). Returns the step it holds."""
+        self.opt.settle()
         self.step = checkpoint_io.load(self, path)
         return self.step
 

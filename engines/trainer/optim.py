@@ -14,7 +14,11 @@ engines/trainer/checkpoint_io.py reads and writes their state through Megatron's
 Offload frees device memory by shrinking the tensors' storages to zero bytes after copying
 them into host buffers that are allocated once (pinned on CUDA) and reused; the tensors
 (and every view of them, such as Megatron's params inside its param buffer) stay the same
-Python objects, so onload restores them bit for bit.
+Python objects, so onload restores them bit for bit. On CUDA, onload returns once the
+parameters are back; the optimizer's state (Adam moments, fp32 master shards) copies on a
+side stream meanwhile, behind the step's forward and backward passes, and whatever reads or
+frees it first waits for it (:meth:`_Optimizer.settle`: the optimizer step, offload,
+checkpoints).
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class _StorageOffloader:
     def __init__(self, device: torch.device):
         self.device = device
         self._host: dict[int, torch.Tensor] = {}  # storage index -> host buffer, reused
+        self._side = None  # the CUDA stream deferred onload copies run on (made on first use)
 
     def offload(self, storages: list, zero_only: list) -> int:
         moved = 0
@@ -130,16 +135,34 @@ class _StorageOffloader:
             st.resize_(0)
         return moved
 
-    def onload(self, storages: list, zero_only: list) -> None:
-        pin = self.device.type == "cuda"
-        for i, (st, n) in enumerate(zip(storages, self._sizes)):
+    def onload(self, storages: list, zero_only: list, later: int = 0):
+        """Every storage back on the device. On CUDA the last ``later`` of ``storages`` copy
+        on a side stream: returns the event the caller's stream must wait for before it
+        reads or frees them (None when nothing is left copying). Their memory is allocated
+        here, on the caller's stream, so freeing it after that wait is ordered as usual."""
+        cuda = self.device.type == "cuda"
+        now = len(storages) - (later if cuda else 0)
+        for st, n in zip(storages, self._sizes):
             st.resize_(n)
-            st.copy_(self._host[i].untyped_storage(), non_blocking=pin)
+        for i, st in enumerate(storages[:now]):
+            st.copy_(self._host[i].untyped_storage(), non_blocking=cuda)
         for st, n in zip(zero_only, self._zero_sizes):
             st.resize_(n)
             torch.empty(0, dtype=torch.uint8, device=self.device).set_(st).zero_()
-        if pin:
-            torch.cuda.synchronize(self.device)
+        if not cuda:
+            return None
+        pending = None
+        if now < len(storages):
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            self._side.wait_stream(torch.cuda.current_stream(self.device))  # after the allocations
+            with torch.cuda.stream(self._side):
+                for i in range(now, len(storages)):
+                    storages[i].copy_(self._host[i].untyped_storage(), non_blocking=True)
+            pending = torch.cuda.Event()
+            pending.record(self._side)
+        torch.cuda.current_stream(self.device).synchronize()
+        return pending
 
     @contextlib.contextmanager
     def restored(self, storages: list):
@@ -186,6 +209,7 @@ class _Optimizer:
 
     opt = None
     _held: tuple | None = None
+    _pending = None  # the CUDA event of the state's onload copies, until settle() waits for it
     weight_decay = 0.0
 
     def __init__(self, device: torch.device):
@@ -208,17 +232,29 @@ class _Optimizer:
             g["lr"] = lr
             g["weight_decay"] = self.weight_decay * g.get("wd_mult", 1.0)
 
-    def _storages(self) -> tuple[list, list, list]:
+    def _storages(self) -> tuple[list, list, list, list]:
+        """(params, copied now, state copied behind the next passes, storages that come back
+        zeroed)."""
         raise NotImplementedError
 
     def offload(self) -> int:
-        params, state, zeroed = self._held = self._storages()
-        return self._offloader.offload(params + state, zeroed)
+        self.settle()
+        params, now, state, zeroed = self._held = self._storages()
+        return self._offloader.offload(params + now + state, zeroed)
 
     def onload(self) -> None:
-        params, state, zeroed = self._held
-        self._offloader.onload(params + state, zeroed)
+        """Params (and what must be present at once) back before this returns; the state
+        follows on a side stream on CUDA (:meth:`settle`)."""
+        params, now, state, zeroed = self._held
+        self._pending = self._offloader.onload(params + now + state, zeroed, later=len(state))
         self._held = None
+
+    def settle(self) -> None:
+        """The caller's stream waits for the state's onload copies (no host wait): call before
+        reading, writing or freeing optimizer state."""
+        if self._pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending)
+            self._pending = None
 
     @contextlib.contextmanager
     def params_present(self):
@@ -298,6 +334,7 @@ class TorchAdamW(_Optimizer):
         """Average gradients over DP, clip to ``clip_grad`` (0: no clipping), step; returns
         the gradient norm before clipping. A non-finite norm (every rank computes the same
         one) raises before the step."""
+        self.settle()
         self._reduce_grads()
         sum_tp_partial_grads(self.model)
         norm = self._clip(what)
@@ -340,15 +377,16 @@ class TorchAdamW(_Optimizer):
                     g.mul_(coef)
         return norm
 
-    def _storages(self) -> tuple[list, list, list]:
-        """(params, Adam state + grads (copied: grads may be read after an onload), none)."""
+    def _storages(self) -> tuple[list, list, list, list]:
+        """(params, grads (copied at once: they may be read after an onload), Adam state, none)."""
         params = list(self.model.parameters())
         state = [v for p in params for v in self.opt.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1]
         grads = [p.grad for p in params if p.grad is not None]
-        return _unique_storages(params), _unique_storages(state) + _unique_storages(grads), []
+        return _unique_storages(params), _unique_storages(grads), _unique_storages(state), []
 
     def load_state_dict(self, sd: dict) -> None:
         """A format-1 checkpoint's state (engines/trainer/checkpoint_legacy.py)."""
+        self.settle()
         self.opt.load_state_dict(sd)
 
 
@@ -410,6 +448,7 @@ class MegatronAdamW(_Optimizer):
         the gradients it makes anyway."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+        self.settle()
         with cpu_shim.megatron_cuda_calls(), torch.no_grad():
             self.ddp.finish_grad_sync()
             sum_tp_partial_grads(self.model, "main_grad")
@@ -434,8 +473,8 @@ class MegatronAdamW(_Optimizer):
                     end_adam_step(part.optimizer)
         return norm
 
-    def _storages(self) -> tuple[list, list, list]:
-        """(param buffers, optimizer state + fp32 master shards, grad buffers)."""
+    def _storages(self) -> tuple[list, list, list, list]:
+        """(param buffers, none, optimizer state + fp32 master shards, grad buffers)."""
         buffers = list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
         params = _unique_storages(b.param_data for b in buffers if b.param_data is not None)
         owned = {st.data_ptr() for st in params}
@@ -447,12 +486,13 @@ class MegatronAdamW(_Optimizer):
                 state.extend(v for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
         state = [st for st in _unique_storages(state) if st.data_ptr() not in owned]
         grads = _unique_storages(b.grad_data for b in buffers)
-        return params, state, grads
+        return params, [], state, grads
 
     def load_state_dict(self, sd: dict) -> None:
         """A format-1 checkpoint's state (engines/trainer/checkpoint_legacy.py), collective over
         DP: DP rank 0's ``sd`` is scattered to the shards (no_grad: with
         fp32 params the master shards are views of the params)."""
+        self.settle()
         with cpu_shim.megatron_cuda_calls(), torch.no_grad():
             self.opt.load_state_dict(sd["groups"])
             for part, shard in zip(self._parts, sd["shards"]):

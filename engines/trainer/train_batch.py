@@ -20,6 +20,17 @@ import relay
 AGGREGATIONS = ("sample", "token")
 
 
+def check_response_masks(seqs: list, response_masks: list) -> None:
+    """Raises ValueError unless there is one mask per sequence, each covering its tokens 1..n
+    (``len(seq) - 1`` entries)."""
+    if len(response_masks) != len(seqs):
+        raise ValueError(f"{len(seqs)} sequences and {len(response_masks)} response masks: one per sequence")
+    for i, (seq, mask) in enumerate(zip(seqs, response_masks)):
+        if len(mask) != len(seq) - 1:
+            raise ValueError(f"sequence {i}: its response mask covers {len(mask)} tokens, not tokens 1..n "
+                             f"({len(seq) - 1})")
+
+
 @relay.register(name="engines.TrainBatch")
 @dataclass
 class TrainBatch:
@@ -66,10 +77,8 @@ class TrainBatch:
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name}: {len(values)} rows for {n} sequences")
-        for i, (seq, mask) in enumerate(zip(self.tokens, self.response_masks)):
-            if len(mask) != len(seq) - 1:
-                raise ValueError(f"sequence {i}: its response mask covers {len(mask)} tokens, not tokens 1..n "
-                                 f"({len(seq) - 1})")
+        check_response_masks(self.tokens, self.response_masks)
+        for i, seq in enumerate(self.tokens):
             for name in ("rollout_logprobs", "ref_logprobs", "old_logprobs"):
                 values = getattr(self, name)
                 if values is not None and len(values[i]) > len(seq) - 1:

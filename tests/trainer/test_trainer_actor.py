@@ -411,3 +411,25 @@ def test_weight_decay_spares_norms_and_biases_on_both_optimizer_paths(policy, op
 
 def merged_export(buckets: list) -> dict:
     return {n: t for bucket in buckets for n, t in bucket.items()}
+
+
+def test_sft_and_greedy_match_name_a_response_mask_of_the_wrong_length(policy):
+    """A response mask covers tokens 1..n of its sequence (len - 1 entries): one of len
+    entries is refused with the sequence and both lengths named, before any weight changes."""
+
+    async def main():
+        procs, t = await start(policy)
+        before = await t.compute_logprobs.call_one(SEQS[:1])
+        errors = []
+        for endpoint in ("sft_step", "greedy_match"):
+            with pytest.raises(ActorError) as err:
+                await getattr(t, endpoint).call_one(SEQS[:2], [MASKS[0], MASKS[1] + [1]]).result(120)
+            errors.append(str(err.value))
+        after = await t.compute_logprobs.call_one(SEQS[:1])
+        await stop(procs, t)
+        return errors, before, after
+
+    errors, before, after = run(main(), 240)
+    for e in errors:
+        assert "sequence 1: its response mask covers 18 tokens, not tokens 1..n (17)" in e, e
+    assert before == after
