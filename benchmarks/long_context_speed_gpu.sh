@@ -58,7 +58,7 @@ trainer4b)
   run 150 $T4 --steps 2 --anchor
   timeout 120 python benchmarks/trainer_profile.py --device cuda --size 4b --bf16 --batch 1 --seq 8192 2>&1 \
     | grep -v USDT | tail -40
-  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/trainer/test_gpu.py -k "fused or clip or changes_nothing" 2>&1 | tail -3
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/trainer/test_gpu.py -k "fused or clip or automatic" --tb=short 2>&1 | grep -v Warning | tail -30
   ;;
 decode)
   E="python benchmarks/engine_bench.py --size 0.6b --new 128 --skip-hf-above 0 --no-swap"
