@@ -90,21 +90,23 @@ def test_an_offload_cycle_between_steps_changes_nothing(tmp_path, bf16):
 
     async def trained(cycle: bool):
         procs = this_host().spawn_procs(per_host={"gpus": 1})
-        await setup_torch_distributed(procs)
-        t = procs.spawn("trainer", TrainerActor, path, lr=1e-3, bf16=bf16)
-        await t.initialized(600)
-        for i in range(3):
-            if cycle and i:
-                await t.offload.call_one().result(600)
-                await t.onload.call_one().result(600)
-            if i < 2:
-                await t.train_step.call_one(TrainBatch(SEQS, MASKS, [1.0, -1.0] * 4)).result(600)
-            else:
-                await t.sft_step.call_one([SEQS[0][:8]], [[0, 0, 1, 1, 1, 1, 1]]).result(600)
-        lp = await t.compute_logprobs.call_one(SEQS[:2]).result(600)
-        await t.shutdown.call().result(60)
-        await procs.stop()
-        return lp
+        try:
+            await setup_torch_distributed(procs)
+            t = procs.spawn("trainer", TrainerActor, path, lr=1e-3, bf16=bf16)
+            await t.initialized(600)
+            for i in range(3):
+                if cycle and i:
+                    await t.offload.call_one().result(600)
+                    await t.onload.call_one().result(600)
+                if i < 2:
+                    await t.train_step.call_one(TrainBatch(SEQS, MASKS, [1.0, -1.0] * 4)).result(600)
+                else:
+                    await t.sft_step.call_one([SEQS[0][:8]], [[0, 0, 1, 1, 1, 1, 1]]).result(600)
+            lp = await t.compute_logprobs.call_one(SEQS[:2]).result(600)
+            await t.shutdown.call().result(60)
+            return lp
+        finally:
+            await procs.stop()
 
     plain, cycled, again = run(trained(False), 880), run(trained(True), 880), run(trained(False), 880)
 

@@ -419,14 +419,16 @@ def test_sft_and_greedy_match_name_a_response_mask_of_the_wrong_length(policy):
 
     async def main():
         procs, t = await start(policy)
-        before = await t.compute_logprobs.call_one(SEQS[:1])
-        errors = []
-        for endpoint in ("sft_step", "greedy_match"):
-            with pytest.raises(ActorError) as err:
-                await getattr(t, endpoint).call_one(SEQS[:2], [MASKS[0], MASKS[1] + [1]]).result(120)
-            errors.append(str(err.value))
-        after = await t.compute_logprobs.call_one(SEQS[:1])
-        await stop(procs, t)
+        try:
+            before = await t.compute_logprobs.call_one(SEQS[:1]).result(120)
+            errors = []
+            for endpoint in ("sft_step", "greedy_match"):
+                with pytest.raises(ActorError) as err:
+                    await getattr(t, endpoint).call_one(SEQS[:2], [MASKS[0], MASKS[1] + [1]]).result(120)
+                errors.append(str(err.value))
+            after = await t.compute_logprobs.call_one(SEQS[:1]).result(120)
+        finally:
+            await stop(procs, t)
         return errors, before, after
 
     errors, before, after = run(main(), 240)
